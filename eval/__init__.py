@@ -1,0 +1,1 @@
+"""Evaluation: speed benchmarks, FID/IS/CLIP (imported as `mmspec.eval`)."""

@@ -1,0 +1,37 @@
+"""Training entry point: `python -m mmspec.train TASK [options]`.
+
+Each task lives in its own module exposing `add_arguments(parser)` and `run(args)`; runs are seeded,
+checkpoint as they go (re-running the same command resumes), and write a model card into `--out`.
+"""
+
+import argparse
+import importlib
+import logging
+import sys
+
+
+TASKS = {
+    "vq": ("mmspec.train.vq", "VQ tokenizer on MNIST (28x28 padded to 32x32)"),
+    "classifier": ("mmspec.train.classifier", "MNIST digit classifier (accuracy + in-domain features)"),
+    "tokenize": ("mmspec.train.tokenize", "encode MNIST with a trained VQ into token grids"),
+    "c2i": ("mmspec.train.gpt", "class-conditional LlamaGen GPT target on VQ tokens"),
+    "draft": ("mmspec.train.draft", "small GPT draft distilled on the target's outputs"),
+    "eagle": ("mmspec.train.eagle", "EAGLE-style feature head on the target's hidden states"),
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m mmspec.train", description=__doc__)
+    sub = parser.add_subparsers(dest="task", required=True)
+    for name, (module_name, help_text) in TASKS.items():
+        module = importlib.import_module(module_name)
+        task_parser = sub.add_parser(name, help=help_text)
+        module.add_arguments(task_parser)
+        task_parser.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args._run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

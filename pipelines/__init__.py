@@ -1,0 +1,1 @@
+"""Diffusers-style speculative pipelines (imported as `mmspec.pipelines`)."""

@@ -61,7 +61,9 @@ class SpecStats:
         `num_generated` is what the row committed this round (accepted drafts + the next token, fewer when the
         sequence ends); `active` masks rows that did not take part (finished rows).
         """
-        drafted, accepted, generated = (torch.as_tensor(x).tolist() for x in (num_drafted, num_accepted, num_generated))
+        drafted, accepted, generated = (
+            torch.as_tensor(x).tolist() for x in (num_drafted, num_accepted, num_generated)
+        )
         active = [True] * self.batch_size if active is None else torch.as_tensor(active).tolist()
         for b in range(self.batch_size):
             if not active[b]:

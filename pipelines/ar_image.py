@@ -140,7 +140,13 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
     _exclude_from_cpu_offload = ["draft_model", "eagle_head"]
     _callback_tensor_inputs = ["tokens"]
 
-    def __init__(self, transformer, vqvae, draft_model=None, eagle_head=None):
+    def __init__(
+        self,
+        transformer: LlamaGenGPT,
+        vqvae: LlamaGenVQ,
+        draft_model: LlamaGenGPT | None = None,
+        eagle_head: EagleHead | None = None,
+    ):
         super().__init__()
         if transformer.config.model_type != "c2i":
             raise ValueError("SpeculativeARImagePipeline supports class-conditional (c2i) transformers")
@@ -365,7 +371,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
     def _end_round(self, state, round_index, callback, callback_inputs):
         if callback is None:
             return
-        out = callback(self, round_index, int(state.count.sum()), {name: getattr(state, name) for name in callback_inputs})
+        out = callback(
+            self, round_index, int(state.count.sum()), {name: getattr(state, name) for name in callback_inputs}
+        )
         if out and "tokens" in out:
             state.tokens = out["tokens"]
 

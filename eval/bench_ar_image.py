@@ -1,0 +1,143 @@
+"""`mmspec bench ar-image`: every AR-image method side by side, in one process, on the same seeds.
+
+Methods (names fixed for the JSON): `plain` (AR sampling), `exact-draft` (small GPT drafter), `exact-eagle`
+(EAGLE-2 tree), `relaxed` (LANTERN on the EAGLE tree), `grouped` (GSD on Jacobi drafts), `jacobi` (SJD).
+
+Protocol: one warm-up call per method, then `--repeats` rounds; each round runs every method (interleaved, so drift
+hits all alike) on the same `--num-images` class labels (balanced over the classes) with the same per-call seeds.
+`latency_s` is the median over calls of wall time / images in the call; `speedup` = plain latency / method latency
+from the same run; `accuracy` is the zoo classifier's accuracy on all generated images of the method.
+"""
+
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+METHODS = {
+    "plain": dict(acceptance="none"),
+    "exact-draft": dict(acceptance="exact", drafter="model"),
+    "exact-eagle": dict(acceptance="exact", drafter="eagle"),
+    "relaxed": dict(acceptance="relaxed", drafter="eagle"),
+    "grouped": dict(acceptance="grouped", drafter="jacobi"),
+    "jacobi": dict(acceptance="jacobi"),
+}
+
+
+def add_arguments(parser):
+    parser.add_argument("--zoo", default=str(Path(__file__).resolve().parent.parent / "assets"))
+    parser.add_argument("--json", required=True, help="output JSON path")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--num-images", type=int, default=40, help="images per method per repeat")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--guidance-scale", type=float, default=2.0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--num-draft-tokens", type=int, default=None, help="chain K / tree nodes (method default)")
+    parser.add_argument("--tree-depth", type=int, default=5)
+    parser.add_argument("--tree-top-k", type=int, default=4)
+    parser.add_argument("--relaxation-top-k", type=int, default=8)
+    parser.add_argument("--relaxation-delta", type=float, default=0.1)
+    parser.add_argument("--group-size", type=int, default=14)
+    parser.add_argument("--jacobi-window", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+
+
+def _knobs(args):
+    return dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
+                tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, relaxation_top_k=args.relaxation_top_k,
+                relaxation_delta=args.relaxation_delta, group_size=args.group_size,
+                jacobi_window=args.jacobi_window)  # fmt: skip
+
+
+def run(args):
+    from mmspec.models import load
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        raise ValueError(f"--methods has unknown names {unknown}; known: {list(METHODS)}")
+    if "plain" not in names:
+        names.insert(0, "plain")  # speedups are relative to plain AR from the same run
+    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo)
+    classifier = load(Path(args.zoo) / "mnist-classifier")
+    n_classes = pipe.transformer.config.num_classes
+    knobs = _knobs(args)
+    bs = args.batch_size
+    calls = -(-args.num_images // bs)
+    labels = [[(c * bs + i) % n_classes for i in range(bs)] for c in range(calls)]
+
+    def call(name, c, seed):
+        kw = dict(METHODS[name], **knobs)
+        if args.num_draft_tokens is not None:
+            kw["num_draft_tokens"] = args.num_draft_tokens
+        start = time.perf_counter()
+        out = pipe(class_labels=labels[c], generator=torch.Generator().manual_seed(seed), output_type="pt", **kw)
+        return out, time.perf_counter() - start
+
+    for name in names:  # warm-up
+        call(name, 0, args.seed)
+    results = {n: dict(latency=[], forwards=[], tokens=0, accepted_len=[], compression=[], correct=0, total=0)
+               for n in names}  # fmt: skip
+    for rep in range(args.repeats):
+        for c in range(calls):
+            seed = args.seed + 1000 * rep + c
+            for name in names:
+                out, wall = call(name, c, seed)
+                r, s = results[name], out.stats
+                r["latency"].append(wall / bs)
+                r["forwards"].append(s.target_forwards)
+                r["accepted_len"].append(s.mean_accepted_length)
+                r["compression"].append(s.step_compression)
+                pred = classifier(out.images * 2 - 1).argmax(-1)
+                r["correct"] += int((pred == torch.tensor(labels[c])).sum())
+                r["total"] += bs
+        logger.info("repeat %d/%d done", rep + 1, args.repeats)
+
+    plain_latency = statistics.median(results["plain"]["latency"])
+    methods = {}
+    for name in names:
+        r = results[name]
+        latency = statistics.median(r["latency"])
+        methods[name] = {
+            "target_forwards_per_image": statistics.mean(r["forwards"]),
+            "mean_accepted_length": statistics.mean(r["accepted_len"]),
+            "step_compression": statistics.mean(r["compression"]),
+            "latency_s": latency,
+            "speedup": plain_latency / latency,
+            "accuracy": r["correct"] / r["total"],
+            "images": r["total"],
+        }
+    report = {
+        "config": dict(
+            vars(args) | {"methods": names},
+            method_kwargs={n: METHODS[n] for n in names},
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+            python=platform.python_version(),
+            machine=platform.machine(),
+            processor=platform.processor(),
+            seeds=[args.seed + 1000 * r + c for r in range(args.repeats) for c in range(calls)],
+            image_tokens=pipe.transformer.config.block_size,
+        ),
+        "methods": methods,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    for name, m in methods.items():
+        logger.info("%-12s compression %.2f  speedup %.2fx  acc %.3f", name, m["step_compression"], m["speedup"],
+                    m["accuracy"])  # fmt: skip
+    return report

@@ -1,0 +1,164 @@
+"""Distil a small LlamaGen GPT draft from the target: `python -m mmspec.train draft --target assets/mnist-c2i
+--data runs/mnist-codes.pt --out assets/mnist-draft`.
+
+The draft is a plain `LlamaGenGPT` (default 2 layers, dim 128, 4 heads: about 1/16 of the 8L/256 target's
+per-token matmul cost) with the target's vocabulary, classes and token grid. Loss: soft cross-entropy to the
+target's next-token distribution on real token grids (teacher forcing), per CFG stream: a fraction `--null-prob` of
+the rows get the null class for both models, so the draft also learns the unconditional stream. `--hard-weight`
+optionally mixes in the ordinary cross-entropy to the data tokens.
+"""
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.models.llamagen import LlamaGenGPT
+from mmspec.train.common import (
+    add_common_arguments,
+    configure_threads,
+    random_batch_indices,
+    save_model,
+    seed_everything,
+    train_loop,
+    warmup_cosine_lr,
+    write_model_card,
+)
+from mmspec.train.gpt import (
+    add_data_arguments,
+    build_optimizer,
+    evaluate_nll,
+    load_data,
+    load_target,
+    null_drop,
+    one_step_agreement,
+    soft_cross_entropy,
+)
+
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser):
+    add_common_arguments(parser, steps=4000, batch_size=64, lr=2e-3, warmup_steps=200, checkpoint_every=500, threads=2)
+    parser.set_defaults(weight_decay=0.05)
+    parser.add_argument("--target", default="assets/mnist-c2i", help="trained target model folder")
+    add_data_arguments(parser)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--multiple-of", type=int, default=128, help="SwiGLU width rounding (dim 128 -> 384)")
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--null-prob", type=float, default=0.1, help="fraction of rows on the null class")
+    parser.add_argument("--hard-weight", type=float, default=0.0, help="weight of the data cross-entropy term")
+
+
+@torch.no_grad()
+def evaluate_draft(draft, target, codes, labels, batch_size=250):
+    """One-step agreement with the target (true class and null class) + the draft's own held-out NLL."""
+    metrics = {}
+    for suffix, null in (("", False), ("_uncond", True)):
+        acc, top1, n = 0.0, 0.0, 0
+        for i in range(0, len(codes), batch_size):
+            x, y = codes[i : i + batch_size], labels[i : i + batch_size]
+            drop = torch.full((len(x),), null, dtype=torch.bool)
+            m = one_step_agreement(
+                draft.forward_train(x, y, drop=drop).logits, target.forward_train(x, y, drop=drop).logits
+            )
+            acc, top1, n = acc + m["accept_prob"] * len(x), top1 + m["top1_agree"] * len(x), n + len(x)
+        metrics[f"accept_prob{suffix}"] = acc / max(n, 1)
+        metrics[f"top1_agree{suffix}"] = top1 / max(n, 1)
+    metrics.update(evaluate_nll(draft, codes, labels, batch_size))
+    return metrics
+
+
+def run(args):
+    configure_threads(args.threads)
+    generator = seed_everything(args.seed)
+    target = load_target(args.target)
+    codes, labels, eval_codes, eval_labels, meta = load_data(args)
+    tc = target.config
+    if codes.shape[1] != tc.block_size or int(codes.max()) >= tc.vocab_size:
+        raise ValueError(
+            f"data {args.data!r} does not match the target (block_size {tc.block_size}, vocab {tc.vocab_size})"
+        )
+    draft = LlamaGenGPT(
+        vocab_size=tc.vocab_size,
+        dim=args.dim,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        multiple_of=args.multiple_of,
+        token_dropout_p=args.dropout,
+        resid_dropout_p=args.dropout,
+        ffn_dropout_p=args.dropout,
+        num_classes=tc.num_classes,
+        class_dropout_prob=args.null_prob,
+        model_type=tc.model_type,
+        cls_token_num=tc.cls_token_num,
+        block_size=tc.block_size,
+    )
+    draft.init_weights(generator=generator)
+    optimizer = build_optimizer(draft, args.lr, args.weight_decay)
+
+    def step_fn(step):
+        idx = random_batch_indices(len(codes), args.batch_size, generator)
+        x, y = codes[idx], labels[idx]
+        drop = null_drop(len(x), args.null_prob, generator)
+        with torch.no_grad():
+            p_target = target.forward_train(x, y, drop=drop).logits.softmax(-1)
+        logits = draft.forward_train(x, y, drop=drop).logits
+        soft = soft_cross_entropy(logits, p_target)
+        hard = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x.reshape(-1))
+        loss = soft + args.hard_weight * hard if args.hard_weight else soft
+        # soft CE minus the target's entropy = KL(p_target || q_draft)
+        kl = soft - (-(p_target * p_target.clamp_min(1e-12).log()).sum(-1).mean())
+        return {"loss": loss, "kl": kl.detach(), "hard_ce": hard.detach()}
+
+    result = train_loop(
+        draft,
+        optimizer,
+        step_fn,
+        total_steps=args.steps,
+        out_dir=args.out,
+        generator=generator,
+        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
+        grad_clip=args.grad_clip,
+        checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every,
+    )
+    save_model(draft, args.out, dtype=torch.float16 if args.fp16_weights else None)
+    from mmspec.models import load
+
+    saved = load(args.out)
+    metrics = evaluate_draft(saved, target, eval_codes, eval_labels)
+    logger.info("%s metrics: %s", args.eval_split, metrics)
+    n_draft = sum(p.numel() for n, p in saved.named_parameters() if n.startswith("layers."))
+    n_target = sum(p.numel() for n, p in target.named_parameters() if n.startswith("layers."))
+    write_model_card(
+        args.out,
+        title=f"MNIST small-GPT draft ({args.n_layer}L/{args.dim}) for {args.target}",
+        description=(
+            "A small `LlamaGenGPT` (same vocabulary, classes and token grid as the target) distilled with soft "
+            "cross-entropy to the target's next-token distributions on real MNIST token grids (teacher forcing); "
+            f"{args.null_prob:.0%} of the rows use the null class for both models so the unconditional CFG stream is "
+            "learned too. `accept_prob` is the mean one-step acceptance probability sum_v min(p_target, q_draft) "
+            f"(temperature 1, no guidance) on the first {len(eval_codes)} `{args.eval_split}` items."
+        ),
+        model=saved,
+        data=f"{args.data} ({args.train_split}: {len(codes)} items)",
+        seed=args.seed,
+        wall_time_s=result.wall_time_s,
+        metrics={
+            **{f"final_train_{k}": v for k, v in result.metrics.items()},
+            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
+        },
+        hyperparameters={k: v for k, v in vars(args).items() if not k.startswith("_")},
+        extra={
+            "target": str(args.target),
+            "block_params_ratio_draft_over_target": n_draft / max(n_target, 1),
+            "weights_dtype": "float16 (loaded as float32)" if args.fp16_weights else "float32",
+            **({"note": args.note} if args.note else {}),
+        },
+        history=result.history,
+    )
+    return saved

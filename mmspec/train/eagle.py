@@ -1,0 +1,157 @@
+"""Train an EAGLE head on the target's features: `python -m mmspec.train eagle --target assets/mnist-c2i
+--data runs/mnist-codes.pt --out assets/mnist-eagle`.
+
+EAGLE-1/2 recipe (Li et al. 2024; LANTERN's LlamaGen drafter): one target forward (teacher forcing on real token
+grids) gives the final-norm features h and next-token distributions p; the head sees pairs (h[i] + noise, x[i])
+and regresses h[i+1]:
+
+    loss = SmoothL1(f_hat[i], h[i+1]) + p_weight * soft-CE(p_target[i+1], softmax(target.output(f_hat[i])))
+
+with uniform feature noise U(-noise, noise) on the input features, `--null-prob` of the rows on the null class
+(the head then also drafts the unconditional CFG stream), and the target frozen (its token embedding and output head
+are reused, not copied).
+"""
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.drafters.eagle import EagleHead
+from mmspec.train.common import (
+    add_common_arguments,
+    configure_threads,
+    random_batch_indices,
+    save_model,
+    seed_everything,
+    train_loop,
+    warmup_cosine_lr,
+    write_model_card,
+)
+from mmspec.train.gpt import (
+    add_data_arguments,
+    build_optimizer,
+    load_data,
+    load_target,
+    null_drop,
+    one_step_agreement,
+    soft_cross_entropy,
+)
+
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser):
+    add_common_arguments(parser, steps=4000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=500, threads=2)
+    parser.set_defaults(grad_clip=0.5)
+    parser.add_argument("--target", default="assets/mnist-c2i", help="trained target model folder")
+    add_data_arguments(parser)
+    parser.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy term")
+    parser.add_argument("--noise", type=float, default=0.2, help="uniform input-feature noise half-width")
+    parser.add_argument("--null-prob", type=float, default=0.1, help="fraction of rows on the null class")
+
+
+def eagle_losses(head, target, x, y, drop, noise=0.0, generator=None):
+    """(vloss, ploss, f_hat logits, target logits) for one batch of token grids `x [B, N]`, classes `y [B]`."""
+    with torch.no_grad():
+        out = target.forward_train(x, y, drop=drop, return_hidden=True)
+    hidden, p_logits = out.hidden, out.logits  # [B, N, dim]: index i predicts x[:, i]
+    inputs = hidden[:, :-1]
+    if noise:
+        u = torch.rand(inputs.shape, generator=generator).to(inputs.device)
+        inputs = inputs + (2 * u - 1) * noise
+    feats = head.forward_train(inputs, x[:, :-1], target)  # pair i -> h[i + 1]
+    q_logits = head.compute_logits(target, feats)
+    vloss = F.smooth_l1_loss(feats, hidden[:, 1:])
+    ploss = soft_cross_entropy(q_logits, p_logits[:, 1:].softmax(-1))
+    return vloss, ploss, q_logits, p_logits[:, 1:]
+
+
+@torch.no_grad()
+def evaluate_head(head, target, codes, labels, batch_size=250):
+    """Held-out regression / distillation losses and one-step agreement, true class and null class."""
+    head.eval()
+    metrics = {}
+    for suffix, null in (("", False), ("_uncond", True)):
+        sums, n = {}, 0
+        for i in range(0, len(codes), batch_size):
+            x, y = codes[i : i + batch_size], labels[i : i + batch_size]
+            drop = torch.full((len(x),), null, dtype=torch.bool)
+            vloss, ploss, q_logits, p_logits = eagle_losses(head, target, x, y, drop)
+            m = {"vloss": float(vloss), "ploss": float(ploss), **one_step_agreement(q_logits, p_logits)}
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v * len(x)
+            n += len(x)
+        metrics.update({f"{k}{suffix}": v / max(n, 1) for k, v in sums.items()})
+    return metrics
+
+
+def run(args):
+    configure_threads(args.threads)
+    generator = seed_everything(args.seed)
+    target = load_target(args.target)
+    codes, labels, eval_codes, eval_labels, meta = load_data(args)
+    tc = target.config
+    if codes.shape[1] != tc.block_size or int(codes.max()) >= tc.vocab_size:
+        raise ValueError(
+            f"data {args.data!r} does not match the target (block_size {tc.block_size}, vocab {tc.vocab_size})"
+        )
+    head = EagleHead.from_target(target)
+    head.init_weights(generator=generator)
+    optimizer = build_optimizer(head, args.lr, args.weight_decay)
+
+    def step_fn(step):
+        idx = random_batch_indices(len(codes), args.batch_size, generator)
+        x, y = codes[idx], labels[idx]
+        drop = null_drop(len(x), args.null_prob, generator)
+        vloss, ploss, _, _ = eagle_losses(head, target, x, y, drop, args.noise, generator)
+        return {"loss": vloss + args.p_weight * ploss, "vloss": vloss.detach(), "ploss": ploss.detach()}
+
+    result = train_loop(
+        head,
+        optimizer,
+        step_fn,
+        total_steps=args.steps,
+        out_dir=args.out,
+        generator=generator,
+        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
+        grad_clip=args.grad_clip,
+        checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every,
+    )
+    save_model(head, args.out, dtype=torch.float16 if args.fp16_weights else None)
+    from mmspec.models import load
+
+    saved = load(args.out)
+    metrics = evaluate_head(saved, target, eval_codes, eval_labels)
+    logger.info("%s metrics: %s", args.eval_split, metrics)
+    write_model_card(
+        args.out,
+        title=f"MNIST EAGLE head for {args.target}",
+        description=(
+            "`mmspec.drafters.eagle.EagleHead`: fc([tok_emb(x[t+1]); h[t]]) -> one decoder layer of the target's "
+            "block type -> f_hat[t+1], decoded by the target's own output head (token embedding and output head are "
+            f"the target's, not stored here). Trained on the target's final-norm features: SmoothL1 regression + "
+            f"{args.p_weight} x soft cross-entropy to the target's next-token distribution, uniform input-feature "
+            f"noise U(-{args.noise}, {args.noise}), {args.null_prob:.0%} null-class rows. `accept_prob` is the mean "
+            "one-step acceptance probability sum_v min(p_target, q_draft) given the target's true feature (temperature "
+            f"1, no guidance) on the first {len(eval_codes)} `{args.eval_split}` items."
+        ),
+        model=saved,
+        data=f"{args.data} ({args.train_split}: {len(codes)} items)",
+        seed=args.seed,
+        wall_time_s=result.wall_time_s,
+        metrics={
+            **{f"final_train_{k}": v for k, v in result.metrics.items()},
+            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
+        },
+        hyperparameters={k: v for k, v in vars(args).items() if not k.startswith("_")},
+        extra={
+            "target": str(args.target),
+            "weights_dtype": "float16 (loaded as float32)" if args.fp16_weights else "float32",
+            **({"note": args.note} if args.note else {}),
+        },
+        history=result.history,
+    )
+    return saved

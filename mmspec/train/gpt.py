@@ -1,0 +1,203 @@
+"""Train the class-conditional LlamaGen GPT target on MNIST token grids: `python -m mmspec.train c2i
+--data runs/mnist-codes.pt --out assets/mnist-c2i`.
+
+Data: the tokenized-MNIST file of `python -m mmspec.train tokenize` (codes [N, 64] from the 8x8 VQ grid, 256 codes,
+labels [N]). Model: `LlamaGenGPT` c2i (default 8 layers, dim 256, 8 heads, 2-D RoPE over the 8x8 grid), trained with
+next-token cross-entropy, class dropout 0.1 to the null class 10 (for classifier-free guidance), AdamW
+(betas 0.9/0.95, weight decay on matrices only, as upstream), linear warmup + cosine decay.
+
+Also holds the helpers shared by the `draft` and `eagle` tasks (target loading, soft cross-entropy, one-step
+acceptance metrics).
+"""
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.models.llamagen import LlamaGenGPT
+from mmspec.train.common import (
+    add_common_arguments,
+    configure_threads,
+    random_batch_indices,
+    save_model,
+    seed_everything,
+    train_loop,
+    warmup_cosine_lr,
+    write_model_card,
+)
+
+
+logger = logging.getLogger(__name__)
+
+
+def add_data_arguments(parser, **defaults):
+    parser.add_argument("--data", default="runs/mnist-codes.pt", help="tokenized MNIST (mmspec.train tokenize)")
+    parser.add_argument("--train-split", default="train", help="'+'-joined splits to train on")
+    parser.add_argument("--eval-split", default="val", help="split for the held-out metrics")
+    parser.add_argument("--eval-size", type=int, default=2000, help="held-out items evaluated at the end")
+
+
+def add_arguments(parser):
+    add_common_arguments(parser, steps=6000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=500, threads=2)
+    parser.set_defaults(weight_decay=0.05)
+    add_data_arguments(parser)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--multiple-of", type=int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
+    parser.add_argument("--dropout", type=float, default=0.1, help="token / residual / FFN dropout (upstream 0.1)")
+    parser.add_argument("--class-dropout", type=float, default=0.1, help="probability of the null class (CFG)")
+
+
+# ----------------------------------------------------------------------------- shared helpers
+def load_data(args):
+    """(codes, labels) for training and a held-out (codes, labels) slice, plus the file's metadata."""
+    from mmspec.train.tokenize import load_codes
+
+    codes, labels = load_codes(args.data, split=args.train_split)
+    eval_codes, eval_labels = load_codes(args.data, split=args.eval_split)
+    meta = torch.load(args.data, map_location="cpu", weights_only=True)
+    n = min(args.eval_size, len(eval_codes))
+    logger.info("data %s: train %s, eval %s x %d", args.data, tuple(codes.shape), args.eval_split, n)
+    return codes, labels, eval_codes[:n], eval_labels[:n], meta
+
+
+def build_optimizer(model, lr, weight_decay, betas=(0.9, 0.95)):
+    """AdamW with weight decay on matrices / embeddings only (upstream `configure_optimizers`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def load_target(path):
+    """A trained target from the zoo, frozen (float32, eval, no grads)."""
+    from mmspec.models import load
+
+    target = load(path)
+    if not isinstance(target, LlamaGenGPT):
+        raise ValueError(f"target={str(path)!r} is a {type(target).__name__}, expected a LlamaGenGPT")
+    target.requires_grad_(False)
+    return target.eval()
+
+
+def soft_cross_entropy(logits, target_probs):
+    """Mean over positions of `-sum_v p_target(v) log q(v)` (logits [..., V], target_probs [..., V])."""
+    return -(target_probs * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
+def null_drop(batch, prob, generator):
+    """Bool [batch]: rows that get the null condition."""
+    return torch.rand(batch, generator=generator) < prob
+
+
+@torch.no_grad()
+def one_step_agreement(q_logits, p_logits):
+    """Metrics of a draft q vs the target p (per position, no CFG, T=1): mean acceptance probability of standard
+    speculative sampling `sum_v min(p, q)` (= 1 - TV) and top-1 agreement."""
+    p, q = p_logits.float().softmax(-1), q_logits.float().softmax(-1)
+    return {
+        "accept_prob": float(torch.minimum(p, q).sum(-1).mean()),
+        "top1_agree": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+    }
+
+
+@torch.no_grad()
+def evaluate_nll(model, codes, labels, batch_size=250):
+    """Held-out next-token NLL (nats/token) with the true class and with the null class, and bits per image."""
+    model.eval()
+    out = {}
+    for name, null in (("nll", False), ("nll_uncond", True)):
+        total, count = 0.0, 0
+        for i in range(0, len(codes), batch_size):
+            x, y = codes[i : i + batch_size], labels[i : i + batch_size]
+            drop = torch.full((len(x),), null, dtype=torch.bool)
+            logits = model.forward_train(x, y, drop=drop).logits
+            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x.reshape(-1), reduction="sum"))
+            count += x.numel()
+        out[name] = total / max(count, 1)
+    out["bits_per_image"] = out["nll"] * codes.shape[1] / math.log(2)
+    return out
+
+
+# ----------------------------------------------------------------------------- task
+def run(args):
+    configure_threads(args.threads)
+    generator = seed_everything(args.seed)
+    codes, labels, eval_codes, eval_labels, meta = load_data(args)
+    num_classes = int(labels.max()) + 1
+    vocab = int(meta.get("codebook_size", int(codes.max()) + 1))
+    model = LlamaGenGPT(
+        vocab_size=vocab,
+        dim=args.dim,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        multiple_of=args.multiple_of,
+        token_dropout_p=args.dropout,
+        resid_dropout_p=args.dropout,
+        ffn_dropout_p=args.dropout,
+        num_classes=num_classes,
+        class_dropout_prob=args.class_dropout,
+        model_type="c2i",
+        cls_token_num=1,
+        block_size=codes.shape[1],
+    )
+    model.init_weights(generator=generator)  # upstream init, output layer zeroed
+    optimizer = build_optimizer(model, args.lr, args.weight_decay)
+
+    def step_fn(step):
+        idx = random_batch_indices(len(codes), args.batch_size, generator)
+        x, y = codes[idx], labels[idx]
+        logits = model.forward_train(x, y, generator=generator).logits  # class dropout from `generator`
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x.reshape(-1))
+        return {"loss": loss}
+
+    result = train_loop(
+        model,
+        optimizer,
+        step_fn,
+        total_steps=args.steps,
+        out_dir=args.out,
+        generator=generator,
+        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
+        grad_clip=args.grad_clip,
+        checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every,
+    )
+    save_model(model, args.out, dtype=torch.float16 if args.fp16_weights else None)
+    from mmspec.models import load
+
+    saved = load(args.out)  # evaluate what users load (fp16-rounded weights)
+    metrics = evaluate_nll(saved, eval_codes, eval_labels)
+    logger.info("%s metrics: %s", args.eval_split, metrics)
+    write_model_card(
+        args.out,
+        title=f"MNIST class-conditional LlamaGen GPT ({args.n_layer}L/{args.dim}, {codes.shape[1]} tokens)",
+        description=(
+            "`mmspec.models.llamagen.LlamaGenGPT` (official LlamaGen parameter names, 2-D RoPE, c2i) trained from "
+            f"scratch on VQ token grids of MNIST ({vocab} codes, {codes.shape[1]} tokens in raster order) with "
+            f"next-token cross-entropy; class dropout {args.class_dropout} to the null class {num_classes} (use "
+            "it as the unconditional stream for classifier-free guidance). Held-out metrics are per-token NLL (nats) "
+            f"on the first {len(eval_codes)} items of the `{args.eval_split}` split, with the true and the null class."
+        ),
+        model=saved,
+        data=f"{args.data} ({args.train_split}: {len(codes)} items; VQ {meta.get('vq', '?')})",
+        seed=args.seed,
+        wall_time_s=result.wall_time_s,
+        metrics={
+            **{f"final_train_{k}": v for k, v in result.metrics.items()},
+            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
+        },
+        hyperparameters={k: v for k, v in vars(args).items() if not k.startswith("_")},
+        extra={
+            "null_class": num_classes,
+            "vq_sha256": meta.get("vq_sha256", ""),
+            "weights_dtype": "float16 (loaded as float32)" if args.fp16_weights else "float32",
+            **({"note": args.note} if args.note else {}),
+        },
+        history=result.history,
+    )
+    return saved

@@ -1,0 +1,126 @@
+"""StaticKVCache bookkeeping and the chain / tree input helpers (model-free)."""
+
+import pytest
+import torch
+
+from mmspec.cache import StaticKVCache, chain_inputs, check_parents, path_to_leaf, tree_ancestry, tree_inputs
+
+
+def _random_parents(rows, m, gen):
+    parents = torch.empty(rows, m, dtype=torch.long)
+    for r in range(rows):
+        for i in range(m):
+            parents[r, i] = int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
+    return parents
+
+
+def _ancestors(parents_row, i):
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = int(parents_row[i])
+    return out[::-1]
+
+
+def test_chain_inputs():
+    pos, slots, mask = chain_inputs(torch.tensor([3, 5]), 4)
+    assert pos.tolist() == [[3, 4, 5, 6], [5, 6, 7, 8]]
+    assert torch.equal(slots, pos)
+    assert torch.equal(mask[1], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_inputs_match_brute_force(seed):
+    gen = torch.Generator().manual_seed(seed)
+    parents = _random_parents(3, 9, gen)
+    lengths = torch.tensor([2, 7, 4])
+    pos, slots, mask = tree_inputs(parents, lengths)
+    for r in range(3):
+        for i in range(9):
+            anc = _ancestors(parents[r], i)
+            assert pos[r, i] == lengths[r] + len(anc) - 1
+            assert slots[r, i] == lengths[r] + i
+            assert mask[r, i].nonzero().flatten().tolist() == sorted(anc)
+    depth, _ = tree_ancestry(parents)
+    assert torch.equal(pos - lengths[:, None], depth)
+
+
+def test_chain_is_the_linear_tree():
+    lengths = torch.tensor([1, 4])
+    parents = torch.tensor([[-1, 0, 1, 2]] * 2)
+    assert all(torch.equal(a, b) for a, b in zip(tree_inputs(parents, lengths), chain_inputs(lengths, 4)))
+
+
+def test_check_parents_rejects_non_topological():
+    with pytest.raises(ValueError, match="parents"):
+        check_parents(torch.tensor([[-1, 2, 0]]))
+    with pytest.raises(ValueError, match="parents"):
+        check_parents(torch.tensor([[-1, -2]]))
+    with pytest.raises(ValueError, match="parents"):
+        check_parents(torch.tensor([-1, 0]))
+
+
+def test_path_to_leaf():
+    parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, -1, 1, 2, 2]])
+    path, n = path_to_leaf(parents, torch.tensor([4, 3]))
+    assert n.tolist() == [4, 3]
+    assert path[0].tolist() == [0, 1, 3, 4]
+    assert path[1, :3].tolist() == [1, 2, 3]
+    path, n = path_to_leaf(parents, torch.tensor([-1, 0]))
+    assert n.tolist() == [0, 1] and path[1, 0] == 0
+
+
+def _filled_cache(rows=3, max_seq=16):
+    cache = StaticKVCache(2, rows, 2, max_seq, 4)
+    # K/V value encodes (layer, row, slot) so that moves are traceable
+    layer = torch.arange(2)[:, None, None, None, None]
+    row = torch.arange(rows)[None, :, None, None, None]
+    slot = torch.arange(max_seq)[None, None, None, :, None]
+    cache.k[:] = (layer * 1000 + row * 100 + slot).float()
+    cache.v[:] = -cache.k
+    return cache
+
+
+def test_commit_path_gathers_into_contiguous_slots():
+    cache = _filled_cache()
+    cache.lengths = torch.tensor([2, 5, 3])
+    parents = torch.tensor([[-1, 0, 0, 2, 3], [-1, 0, 1, 0, 3], [-1, -1, 0, 1, 2]])
+    path, n = path_to_leaf(parents, torch.tensor([4, 2, -1]))
+    old = cache.clone()
+    cache.commit_path(path, n)
+    assert cache.lengths.tolist() == [2 + 4, 5 + 3, 3]
+    for r, nodes in enumerate([[0, 2, 3, 4], [0, 1, 2], []]):
+        base = int(old.lengths[r])
+        for j, node in enumerate(nodes):
+            assert torch.equal(cache.k[:, r, :, base + j], old.k[:, r, :, base + node])
+            assert torch.equal(cache.v[:, r, :, base + j], old.v[:, r, :, base + node])
+        # the committed prefix is untouched
+        assert torch.equal(cache.k[:, r, :, :base], old.k[:, r, :, :base])
+
+
+def test_rollback_and_commit():
+    cache = _filled_cache()
+    cache.commit(torch.tensor([1, 2, 3]))
+    snapshot = cache.lengths
+    cache.commit(4)
+    assert cache.lengths.tolist() == [5, 6, 7]
+    cache.rollback(snapshot)
+    assert cache.lengths.tolist() == [1, 2, 3]
+    cache.rollback(0)
+    assert cache.lengths.tolist() == [0, 0, 0]
+
+
+def test_visibility_and_slot_checks():
+    cache = StaticKVCache(1, 2, 1, 8, 4)
+    cache.lengths = torch.tensor([2, 3])
+    cache.key_valid[0, 0] = False
+    pos, slots, mask = chain_inputs(cache.lengths, 2)
+    vis = cache.visibility(slots, mask)
+    assert vis[0].int().tolist() == [[0, 1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0]]
+    assert vis[1].int().tolist() == [[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]]
+    with pytest.raises(ValueError, match="write_slots"):
+        cache.check_slots(torch.tensor([[7, 8], [1, 2]]))
+    with pytest.raises(ValueError, match="write_slots"):
+        cache.check_slots(torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="rows"):
+        StaticKVCache(1, 0, 1, 8, 4)

@@ -192,6 +192,16 @@ _run_verify.add_arguments = _verify_add_arguments
 register("verify", "per-call cost of the verification rules (mmspec.verify)")(_run_verify)
 
 
+def _register_ar_image():
+    from mmspec.eval import bench_ar_image
+
+    bench_ar_image.run.add_arguments = bench_ar_image.add_arguments
+    register("ar-image", "every AR-image method side by side on the MNIST zoo (speed + accuracy)")(bench_ar_image.run)
+
+
+_register_ar_image()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 

@@ -9,7 +9,6 @@ hits all alike) on the same `--num-images` class labels (balanced over the class
 from the same run; `accuracy` is the zoo classifier's accuracy on all generated images of the method.
 """
 
-import json
 import logging
 import platform
 import statistics
@@ -33,7 +32,6 @@ METHODS = {
 
 def add_arguments(parser):
     parser.add_argument("--zoo", default=str(Path(__file__).resolve().parent.parent / "assets"))
-    parser.add_argument("--json", required=True, help="output JSON path")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-images", type=int, default=40, help="images per method per repeat")
     parser.add_argument("--repeats", type=int, default=2)
@@ -123,7 +121,7 @@ def run(args):
         }
     report = {
         "config": dict(
-            vars(args) | {"methods": names},
+            {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names},
             method_kwargs={n: METHODS[n] for n in names},
             torch=torch.__version__,
             threads=torch.get_num_threads(),
@@ -135,8 +133,6 @@ def run(args):
         ),
         "methods": methods,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     for name, m in methods.items():
         logger.info("%-12s compression %.2f  speedup %.2fx  acc %.3f", name, m["step_compression"], m["speedup"],
                     m["accuracy"])  # fmt: skip

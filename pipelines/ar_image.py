@@ -488,9 +488,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         images = (self.vqvae.decode_codes(tokens).float() + 1) / 2  # [B, C, H, W] in [0, 1]
         if output_type == "pt":
             return images
-        array = images.permute(0, 2, 3, 1).cpu().numpy()
-        if output_type == "np":
-            return array
-        array = (array * 255).round().astype(np.uint8)
-        mode = "L" if array.shape[-1] == 1 else "RGB"
-        return [PIL.Image.fromarray(a[..., 0] if mode == "L" else a, mode=mode) for a in array]
+        return images.permute(0, 2, 3, 1).cpu().numpy() if output_type == "np" else to_pil(images)
+
+
+def to_pil(images):
+    """Float images `[B, C, H, W]` in [0, 1] -> list of PIL images (mode "L" for one channel)."""
+    array = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)  # [B, H, W, C]
+    return [PIL.Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in array]

@@ -53,7 +53,6 @@ def load(path, device=None, dtype=None):
         model = cls.from_pretrained(folder, low_cpu_mem_usage=False)
     except (OSError, RuntimeError, KeyError) as err:
         raise ValueError(f"path={str(path)!r}: cannot load {class_name} weights: {err}") from err
-    model = model.to(dtype=dtype or torch.float32)
-    if device is not None:
-        model = model.to(device)
+    # plain nn.Module.to: ModelMixin.to warns about dtype casts that are intended here (fp16 storage -> fp32)
+    torch.nn.Module.to(model, device=device, dtype=dtype or torch.float32)
     return model.eval()

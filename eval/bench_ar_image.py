@@ -7,6 +7,8 @@ Protocol: one warm-up call per method, then `--repeats` rounds; each round runs 
 hits all alike) on the same `--num-images` class labels (balanced over the classes) with the same per-call seeds.
 `latency_s` is the median over calls of wall time / images in the call; `speedup` = plain latency / method latency
 from the same run; `accuracy` is the zoo classifier's accuracy on all generated images of the method.
+`step_compression` = image tokens / target forwards of the batched call (what latency sees: a batch finishes with
+its slowest row); `row_step_compression` = the same per row, averaged (each row's own rounds + the prefill).
 """
 
 import logging
@@ -43,9 +45,10 @@ def add_arguments(parser):
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="chain K / tree nodes (method default)")
     parser.add_argument("--tree-depth", type=int, default=5)
     parser.add_argument("--tree-top-k", type=int, default=4)
-    parser.add_argument("--relaxation-top-k", type=int, default=8)
-    parser.add_argument("--relaxation-delta", type=float, default=0.1)
-    parser.add_argument("--group-size", type=int, default=14)
+    parser.add_argument("--relaxation-top-k", type=int, default=16)
+    parser.add_argument("--relaxation-delta", type=float, default=0.2)
+    parser.add_argument("--group-size", type=int, default=25)
+    parser.add_argument("--group-dist-threshold", type=float, default=1.0)
     parser.add_argument("--jacobi-window", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
 
@@ -54,6 +57,7 @@ def _knobs(args):
     return dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
                 tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, relaxation_top_k=args.relaxation_top_k,
                 relaxation_delta=args.relaxation_delta, group_size=args.group_size,
+                group_dist_threshold=args.group_dist_threshold,
                 jacobi_window=args.jacobi_window)  # fmt: skip
 
 
@@ -88,7 +92,7 @@ def run(args):
 
     for name in names:  # warm-up
         call(name, 0, args.seed)
-    results = {n: dict(latency=[], forwards=[], tokens=0, accepted_len=[], compression=[], correct=0, total=0)
+    results = {n: dict(latency=[], forwards=[], accepted_len=[], compression=[], row_compression=[], correct=0, total=0)
                for n in names}  # fmt: skip
     for rep in range(args.repeats):
         for c in range(calls):
@@ -100,6 +104,8 @@ def run(args):
                 r["forwards"].append(s.target_forwards)
                 r["accepted_len"].append(s.mean_accepted_length)
                 r["compression"].append(s.step_compression)
+                n_tok = pipe.transformer.config.block_size
+                r["row_compression"].extend(n_tok / (rounds + 1) for rounds in s.rounds)
                 pred = classifier(out.images * 2 - 1).argmax(-1)
                 r["correct"] += int((pred == torch.tensor(labels[c])).sum())
                 r["total"] += bs
@@ -114,6 +120,7 @@ def run(args):
             "target_forwards_per_image": statistics.mean(r["forwards"]),
             "mean_accepted_length": statistics.mean(r["accepted_len"]),
             "step_compression": statistics.mean(r["compression"]),
+            "row_step_compression": statistics.mean(r["row_compression"]),
             "latency_s": latency,
             "speedup": plain_latency / latency,
             "accuracy": r["correct"] / r["total"],

@@ -240,15 +240,15 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         num_draft_tokens: int | None = None,
         tree_depth: int = 5,
         tree_top_k: int = 4,
-        relaxation_top_k: int = 8,
-        relaxation_delta: float = 0.1,
+        relaxation_top_k: int = 16,
+        relaxation_delta: float = 0.2,
         relaxation_lambda: float | None = None,
-        group_size: int = 14,
+        group_size: int = 25,
         group_prob_threshold: float = 0.15,
-        group_dist_threshold: float = 0.5,
+        group_dist_threshold: float = 1.0,
         jacobi_window: int = 16,
         jacobi_init: str = "repeat",
-        coupling: bool = False,
+        coupling: bool = True,
         resample: str = "optimal",
         generator: torch.Generator | None = None,
         output_type: str = "pil",
@@ -271,9 +271,11 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             relaxation_top_k, relaxation_delta, relaxation_lambda: LANTERN neighbourhood size k, additive TV budget
                 delta, or LANTERN++'s multiplicative lambda (> 1; replaces delta when set).
             group_size, group_prob_threshold, group_dist_threshold: GSD rank window and its probability / squared
-                codebook-distance filters.
+                distance filters; distances are between the L2-normalised VQ codebook vectors (in [0, 4]), not the
+                LLM input embeddings of the GSD release, so the default threshold is 1.0 rather than 0.5.
             jacobi_window, jacobi_init, coupling: SJD window (draft tokens per forward), fresh-token init
-                (`"repeat"` | `"random"`), SCD maximal-coupling re-drafts.
+                (`"repeat"` | `"random"`), and SCD maximal-coupling re-drafts (default on: lossless and raises
+                acceptance; `coupling=False` is the original SJD).
             resample: `"optimal"` (TV-optimal residual for relaxed rules) or `"released"` (as the papers' code).
             generator: the only source of randomness.
             output_type: `"pil"` | `"np"` | `"pt"` | `"tokens"`.

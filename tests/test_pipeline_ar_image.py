@@ -52,7 +52,7 @@ LOSSLESS = [
     dict(acceptance="exact", drafter="eagle"),
     dict(acceptance="exact", drafter="eagle", num_draft_tokens=6, tree_depth=3, tree_top_k=2),
     dict(acceptance="exact", drafter="jacobi", jacobi_window=5),
-    dict(acceptance="jacobi", jacobi_window=16),
+    dict(acceptance="jacobi", jacobi_window=16, coupling=False),
     dict(acceptance="jacobi", jacobi_window=4, coupling=True),
     dict(acceptance="relaxed", drafter="model", relaxation_delta=0.0),
 ]
@@ -87,7 +87,7 @@ def _marginals(images, positions):
 SAMPLED = [
     dict(acceptance="exact", drafter="model", num_draft_tokens=3),
     dict(acceptance="exact", drafter="eagle", num_draft_tokens=8, tree_depth=3, tree_top_k=3),
-    dict(acceptance="jacobi", jacobi_window=6),
+    dict(acceptance="jacobi", jacobi_window=6, coupling=False),
     dict(acceptance="jacobi", jacobi_window=6, coupling=True, jacobi_init="random"),
 ]
 

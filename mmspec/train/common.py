@@ -389,7 +389,7 @@ def write_model_card(
     title: str,
     model: torch.nn.Module | None = None,
     data: str,
-    seed: int,
+    seed: int | None = None,
     wall_time_s: float,
     metrics: Mapping[str, Any],
     command: str | None = None,
@@ -398,6 +398,7 @@ def write_model_card(
     extra: Mapping[str, Any] | None = None,
     images: Mapping[str, str] | None = None,
     history: list[Mapping[str, float]] | None = None,
+    args: argparse.Namespace | None = None,
 ) -> dict[str, Any]:
     """Write `<out_dir>/README.md` (model card) and `<out_dir>/training.json`; returns the JSON record.
 
@@ -413,9 +414,19 @@ def write_model_card(
         description: free-text paragraph(s) placed under the title (markdown).
         hyperparameters: e.g. `vars(args)` (non-JSON values are stringified).
         extra: any other fields (name -> value), listed in the card and stored in the JSON.
+        args: the task's parsed arguments (`add_common_arguments`); fills `seed` and `hyperparameters` when they
+            are not given, and appends the stored weights dtype and the run's `--note` to `extra`.
         images: {relative file name: caption}, embedded in the card (e.g. a reconstruction grid).
         history: `TrainResult.history` (stored in the JSON only).
     """
+    if args is not None:
+        seed = args.seed if seed is None else seed
+        if hyperparameters is None:
+            hyperparameters = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        extra = dict(extra or {})
+        extra["weights_dtype"] = "float16 (loaded as float32)" if args.fp16_weights else "float32"
+        if getattr(args, "note", ""):
+            extra["note"] = args.note
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {

@@ -185,18 +185,15 @@ def run(args):
         ),
         model=saved,
         data=f"{args.data} ({args.train_split}: {len(codes)} items; VQ {meta.get('vq', '?')})",
-        seed=args.seed,
+        args=args,
         wall_time_s=result.wall_time_s,
         metrics={
             **{f"final_train_{k}": v for k, v in result.metrics.items()},
             **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
         },
-        hyperparameters={k: v for k, v in vars(args).items() if not k.startswith("_")},
         extra={
             "null_class": num_classes,
             "vq_sha256": meta.get("vq_sha256", ""),
-            "weights_dtype": "float16 (loaded as float32)" if args.fp16_weights else "float32",
-            **({"note": args.note} if args.note else {}),
         },
         history=result.history,
     )

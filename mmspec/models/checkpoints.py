@@ -18,7 +18,6 @@ GPT presets are upstream's `GPT_models` sizes (`GPT-B` 12L/768/12 heads ... `GPT
 import argparse
 import logging
 import pickle
-import zipfile
 from pathlib import Path
 
 import torch
@@ -67,10 +66,11 @@ def load_official_state_dict(path, wrapper_keys=WRAPPER_KEYS):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise ValueError(
-            f"checkpoint {str(path)!r} holds objects other than tensors/containers; refusing to unpickle it ({err})"
+            f"cannot read checkpoint {str(path)!r}: it holds objects other than tensors/containers; refusing to "
+            f"unpickle it ({err})"
         ) from err
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, AttributeError, KeyError) as err:
-        raise ValueError(f"checkpoint {str(path)!r} is corrupt or not a torch checkpoint ({err})") from err
+    except Exception as err:  # a corrupt file can make the unpickler raise anything (EOFError, IndexError, ...)
+        raise ValueError(f"cannot read checkpoint {str(path)!r}: corrupt or not a torch checkpoint ({err})") from err
     if not isinstance(obj, dict):
         raise ValueError(f"checkpoint {str(path)!r} holds a {type(obj).__name__}, expected a dict")
     state = None
@@ -82,8 +82,9 @@ def load_official_state_dict(path, wrapper_keys=WRAPPER_KEYS):
         if obj and all(torch.is_tensor(v) for v in obj.values()):
             state = obj  # bare (e.g. FSDP) state dict
         else:
+            listed = ", ".join(repr(k) for k in wrapper_keys[:-1]) + f" or {wrapper_keys[-1]!r}"
             raise ValueError(
-                f"checkpoint {str(path)!r} has no state dict under {list(wrapper_keys)} (keys: {sorted(obj)[:10]})"
+                f"checkpoint {str(path)!r} has no state dict: no {listed} entry (keys: {sorted(obj)[:10]})"
             )
     out = {}
     for name, value in state.items():

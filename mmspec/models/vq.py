@@ -25,7 +25,6 @@ Examples:
     >>> recon = vq.decode_codes(codes)  # [B, 1, 32, 32] in [-1, 1]
 """
 
-import argparse
 import logging
 import math
 import os
@@ -445,26 +444,6 @@ class LlamaGenVQ(ModelMixin, ConfigMixin):
 # ----------------------------------------------------------------------------- official checkpoints
 
 
-def _unwrap_official(checkpoint, path) -> dict[str, torch.Tensor]:
-    """Pick the weights out of an official checkpoint dict (same order as LlamaGen's vq_demo.py)."""
-    if not isinstance(checkpoint, dict):
-        raise ValueError(f"{path!r}: expected a checkpoint dict, got {type(checkpoint).__name__}")
-    for key in ("ema", "model", "state_dict"):
-        if key in checkpoint:
-            state = checkpoint[key]
-            break
-    else:
-        if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
-            state = checkpoint  # a bare state dict
-        else:
-            raise ValueError(
-                f"{path!r}: no 'ema', 'model' or 'state_dict' entry in the checkpoint (keys: {sorted(checkpoint)[:10]})"
-            )
-    if not isinstance(state, dict):
-        raise ValueError(f"{path!r}: checkpoint entry holds {type(state).__name__}, not a state dict")
-    return state
-
-
 def load_official_vq(path: str | os.PathLike, preset: str | None = "VQ-16", **config) -> LlamaGenVQ:
     """Load an official LlamaGen VQ checkpoint (`vq_ds16_c2i.pt`, `vq_ds16_t2i.pt`, a `vq_train.py` checkpoint).
 
@@ -481,31 +460,17 @@ def load_official_vq(path: str | os.PathLike, preset: str | None = "VQ-16", **co
         ValueError: unreadable/corrupt file, missing weights entry, missing or unexpected key, shape mismatch,
             or non-finite weights; the message names the offending key.
     """
-    path = os.fspath(path)
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, pickle errors, disallowed globals ...
-        raise ValueError(f"{path!r}: cannot read as a torch checkpoint: {err}") from err
-    state = {k: v for k, v in _unwrap_official(checkpoint, path).items() if k not in _OFFICIAL_IGNORED_KEYS}
+    from mmspec.models.checkpoints import check_state_dict, load_official_state_dict
+
+    state = load_official_state_dict(path, wrapper_keys=("ema", "model", "state_dict"))
+    state = {k: v for k, v in state.items() if k not in _OFFICIAL_IGNORED_KEYS}
     if preset is not None and preset not in VQ_PRESETS:
         raise ValueError(f"preset={preset!r} unknown; known: {sorted(VQ_PRESETS)}")
     model = LlamaGenVQ(**{**(VQ_PRESETS[preset] if preset else {}), **config})
-    expected = model.state_dict()
-    for key in expected:
-        if key not in state:
-            raise ValueError(f"{path!r}: missing key {key!r}")
+    check_state_dict(state, model)
     for key, value in state.items():
-        if key not in expected:
-            raise ValueError(f"{path!r}: unexpected key {key!r} for this config")
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{path!r}: key {key!r} holds {type(value).__name__}, not a tensor")
-        if value.shape != expected[key].shape:
-            raise ValueError(
-                f"{path!r}: key {key!r} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}"
-            )
         if value.is_floating_point() and not torch.isfinite(value).all():
-            raise ValueError(f"{path!r}: key {key!r} holds non-finite values")
+            raise ValueError(f"{os.fspath(path)!r}: key {key!r} holds non-finite values")
     model.load_state_dict(state, strict=True)
     logger.info("loaded official LlamaGen VQ weights from %s (%d tensors)", path, len(state))
     return model.eval()

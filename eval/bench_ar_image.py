@@ -1,7 +1,9 @@
 """`mmspec bench ar-image`: every AR-image method side by side, in one process, on the same seeds.
 
 Methods (names fixed for the JSON): `plain` (AR sampling), `exact-draft` (small GPT drafter), `exact-eagle`
-(EAGLE-2 tree), `relaxed` (LANTERN on the EAGLE tree), `grouped` (GSD on Jacobi drafts), `jacobi` (SJD).
+(EAGLE head, pipeline default: a sampled chain), `exact-eagle-tree` (EAGLE-2 dynamic tree: 24 nodes, depth 5,
+top-k 4), `relaxed` (LANTERN on EAGLE drafts), `grouped` (GSD on Jacobi drafts), `jacobi` (SJD).
+Knob options left unset keep the pipeline's defaults; a method's own settings (e.g. the tree's) win over them.
 
 Protocol: one warm-up call per method, then `--repeats` rounds; each round runs every method (interleaved, so drift
 hits all alike) on the same `--num-images` class labels (balanced over the classes) with the same per-call seeds.
@@ -11,6 +13,7 @@ from the same run; `accuracy` is the zoo classifier's accuracy on all generated 
 its slowest row); `row_step_compression` = the same per row, averaged (each row's own rounds + the prefill).
 """
 
+import inspect
 import logging
 import platform
 import statistics
@@ -26,6 +29,7 @@ METHODS = {
     "plain": dict(acceptance="none"),
     "exact-draft": dict(acceptance="exact", drafter="model"),
     "exact-eagle": dict(acceptance="exact", drafter="eagle"),
+    "exact-eagle-tree": dict(acceptance="exact", drafter="eagle", num_draft_tokens=24, tree_depth=5, tree_top_k=4),
     "relaxed": dict(acceptance="relaxed", drafter="eagle"),
     "grouped": dict(acceptance="grouped", drafter="jacobi"),
     "jacobi": dict(acceptance="jacobi"),
@@ -42,32 +46,38 @@ def add_arguments(parser):
     parser.add_argument("--guidance-scale", type=float, default=2.0)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--num-draft-tokens", type=int, default=None, help="chain K / tree nodes (method default)")
-    parser.add_argument("--tree-depth", type=int, default=5)
-    parser.add_argument("--tree-top-k", type=int, default=4)
-    parser.add_argument("--relaxation-top-k", type=int, default=16)
-    parser.add_argument("--relaxation-delta", type=float, default=0.2)
-    parser.add_argument("--group-size", type=int, default=25)
-    parser.add_argument("--group-dist-threshold", type=float, default=1.0)
-    parser.add_argument("--jacobi-window", type=int, default=16)
+    for flag, kind in (("num-draft-tokens", int), ("tree-depth", int), ("tree-top-k", int), ("relaxation-top-k", int),
+                       ("relaxation-delta", float), ("group-size", int), ("group-dist-threshold", float),
+                       ("jacobi-window", int)):  # fmt: skip
+        parser.add_argument(f"--{flag}", type=kind, default=None, help="pipeline knob (default: the pipeline's)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
 
 
+KNOBS = ("num_draft_tokens", "tree_depth", "tree_top_k", "relaxation_top_k", "relaxation_delta", "group_size",
+         "group_dist_threshold", "jacobi_window")  # fmt: skip
+
+
 def _knobs(args):
-    return dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
-                tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, relaxation_top_k=args.relaxation_top_k,
-                relaxation_delta=args.relaxation_delta, group_size=args.group_size,
-                group_dist_threshold=args.group_dist_threshold,
-                jacobi_window=args.jacobi_window)  # fmt: skip
+    """Sampling settings plus the knob options that were set (the rest keep the pipeline's defaults)."""
+    knobs = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)
+    return knobs | {k: getattr(args, k) for k in KNOBS if getattr(args, k) is not None}
 
 
+def _effective_kwargs(pipe, kw):
+    """Every `__call__` knob of the pipeline as used (defaults filled in), for the JSON config."""
+    skip = {"class_labels", "generator", "output_type", "return_dict", "callback_on_step_end",
+            "callback_on_step_end_tensor_inputs"}  # fmt: skip
+    params = inspect.signature(type(pipe).__call__).parameters
+    return {k: kw.get(k, p.default) for k, p in params.items() if k != "self" and k not in skip}
+
+
+@torch.no_grad()
 def run(args):
     from mmspec.models import load
     from mmspec.pipelines import SpeculativeARImagePipeline
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
@@ -83,9 +93,7 @@ def run(args):
     labels = [[(c * bs + i) % n_classes for i in range(bs)] for c in range(calls)]
 
     def call(name, c, seed):
-        kw = dict(METHODS[name], **knobs)
-        if args.num_draft_tokens is not None:
-            kw["num_draft_tokens"] = args.num_draft_tokens
+        kw = knobs | METHODS[name]
         start = time.perf_counter()
         out = pipe(class_labels=labels[c], generator=torch.Generator().manual_seed(seed), output_type="pt", **kw)
         return out, time.perf_counter() - start
@@ -129,7 +137,7 @@ def run(args):
     report = {
         "config": dict(
             {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names},
-            method_kwargs={n: METHODS[n] for n in names},
+            method_kwargs={n: _effective_kwargs(pipe, knobs | METHODS[n]) for n in names},
             torch=torch.__version__,
             threads=torch.get_num_threads(),
             python=platform.python_version(),

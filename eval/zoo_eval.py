@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 CARD_MARKER = "<!-- sample-eval -->"
 
 
+@torch.no_grad()
 def evaluate(pipe, classifier, per_class, batch_size=250, seed=0, **call_kwargs):
     """Generate `per_class` images of every class; return (accuracy, per-class accuracy, images [N,C,H,W], labels)."""
     n_classes = pipe.transformer.config.num_classes
@@ -70,7 +71,6 @@ def main(argv=None):
     from mmspec.pipelines import SpeculativeARImagePipeline
     from mmspec.pipelines.ar_image import to_pil
 
-    torch.set_grad_enabled(False)
     pipe = SpeculativeARImagePipeline.from_zoo(args.zoo, prefix=args.prefix)
     classifier = load(Path(args.zoo) / f"{args.prefix}-classifier")
     start = time.perf_counter()

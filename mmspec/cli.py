@@ -47,7 +47,6 @@ def generate(args):
     from mmspec.eval.images import make_grid
     from mmspec.pipelines import SpeculativeARImagePipeline
 
-    torch.set_grad_enabled(False)
     pipe = SpeculativeARImagePipeline.from_zoo(args.zoo)
     classes = [int(c) for c in args.classes.split(",") if c.strip()]
     common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)

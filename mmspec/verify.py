@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mmspec.sampling import prob_dtype, sample
@@ -409,33 +410,34 @@ def _grouped_accept_all(
 ) -> Tensor:
     """Uncapped GSD acceptance ``min(1, P/Q)`` for EVERY token: ``[..., V] -> [..., V]`` (for the G* resample).
 
-    Loops over the ``group_size`` window offsets; with embeddings, rows are processed in chunks of at most
-    ``max_elements`` gathered embedding entries (cost O(V * G * d) per row).
+    Vectorised over the ``group_size`` window (unfold of the sorted row); rows are processed in chunks of at most
+    ``max_elements`` window entries (``V * G * d`` per row with embeddings of width d).
     """
     lead, vocab = p_target.shape[:-1], p_target.shape[-1]
     p2, q2 = p_target.reshape(-1, vocab), q_draft.reshape(-1, vocab)  # [R, V]
     d = 1 if embeddings is None else embeddings.shape[-1]
-    step = max(1, max_elements // (vocab * d))
+    step = max(1, max_elements // (vocab * group_size * d))
+    n_lo, n_hi = group_size // 2, group_size - group_size // 2 - 1
+
+    def windows(x, fill):  # [r, V, ...] sorted -> [r, V, ..., G]: entry g is sorted position s - n_lo + g
+        x = x.movedim(1, -1)
+        return F.pad(x, (n_lo, n_hi), value=fill).unfold(-1, group_size, 1).movedim(-2, 1)
+
     out = torch.empty_like(p2)
     for start in range(0, p2.shape[0], step):
         p, q = p2[start : start + step], q2[start : start + step]  # [r, V]
         order = torch.argsort(p, dim=-1, stable=True)
         p_s, q_s = p.gather(-1, order), q.gather(-1, order)  # sorted ascending  [r, V]
-        e_s = None if embeddings is None else embeddings.to(device=p.device, dtype=p.dtype)[order]  # [r, V, d]
-        big_p, big_q = torch.zeros_like(p_s), torch.zeros_like(q_s)
-        for off in range(-(group_size // 2), group_size - group_size // 2):
-            # member at sorted position s + off for every s
-            lo, hi = max(0, -off), min(vocab, vocab - off)  # s range with s + off inside [0, V)
-            if lo >= hi:
-                continue
-            keep = (p_s[:, lo + off : hi + off] - p_s[:, lo:hi]).abs() < prob_threshold
-            if off == 0:
-                keep = torch.ones_like(keep)
-            elif e_s is not None:
-                dist2 = (e_s[:, lo + off : hi + off] - e_s[:, lo:hi]).pow(2).sum(-1)
-                keep = keep & (dist2 < dist_threshold)
-            big_p[:, lo:hi] += torch.where(keep, p_s[:, lo + off : hi + off], 0.0)
-            big_q[:, lo:hi] += torch.where(keep, q_s[:, lo + off : hi + off], 0.0)
+        p_win, q_win = windows(p_s, 0.0), windows(q_s, 0.0)  # [r, V, G]
+        inside = windows(torch.ones_like(p_s, dtype=torch.bool), False)
+        keep = inside & ((p_win - p_s.unsqueeze(-1)).abs() < prob_threshold)
+        if embeddings is not None:
+            e_s = embeddings.to(device=p.device, dtype=p.dtype)[order]  # [r, V, d]
+            dist2 = (windows(e_s, 0.0) - e_s.unsqueeze(-1)).pow(2).sum(-2)  # [r, V, G]
+            keep = keep & (dist2 < dist_threshold)
+        keep[..., n_lo] = True  # the token itself
+        big_p = torch.where(keep, p_win, 0.0).sum(-1)
+        big_q = torch.where(keep, q_win, 0.0).sum(-1)
         ratio = torch.where(big_q > 0, big_p / big_q.clamp_min(torch.finfo(p.dtype).tiny), 1.0).clamp_max(1)
         out[start : start + step] = torch.empty_like(ratio).scatter_(-1, order, ratio)
     return out.reshape(*lead, vocab)

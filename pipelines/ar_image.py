@@ -11,7 +11,8 @@ One Diffusers-style pipeline, every method on one verifier core (`mmspec.verify`
 | `"jacobi"`   | jacobi            | SJD (Teng et al. 2024), optional SCD coupling                 | yes      |
 
 Drafters: `"model"` (a small `LlamaGenGPT` drafts a chain of `num_draft_tokens`), `"eagle"` (an `EagleHead` drafts
-an EAGLE-2 dynamic tree of `num_draft_tokens` nodes, `tree_depth` levels, `tree_top_k` children per node),
+a chain of `tree_depth` tokens sampled from its `q_draft` when `tree_top_k=1`, the default, or an EAGLE-2 dynamic
+tree of `num_draft_tokens` nodes, `tree_depth` levels and `tree_top_k` deterministic children per node),
 `"jacobi"` (the target drafts for itself: a window of `jacobi_window` tokens from its previous iteration).
 
 Classifier-free guidance: every target forward scores both streams (rows `[cond; uncond]`, same tokens, same cache
@@ -32,7 +33,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from mmspec.cache import tree_inputs
-from mmspec.drafters.eagle import EagleHead, draft_tree, prepend_root
+from mmspec.drafters.eagle import EagleHead, draft_chain, draft_tree, prepend_root
 from mmspec.drafters.jacobi import JacobiDrafter
 from mmspec.drafters.model import ModelDrafter
 from mmspec.models.llamagen import LlamaGenGPT
@@ -241,7 +242,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         drafter: str | None = None,
         num_draft_tokens: int | None = None,
         tree_depth: int = 5,
-        tree_top_k: int = 4,
+        tree_top_k: int = 1,
         relaxation_top_k: int = 16,
         relaxation_delta: float = 0.2,
         relaxation_lambda: float | None = None,
@@ -268,8 +269,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             acceptance: `"none"` | `"exact"` | `"relaxed"` | `"grouped"` | `"jacobi"` (module docstring).
             drafter: `"model"` | `"eagle"` | `"jacobi"`; default: eagle for exact/relaxed (falling back to model,
                 then jacobi, by what is loaded), jacobi for grouped/jacobi.
-            num_draft_tokens: chain length K (`"model"`, default 4) or tree nodes (`"eagle"`, default 24).
-            tree_depth, tree_top_k: EAGLE-2 dynamic tree depth and children per node.
+            num_draft_tokens: chain length K (`"model"`, default 4) or tree nodes (`"eagle"` trees, default 24).
+            tree_depth, tree_top_k: EAGLE drafting. `tree_top_k=1` (default): a chain of `tree_depth` tokens, each
+                sampled from the head's processed distribution (accepted with probability `sum min(p, q)`; on a CPU
+                the cheapest EAGLE mode). `tree_top_k > 1`: the EAGLE-2 dynamic tree (`tree_depth` levels,
+                `tree_top_k` top-k children per node, best `num_draft_tokens` nodes kept), verified node by node
+                (deterministic drafts: a child is accepted with probability `p(x)` of the current residual).
             relaxation_top_k, relaxation_delta, relaxation_lambda: LANTERN neighbourhood size k, additive TV budget
                 delta, or LANTERN++'s multiplicative lambda (> 1; replaces delta when set).
             group_size, group_prob_threshold, group_dist_threshold: GSD rank window and its probability / squared
@@ -427,9 +432,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
 
     def _decode_tree(self, prefill_hidden, total, depth, top_k, acceptance, knobs, resample, state, cache, sampling,
                      generator, stats, callback, callback_inputs):  # fmt: skip
-        """EAGLE-2 dynamic-tree speculative sampling: the head drafts a tree, one target forward scores it."""
+        """EAGLE speculative sampling: the head drafts an EAGLE-2 dynamic tree (`top_k > 1`, deterministic top-k
+        children) or a chain of `min(depth, total)` tokens sampled from its `q_draft` (`top_k == 1`); one target
+        forward scores it."""
         device, head, target = cache.device, self.eagle_head, self.transformer
         batch = state.count.shape[0]
+        chain = min(depth, total) if top_k == 1 else 0
         head_cache = head.setup_cache(2 * batch, cache.max_seq)
         hidden_in, ids_in = prefill_hidden, _two(state.pending[:, None])  # pairs (h_t, x_{t+1})
         num_valid = torch.ones(2 * batch, dtype=torch.long, device=device)
@@ -437,27 +445,42 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         while bool(state.active.any()):
             active = state.active
             with stats.timer("draft", device):
-                tree = draft_tree(head, target, head_cache, hidden_in, ids_in, num_valid, depth=depth, top_k=top_k,
-                                  total=total, guidance_scale=sampling.guidance_scale)  # fmt: skip
+                if chain:
+                    drafts, q_draft = draft_chain(head, target, head_cache, hidden_in, ids_in, num_valid,
+                                                  length=chain, sampling=sampling, generator=generator)  # fmt: skip
+                    tokens_v, inputs = torch.cat([state.pending[:, None], drafts], dim=1), ()
+                else:
+                    tree = draft_tree(head, target, head_cache, hidden_in, ids_in, num_valid, depth=depth,
+                                      top_k=top_k, total=total, guidance_scale=sampling.guidance_scale)  # fmt: skip
+                    tokens_v, parents_v = prepend_root(state.pending, tree.tokens, tree.parents)  # [B, N+1]
+                    inputs = tree_inputs(_two(parents_v), cache.lengths)
                 head_cache.rollback(head_cache.lengths - _two(torch.where(active, 0, num_valid[:batch])))
-                stats.draft_forwards += depth
-            tokens_v, parents_v = prepend_root(state.pending, tree.tokens, tree.parents)  # [B, N+1]
+                stats.draft_forwards += chain or depth
             with stats.timer("verify", device):
-                pos, slots, mask = tree_inputs(_two(parents_v), cache.lengths)
-                out = target(_two(tokens_v), cache, pos, slots, mask, return_hidden=True)
+                out = target(_two(tokens_v), cache, *inputs, return_hidden=True)
                 stats.target_forwards += 1
                 p_target = sampling.probs(*out.logits.chunk(2))  # [B, N+1, V]
-                res = verify_tree(tree.tokens, tree.parents, p_target, mode="deterministic", generator=generator,
-                                  greedy=sampling.greedy, acceptance=acceptance, resample=resample, **knobs)  # fmt: skip
+                if chain:
+                    num_draft = state.remaining().clamp(min=1, max=chain)
+                    res = self._verify_chain(drafts, p_target, q_draft, acceptance, knobs, resample, sampling,
+                                             generator, num_draft)  # fmt: skip
+                else:
+                    res = verify_tree(tree.tokens, tree.parents, p_target, mode="deterministic", generator=generator,
+                                      greedy=sampling.greedy, acceptance=acceptance, resample=resample, **knobs)  # fmt: skip
             path_len = torch.where(active, res.num_accepted + 1, 0)
-            path = res.path.clamp(min=0)
-            cache.commit_path(_two(path), _two(path_len))
+            if chain:
+                cache.commit(_two(path_len))
+                hidden_in = out.hidden  # pairs (h[pending], d_1), ..., (h[d_K], next); the first k + 1 are valid
+            else:
+                path = res.path.clamp(min=0)
+                cache.commit_path(_two(path), _two(path_len))
+                # next head input: pairs (h[root], a_1), (h[a_1], a_2), ..., (h[a_k], next token)
+                hidden_in = out.hidden.gather(1, _two(path)[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
             num = state.emit(res.tokens, res.num_accepted + 1)
-            # next head input: pairs (h[root], a_1), (h[a_1], a_2), ..., (h[a_k], next token)
-            hidden_in = out.hidden.gather(1, _two(path)[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
             ids_in = _two(res.tokens.clamp(min=0))
             num_valid = _two(res.num_accepted + 1)
-            stats.record_round(torch.full_like(num, tree.tokens.shape[1]), res.num_accepted, num, active)
+            drafted = num_draft if chain else torch.full_like(num, tokens_v.shape[1] - 1)
+            stats.record_round(drafted, res.num_accepted, num, active)
             rnd += 1
             self._end_round(state, rnd, callback, callback_inputs)
 

@@ -71,6 +71,30 @@ def test_cached_chain_matches_train_forward():
         torch.testing.assert_close(b[r], ref[r, n : n + 3], atol=ATOL, rtol=0)
 
 
+def test_unrolled_training_matches_cached_chain_drafting():
+    """Step j of `forward_unrolled` at position i = the head drafting the (j+1)-th chain token at inference: true
+    pairs up to i - j committed in the head cache, then its own features fed back j times."""
+    target, head, cond, rows, first = _setup(seed=3)
+    gen = torch.Generator().manual_seed(2)
+    n, steps = 7, 3
+    ids = torch.randint(0, 29, (rows, n), generator=gen)
+    hidden = torch.randn(rows, n, 32, generator=gen)
+    outs = head.forward_unrolled(hidden, ids, target, steps)
+    assert len(outs) == steps and all(o.shape == (rows, n, 32) for o in outs)
+    torch.testing.assert_close(outs[0], head.forward_train(hidden, ids, target), atol=ATOL, rtol=0)
+    for start in (0, 2, 3):  # last true pair
+        hcache = head.setup_cache(rows, 40)
+        feat = head(hidden[:, : start + 1], ids[:, : start + 1], target, hcache)[:, -1:]
+        hcache.commit(start + 1)
+        torch.testing.assert_close(feat[:, 0], outs[0][:, start], atol=ATOL, rtol=0)
+        for j in range(1, steps):
+            feat = head(feat, ids[:, start + j : start + j + 1], target, hcache)
+            hcache.commit(1)
+            torch.testing.assert_close(feat[:, 0], outs[j][:, start + j], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="steps"):
+        head.forward_unrolled(hidden, ids, target, 0)
+
+
 def test_head_tree_forward_matches_chains():
     target, head, cond, rows, first = _setup(seed=2)
     gen = torch.Generator().manual_seed(1)
@@ -260,4 +284,11 @@ def test_training_tasks_smoke(tmp_path):
     head = run(eagle_task, f"{args} --steps 3")  # resumes from step 2
     assert isinstance(mmspec.models.load(tmp_path / "eagle"), EagleHead) and head.config.dim == 32
     record = (tmp_path / "eagle" / "training.json").read_text()
-    assert "val_accept_prob" in record
+    assert "val_accept_prob" in record and "val_accept_prob_step3" in record
+    tuned = run(
+        eagle_task,
+        f"--out {tmp_path / 'eagle-ttt'} --target {tmp_path / 'c2i'} --init {tmp_path / 'eagle'} --steps 2 --unroll 3",
+    )
+    assert tuned.config.dim == 32
+    with pytest.raises(ValueError, match="EagleHead"):
+        run(eagle_task, f"--out {tmp_path / 'bad'} --target {tmp_path / 'c2i'} --init {tmp_path / 'draft'} --steps 1")

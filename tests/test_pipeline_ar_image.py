@@ -51,6 +51,7 @@ LOSSLESS = [
     dict(acceptance="exact", drafter="model"),
     dict(acceptance="exact", drafter="eagle"),
     dict(acceptance="exact", drafter="eagle", num_draft_tokens=6, tree_depth=3, tree_top_k=2),
+    dict(acceptance="exact", drafter="eagle", tree_depth=4, tree_top_k=1),
     dict(acceptance="exact", drafter="jacobi", jacobi_window=5),
     dict(acceptance="jacobi", jacobi_window=16, coupling=False),
     dict(acceptance="jacobi", jacobi_window=4, coupling=True),
@@ -87,6 +88,7 @@ def _marginals(images, positions):
 SAMPLED = [
     dict(acceptance="exact", drafter="model", num_draft_tokens=3),
     dict(acceptance="exact", drafter="eagle", num_draft_tokens=8, tree_depth=3, tree_top_k=3),
+    dict(acceptance="exact", drafter="eagle", tree_depth=3, tree_top_k=1),
     dict(acceptance="jacobi", jacobi_window=6, coupling=False),
     dict(acceptance="jacobi", jacobi_window=6, coupling=True, jacobi_init="random"),
 ]
@@ -121,7 +123,9 @@ def test_marginal_test_has_power(pipe):
 
 def test_relaxed_and_grouped_run_and_compress(pipe):
     for kw in (dict(acceptance="relaxed"), dict(acceptance="relaxed", drafter="jacobi", relaxation_lambda=5.0),
-               dict(acceptance="grouped"), dict(acceptance="grouped", drafter="eagle", resample="released")):  # fmt: skip
+               dict(acceptance="grouped"), dict(acceptance="grouped", drafter="eagle", resample="released"),
+               dict(acceptance="relaxed", drafter="eagle", tree_top_k=1), dict(acceptance="grouped", drafter="eagle",
+               tree_top_k=1)):  # fmt: skip
         out = run(pipe, **kw)
         assert out.images.shape == (3, GRID**2) and int(out.images.min()) >= 0
         assert out.stats.step_compression >= 1.0

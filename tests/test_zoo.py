@@ -65,8 +65,13 @@ def test_target_draws_the_requested_digits(pipe, classifier):
 
 @pytest.mark.parametrize(
     "method",
-    [dict(acceptance="exact", drafter="model"), dict(acceptance="exact", drafter="eagle"), dict(acceptance="jacobi")],
-    ids=["draft", "eagle", "jacobi"],
+    [
+        dict(acceptance="exact", drafter="model"),
+        dict(acceptance="exact", drafter="eagle"),
+        dict(acceptance="exact", drafter="eagle", tree_top_k=4, num_draft_tokens=24),
+        dict(acceptance="jacobi"),
+    ],
+    ids=["draft", "eagle-chain", "eagle-tree", "jacobi"],
 )
 def test_greedy_speculative_equals_plain_greedy_on_zoo(pipe, method):
     kw = dict(class_labels=[0, 3, 8], do_sample=False, output_type="tokens")
@@ -76,14 +81,21 @@ def test_greedy_speculative_equals_plain_greedy_on_zoo(pipe, method):
     assert spec.stats.target_forwards < plain.stats.target_forwards
 
 
+MARGINAL_KW = dict(class_labels=[4], num_images_per_prompt=300, output_type="tokens")
+
+
+@pytest.fixture(scope="module")
+def plain_fours(pipe):
+    return pipe(acceptance="none", generator=torch.Generator().manual_seed(1), **MARGINAL_KW).images
+
+
 @pytest.mark.slow
-def test_sampled_marginals_match_plain_on_zoo(pipe):
-    """Exact speculative sampling with the trained draft vs plain sampling, 300 images each, at central positions
-    (the border is almost always the background code)."""
-    n = 300
-    kw = dict(class_labels=[4], num_images_per_prompt=n, output_type="tokens")
-    plain = pipe(acceptance="none", generator=torch.Generator().manual_seed(1), **kw).images
-    spec = pipe(acceptance="exact", drafter="model", generator=torch.Generator().manual_seed(2), **kw).images
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_sampled_marginals_match_plain_on_zoo(pipe, plain_fours, drafter):
+    """Exact speculative sampling with the trained draft / EAGLE head (sampled chain) vs plain sampling, 300 images
+    each, at central positions (the border is almost always the background code)."""
+    plain = plain_fours
+    spec = pipe(acceptance="exact", drafter=drafter, generator=torch.Generator().manual_seed(2), **MARGINAL_KW).images
     for j in (19, 27, 28, 36):
         a = np.bincount(plain[:, j].numpy(), minlength=256)
         b = np.bincount(spec[:, j].numpy(), minlength=256)

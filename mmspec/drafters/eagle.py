@@ -33,6 +33,7 @@ from diffusers.configuration_utils import register_to_config
 
 from mmspec.cache import StaticKVCache, chain_inputs
 from mmspec.models.llamagen import TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
+from mmspec.sampling import sample
 
 
 logger = logging.getLogger(__name__)
@@ -209,10 +210,54 @@ class EagleHead(ModelMixin, ConfigMixin):
         pos = self.config.cls_token_num + torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         return self.layers[0](x, self.rope(pos), None, None, 0, None)
 
+    def forward_unrolled(self, hidden, input_ids, target, steps):
+        """Training-time test (EAGLE-3 / HASS style): teacher forcing unrolled for `steps` draft depths.
+
+        Step 0 is `forward_train`. Step `j >= 1` feeds the head its own step `j-1` output instead of the target's
+        feature (`f_{j-1}[i-1]` in place of `hidden[i]`), and position `i` attends exactly as the depth-`j+1` node of a
+        chain drafted at inference: step-0 keys at positions `<= i - j` (pairs built from true target features),
+        then step `s` keys at position `i - j + s` for `s = 1 .. j` (its drafted ancestors and itself).
+
+        Returns:
+            a list of `steps` tensors `[B, N, dim]`; entry `j` at position `i` regresses `hidden[:, i + 1]`, and is
+            meaningful for `i >= j` only (earlier positions have no true prefix to start the chain from).
+        """
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        b, n = input_ids.shape
+        device = input_ids.device
+        pos = self.config.cls_token_num + torch.arange(n, device=device)[None]
+        rope = self.rope(pos)
+        i = torch.arange(n, device=device)
+        kv = _ConcatKV()
+        outputs, feats = [], hidden
+        for j in range(steps):
+            x = self._inputs(feats, input_ids, target)
+            # keys of steps 0..j, step-major: [n, (j + 1) * n]
+            blocks = [i[None, :] <= i[:, None] - j] + [i[None, :] == i[:, None] - j + s for s in range(1, j + 1)]
+            mask = torch.cat(blocks, dim=1)
+            out = self.layers[0](x, rope, mask[None, None].expand(b, 1, n, (j + 1) * n), kv, 0, None)
+            outputs.append(out)
+            feats = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # position i now gets f_j[i - 1]
+        return outputs
+
     @staticmethod
     def compute_logits(target, features):
         """Draft logits `[..., V]` (float32) from head features, through the target's output head."""
         return target.output(features.to(target.output.weight.dtype)).float()
+
+
+class _ConcatKV:
+    """Stand-in for `StaticKVCache` in `forward_unrolled`: `update` appends the new keys/values out of place (so
+    autograd can flow through every step) and returns all of them."""
+
+    def __init__(self):
+        self.k, self.v = None, None
+
+    def update(self, layer, write_slots, k_new, v_new):
+        self.k = k_new if self.k is None else torch.cat([self.k, k_new], dim=2)
+        self.v = v_new if self.v is None else torch.cat([self.v, v_new], dim=2)
+        return self.k, self.v
 
 
 # ---------------------------------------------------------------------- EAGLE-2 dynamic tree
@@ -247,6 +292,48 @@ def prepend_root(root_tokens, tokens, parents):
     root_tokens = root_tokens.reshape(-1, 1).to(tokens.dtype)
     shifted = torch.where(parents >= 0, parents + 1, torch.zeros_like(parents))
     return (torch.cat([root_tokens, tokens], dim=1), torch.cat([torch.full_like(parents[:, :1], -1), shifted], dim=1))
+
+
+@torch.no_grad()
+def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, sampling, generator):
+    """EAGLE chain with *sampled* drafts: `length` tokens, each drawn from the head's processed distribution.
+
+    Step 1 is as `draft_tree` (commit the accepted pairs, the last feature drafts). Each draft token is sampled from
+    `q_draft = sampling.probs(cond, uncond)` of the head's logits (CFG, temperature, top-k/p exactly as the target's),
+    so standard speculative sampling accepts it with probability `sum_v min(p_target, q_draft)`; a deterministic
+    top-1 chain would be accepted with `p_target(argmax q_draft)` only, far less at temperature 1. Under greedy
+    sampling `q_draft` is one-hot and the chain is the head's greedy chain. Drafted pairs are scratch: the head cache
+    keeps only the committed pairs (lengths grow by `num_valid`).
+
+    Args:
+        hidden, input_ids, num_valid: the accepted pairs, rows `[cond; uncond]` (see `draft_tree`).
+        length: chain length K >= 1.
+        sampling: the pipeline's `mmspec.sampling.SamplingParams`.
+        generator: `torch.Generator` for the draft samples.
+
+    Returns:
+        `(draft_tokens [B, K], q_draft [B, K, V])`.
+    """
+    rows = input_ids.shape[0]
+    if rows % 2:
+        raise ValueError(f"rows must be [cond; uncond] (even), got {rows}")
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    num_valid = torch.as_tensor(num_valid, dtype=torch.long, device=input_ids.device)
+    feats = head(hidden, input_ids, target, cache)
+    cache.commit(num_valid)
+    feat = feats[torch.arange(rows, device=input_ids.device), num_valid - 1][:, None]  # [rows, 1, dim]
+    tokens, probs = [], []
+    for d in range(length):
+        q = sampling.probs(*head.compute_logits(target, feat[:, 0]).chunk(2))  # [B, V]
+        tok = sample(q, generator)
+        tokens.append(tok)
+        probs.append(q)
+        if d + 1 < length:
+            feat = head(feat, torch.cat([tok, tok])[:, None], target, cache)  # pair (f_hat, x) at the next slot
+            cache.commit(1)
+    cache.rollback(cache.lengths - (length - 1))
+    return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
 @torch.no_grad()

@@ -50,10 +50,23 @@ def add_arguments(parser):
     parser.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy term")
     parser.add_argument("--noise", type=float, default=0.2, help="uniform input-feature noise half-width")
     parser.add_argument("--null-prob", type=float, default=0.1, help="fraction of rows on the null class")
+    parser.add_argument(
+        "--unroll",
+        type=int,
+        default=1,
+        help="training-time-test steps (1 = EAGLE-1; >1 feeds the head its own features)",
+    )
+    parser.add_argument("--step-decay", type=float, default=0.8, help="loss weight decay per unrolled step")
+    parser.add_argument("--init", default=None, help="start from this trained head folder (fine-tuning)")
 
 
-def eagle_losses(head, target, x, y, drop, noise=0.0, generator=None):
-    """(vloss, ploss, f_hat logits, target logits) for one batch of token grids `x [B, N]`, classes `y [B]`."""
+def eagle_losses(head, target, x, y, drop, noise=0.0, generator=None, unroll=1, step_decay=1.0):
+    """Losses of one batch of token grids `x [B, N]`, classes `y [B]`.
+
+    Returns `(vloss, ploss, q_logits, p_logits)`: the step-weighted mean regression and distillation losses over
+    `unroll` training-time-test steps (`EagleHead.forward_unrolled`; step j has weight `step_decay ** j` and counts
+    positions `i >= j` only), and the step-0 draft / target logits (for metrics).
+    """
     with torch.no_grad():
         out = target.forward_train(x, y, drop=drop, return_hidden=True)
     hidden, p_logits = out.hidden, out.logits  # [B, N, dim]: index i predicts x[:, i]
@@ -61,16 +74,27 @@ def eagle_losses(head, target, x, y, drop, noise=0.0, generator=None):
     if noise:
         u = torch.rand(inputs.shape, generator=generator).to(inputs.device)
         inputs = inputs + (2 * u - 1) * noise
-    feats = head.forward_train(inputs, x[:, :-1], target)  # pair i -> h[i + 1]
-    q_logits = head.compute_logits(target, feats)
-    vloss = F.smooth_l1_loss(feats, hidden[:, 1:])
-    ploss = soft_cross_entropy(q_logits, p_logits[:, 1:].softmax(-1))
-    return vloss, ploss, q_logits, p_logits[:, 1:]
+    p_next = p_logits[:, 1:].softmax(-1)
+    vloss = ploss = 0.0
+    total_weight = 0.0
+    for j, feats in enumerate(head.forward_unrolled(inputs, x[:, :-1], target, unroll)):  # pair i -> h[i + 1]
+        q_logits = head.compute_logits(target, feats[:, j:])
+        if j == 0:
+            first_q = q_logits
+        w = step_decay**j
+        vloss = vloss + w * F.smooth_l1_loss(feats[:, j:], hidden[:, 1 + j :])
+        ploss = ploss + w * soft_cross_entropy(q_logits, p_next[:, j:])
+        total_weight += w
+    return vloss / total_weight, ploss / total_weight, first_q, p_logits[:, 1:]
 
 
 @torch.no_grad()
-def evaluate_head(head, target, codes, labels, batch_size=250):
-    """Held-out regression / distillation losses and one-step agreement, true class and null class."""
+def evaluate_head(head, target, codes, labels, batch_size=250, steps=4):
+    """Held-out regression / distillation losses and agreement, true class and null class.
+
+    `accept_prob` / `top1_agree` are for step 0 (the first draft token, from a true target feature);
+    `accept_prob_step{j}` for the head's j-th unrolled step (the (j+1)-th token of a drafted chain).
+    """
     head.eval()
     metrics = {}
     for suffix, null in (("", False), ("_uncond", True)):
@@ -78,8 +102,16 @@ def evaluate_head(head, target, codes, labels, batch_size=250):
         for i in range(0, len(codes), batch_size):
             x, y = codes[i : i + batch_size], labels[i : i + batch_size]
             drop = torch.full((len(x),), null, dtype=torch.bool)
-            vloss, ploss, q_logits, p_logits = eagle_losses(head, target, x, y, drop)
-            m = {"vloss": float(vloss), "ploss": float(ploss), **one_step_agreement(q_logits, p_logits)}
+            out = target.forward_train(x, y, drop=drop, return_hidden=True)
+            m = {}
+            for j, feats in enumerate(head.forward_unrolled(out.hidden[:, :-1], x[:, :-1], target, steps)):
+                q_logits = head.compute_logits(target, feats[:, j:])
+                agree = one_step_agreement(q_logits, out.logits[:, 1 + j :])
+                if j == 0:
+                    m.update(agree)
+                    m["vloss"] = float(F.smooth_l1_loss(feats, out.hidden[:, 1:]))
+                    m["ploss"] = float(soft_cross_entropy(q_logits, out.logits[:, 1:].softmax(-1)))
+                m[f"accept_prob_step{j}"] = agree["accept_prob"]
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v * len(x)
             n += len(x)
@@ -97,15 +129,26 @@ def run(args):
         raise ValueError(
             f"data {args.data!r} does not match the target (block_size {tc.block_size}, vocab {tc.vocab_size})"
         )
-    head = EagleHead.from_target(target)
-    head.init_weights(generator=generator)
+    if args.init:
+        from mmspec.models import load
+
+        head = load(args.init)
+        if not isinstance(head, EagleHead):
+            raise ValueError(f"--init {args.init!r} is not an EagleHead folder")
+        head.check_target(target)
+        head.train()
+    else:
+        head = EagleHead.from_target(target)
+        head.init_weights(generator=generator)
     optimizer = build_optimizer(head, args.lr, args.weight_decay)
 
     def step_fn(step):
         idx = random_batch_indices(len(codes), args.batch_size, generator)
         x, y = codes[idx], labels[idx]
         drop = null_drop(len(x), args.null_prob, generator)
-        vloss, ploss, _, _ = eagle_losses(head, target, x, y, drop, args.noise, generator)
+        vloss, ploss, _, _ = eagle_losses(
+            head, target, x, y, drop, args.noise, generator, args.unroll, args.step_decay
+        )
         return {"loss": vloss + args.p_weight * ploss, "vloss": vloss.detach(), "ploss": ploss.detach()}
 
     result = train_loop(

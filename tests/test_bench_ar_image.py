@@ -1,0 +1,39 @@
+"""`mmspec bench ar-image`: the JSON report (schema, knobs recorded, same seeds for every method) on the zoo."""
+
+import json
+
+import pytest
+
+from mmspec.eval.bench import main
+
+
+def test_bench_ar_image_writes_the_report(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["ar-image", "--json", str(out), "--num-images", "2", "--repeats", "1", "--threads", "1",
+               "--methods", "exact-eagle,grouped", "--jacobi-window", "6"])  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    config, methods = report["config"], report["methods"]
+    assert list(methods) == ["plain", "exact-eagle", "grouped"]  # plain is always added, first
+    for m in methods.values():
+        assert set(m) >= {"target_forwards_per_image", "mean_accepted_length", "step_compression", "latency_s",
+                          "speedup", "accuracy"}  # fmt: skip
+        assert m["images"] == 2 and 0.0 <= m["accuracy"] <= 1.0 and m["latency_s"] > 0
+    assert methods["plain"]["step_compression"] == pytest.approx(1.0) and methods["plain"]["speedup"] == 1.0
+    assert methods["exact-eagle"]["step_compression"] > 1.0
+    kwargs = config["method_kwargs"]
+    assert kwargs["grouped"]["jacobi_window"] == 6 and kwargs["grouped"]["acceptance"] == "grouped"
+    assert kwargs["exact-eagle"]["tree_top_k"] == 1  # pipeline default filled in
+    assert config["batch_size"] == 1 and config["torch"] and len(config["seeds"]) == 2
+
+
+def test_bench_rejects_unknown_methods():
+    with pytest.raises(ValueError, match="methods"):
+        main(["ar-image", "--methods", "plain,warp-drive"])
+
+
+def test_bench_leaves_grad_mode_alone():
+    import torch
+
+    main(["ar-image", "--num-images", "1", "--repeats", "1", "--methods", "plain", "--threads", "1"])
+    assert torch.is_grad_enabled()

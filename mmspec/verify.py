@@ -538,6 +538,22 @@ def rejection_step(
     """
     _check_choice("resample", resample, RESAMPLES)
     a, m_star = _accept(residual, q_draft, tokens, acceptance, knobs)
+    return a, _rejection_residual(residual, q_draft, tokens, acceptance, resample, knobs, m_star)
+
+
+def _rejection_residual(
+    residual: Tensor,
+    q_draft: Tensor | None,
+    tokens: Tensor,
+    acceptance: str,
+    resample: str,
+    knobs: dict,
+    m_star: Tensor | None = None,
+) -> Tensor:
+    """The ``next_residual`` of `rejection_step` alone (chains need no acceptance probability there: their
+    acceptances are computed for all positions at once). ``m_star`` is computed if the rule needs it and it is None."""
+    if m_star is None and resample == "released" and acceptance == "relaxed":
+        m_star = _accept(residual, q_draft, tokens, acceptance, knobs)[1]
     if q_draft is None:
         weights = residual.scatter(-1, tokens.unsqueeze(-1), 0.0)  # [r - delta_x]_+ (r <= 1)
     elif (
@@ -562,7 +578,7 @@ def rejection_step(
         weights = (residual - q_draft).clamp_min(0)
     if q_draft is None and resample == "released" and acceptance == "relaxed":
         weights = _zero_neighbours(weights, tokens, m_star, knobs)
-    return a, _normalize(weights, residual)
+    return _normalize(weights, residual)
 
 
 def _zero_neighbours(weights: Tensor, tokens: Tensor, m_star: Tensor, knobs: dict) -> Tensor:
@@ -685,9 +701,7 @@ def _verify_chain(
         idx = n.clamp(max=k - 1) if k > 0 else n
         if k > 0:
             q_sel = None if q is None else q[rows, idx]
-            _, resid = rejection_step(
-                p_sel, q_sel, tokens[rows, idx], acceptance=acceptance, resample=resample, **knobs
-            )
+            resid = _rejection_residual(p_sel, q_sel, tokens[rows, idx], acceptance, resample, knobs)
         else:
             resid = p_sel
         dist = torch.where((n >= lengths)[:, None], p_sel, resid)  # bonus if every valid draft was accepted
@@ -984,7 +998,7 @@ def verify_jacobi(
     if k > 0:
         idx = n.clamp(max=k - 1)
         q_sel = None if q is None else q[rows, idx]
-        _, resid = rejection_step(p_sel, q_sel, tokens[rows, idx], acceptance=acceptance, resample=resample, **knobs)
+        resid = _rejection_residual(p_sel, q_sel, tokens[rows, idx], acceptance, resample, knobs)
     else:
         resid = p_sel
     next_token = sample(torch.where((n >= lengths)[:, None], p_sel, resid), generator)

@@ -182,7 +182,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
 
     # ------------------------------------------------------------------ inputs
     def check_inputs(self, class_labels, acceptance, drafter, num_draft_tokens, output_type, guidance_scale,
-                     callback_on_step_end_tensor_inputs, num_images_per_prompt):  # fmt: skip
+                     callback_on_step_end_tensor_inputs, num_images_per_prompt, **sizes):  # fmt: skip
         if acceptance not in ACCEPTANCES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCES}, got {acceptance!r}")
         if drafter is not None and drafter not in DRAFTERS:
@@ -193,8 +193,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise ValueError("drafter='model' needs a draft_model component")
         if drafter == "eagle" and self.eagle_head is None:
             raise ValueError("drafter='eagle' needs an eagle_head component")
-        if int(num_draft_tokens) < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        for name, value in dict(num_draft_tokens=num_draft_tokens, **sizes).items():
+            if value is not None and int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if int(num_images_per_prompt) < 1:
             raise ValueError(f"num_images_per_prompt must be >= 1, got {num_images_per_prompt}")
         if output_type not in OUTPUT_TYPES:
@@ -241,7 +242,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         acceptance: str = "exact",
         drafter: str | None = None,
         num_draft_tokens: int | None = None,
-        tree_depth: int = 5,
+        tree_depth: int | None = None,
         tree_top_k: int = 1,
         relaxation_top_k: int = 16,
         relaxation_delta: float = 0.2,
@@ -270,9 +271,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             drafter: `"model"` | `"eagle"` | `"jacobi"`; default: eagle for exact/relaxed (falling back to model,
                 then jacobi, by what is loaded), jacobi for grouped/jacobi.
             num_draft_tokens: chain length K (`"model"`, default 4) or tree nodes (`"eagle"` trees, default 24).
-            tree_depth, tree_top_k: EAGLE drafting. `tree_top_k=1` (default): a chain of `tree_depth` tokens, each
-                sampled from the head's processed distribution (accepted with probability `sum min(p, q)`; on a CPU
-                the cheapest EAGLE mode). `tree_top_k > 1`: the EAGLE-2 dynamic tree (`tree_depth` levels,
+            tree_depth, tree_top_k: EAGLE drafting (`tree_depth` default: 5, or 7 for `"relaxed"` / `"grouped"`,
+                whose looser acceptance keeps longer chains). `tree_top_k=1` (default): a chain of `tree_depth`
+                tokens, each sampled from the head's processed distribution (accepted with probability
+                `sum min(p, q)`; on a CPU the cheapest EAGLE mode). `tree_top_k > 1`: the EAGLE-2 dynamic tree (`tree_depth` levels,
                 `tree_top_k` top-k children per node, best `num_draft_tokens` nodes kept), verified node by node
                 (deterministic drafts: a child is accepted with probability `p(x)` of the current residual).
             relaxation_top_k, relaxation_delta, relaxation_lambda: LANTERN neighbourhood size k, additive TV budget
@@ -294,12 +296,15 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             `SpeculativeImageOutput(images, stats)` or `(images, stats)`.
         """
         # 1. check inputs, resolve the method
-        self.check_inputs(class_labels, acceptance, drafter, 1 if num_draft_tokens is None else num_draft_tokens,
-                          output_type, guidance_scale, callback_on_step_end_tensor_inputs, num_images_per_prompt)  # fmt: skip
+        self.check_inputs(class_labels, acceptance, drafter, num_draft_tokens, output_type, guidance_scale,
+                          callback_on_step_end_tensor_inputs, num_images_per_prompt, tree_depth=tree_depth,
+                          tree_top_k=tree_top_k, jacobi_window=jacobi_window)  # fmt: skip
         if acceptance != "none" and drafter is None:
             drafter = self._default_drafter(acceptance)
         if num_draft_tokens is None:
             num_draft_tokens = {"eagle": 24}.get(drafter, 4)
+        if tree_depth is None:
+            tree_depth = 7 if acceptance in ("relaxed", "grouped") else 5
         sampling = SamplingParams(guidance_scale, temperature, top_k, top_p, do_sample)
         if sampling.greedy and acceptance == "grouped":
             raise ValueError("acceptance='grouped' (GSD) is a sampling rule; use do_sample=True and temperature > 0")
@@ -370,11 +375,11 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if acceptance == "exact" or acceptance == "jacobi":
             if sampling.greedy:
                 return verify_greedy(drafts, p_target, num_draft=num_draft)
-            return verify_exact(drafts, p_target, q_draft, generator=generator, num_draft=num_draft)
+            return verify_exact(drafts, p_target, q_draft, generator=generator, num_draft=num_draft, validate=False)
         if acceptance == "relaxed":
-            return verify_relaxed(drafts, p_target, q_draft, generator=generator, num_draft=num_draft,
+            return verify_relaxed(drafts, p_target, q_draft, generator=generator, num_draft=num_draft, validate=False,
                                   resample=resample, greedy=sampling.greedy, **knobs)  # fmt: skip
-        return verify_grouped(drafts, p_target, q_draft, generator=generator, num_draft=num_draft,
+        return verify_grouped(drafts, p_target, q_draft, generator=generator, num_draft=num_draft, validate=False,
                               resample=resample, **knobs)  # fmt: skip
 
     def _end_round(self, state, round_index, callback, callback_inputs):
@@ -416,9 +421,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         while bool(state.active.any()):
             active = state.active
             num_draft = state.remaining().clamp(min=1, max=k)
+            k_round = int(num_draft.max())  # no drafts past the last image token
             with stats.timer("draft", device):
-                drafts, q_draft = drafter.draft(state.last_committed, state.pending, k, sampling, generator)
-                stats.draft_forwards += k
+                drafts, q_draft = drafter.draft(state.last_committed, state.pending, k_round, sampling, generator)
+                stats.draft_forwards += k_round
             p_target = self._target_chain(cache, state, drafts, sampling, stats, device)
             with stats.timer("verify", device):
                 res = self._verify_chain(drafts, p_target, q_draft, acceptance, knobs, resample, sampling, generator,
@@ -444,10 +450,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         rnd = 0
         while bool(state.active.any()):
             active = state.active
+            num_draft = state.remaining().clamp(min=1, max=chain or None)
             with stats.timer("draft", device):
                 if chain:
+                    length = int(num_draft.max())  # no drafts past the last image token
                     drafts, q_draft = draft_chain(head, target, head_cache, hidden_in, ids_in, num_valid,
-                                                  length=chain, sampling=sampling, generator=generator)  # fmt: skip
+                                                  length=length, sampling=sampling, generator=generator)  # fmt: skip
                     tokens_v, inputs = torch.cat([state.pending[:, None], drafts], dim=1), ()
                 else:
                     tree = draft_tree(head, target, head_cache, hidden_in, ids_in, num_valid, depth=depth,
@@ -455,18 +463,18 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                     tokens_v, parents_v = prepend_root(state.pending, tree.tokens, tree.parents)  # [B, N+1]
                     inputs = tree_inputs(_two(parents_v), cache.lengths)
                 head_cache.rollback(head_cache.lengths - _two(torch.where(active, 0, num_valid[:batch])))
-                stats.draft_forwards += chain or depth
+                stats.draft_forwards += length if chain else depth
             with stats.timer("verify", device):
                 out = target(_two(tokens_v), cache, *inputs, return_hidden=True)
                 stats.target_forwards += 1
                 p_target = sampling.probs(*out.logits.chunk(2))  # [B, N+1, V]
                 if chain:
-                    num_draft = state.remaining().clamp(min=1, max=chain)
                     res = self._verify_chain(drafts, p_target, q_draft, acceptance, knobs, resample, sampling,
                                              generator, num_draft)  # fmt: skip
                 else:
                     res = verify_tree(tree.tokens, tree.parents, p_target, mode="deterministic", generator=generator,
-                                      greedy=sampling.greedy, acceptance=acceptance, resample=resample, **knobs)  # fmt: skip
+                                      greedy=sampling.greedy, acceptance=acceptance, resample=resample,
+                                      validate=False, **knobs)  # fmt: skip
             path_len = torch.where(active, res.num_accepted + 1, 0)
             if chain:
                 cache.commit(_two(path_len))
@@ -495,10 +503,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         while bool(state.active.any()):
             active = state.active
             num_draft = state.remaining().clamp(min=1, max=window)
+            jacobi.narrow(int(num_draft.max()))  # near the end: no drafts past the last image token
             p_target = self._target_chain(cache, state, jacobi.drafts, sampling, stats, device)
             with stats.timer("verify", device):
                 res = verify_jacobi(jacobi.drafts, p_target, jacobi.q_draft, generator=generator, coupling=coupling,
-                                    num_draft=num_draft, acceptance=rule, resample=resample, **knobs)  # fmt: skip
+                                    num_draft=num_draft, acceptance=rule, resample=resample, validate=False,
+                                    **knobs)  # fmt: skip
             cache.commit(_two(torch.where(active, res.num_accepted + 1, 0)))
             num = state.emit(res.tokens, res.num_accepted + 1)
             with stats.timer("draft", device):

@@ -194,6 +194,9 @@ def test_save_load_round_trip(pipe, tmp_path):
         (dict(acceptance="relaxed", relaxation_lambda=0.5), "relaxation_lambda"),
         (dict(acceptance="grouped", do_sample=False), "grouped"),
         (dict(temperature=-1.0), "temperature"),
+        (dict(acceptance="exact", drafter="eagle", tree_depth=0), "tree_depth"),
+        (dict(acceptance="exact", drafter="eagle", tree_top_k=0), "tree_top_k"),
+        (dict(acceptance="jacobi", jacobi_window=0), "jacobi_window"),
     ],
 )
 def test_bad_inputs(pipe, kwargs, match):
@@ -212,3 +215,27 @@ def test_incompatible_components(parts):
     pipe = SpeculativeARImagePipeline(target, vq)
     with pytest.raises(ValueError, match="draft_model"):
         pipe(class_labels=[0], drafter="model")
+
+
+@pytest.mark.parametrize(
+    "method, broken",
+    [
+        (dict(acceptance="none"), "target"),
+        (dict(acceptance="grouped"), "target"),
+        (dict(acceptance="exact", drafter="eagle"), "target"),
+        (dict(acceptance="exact", drafter="eagle"), "eagle"),
+        (dict(acceptance="exact", drafter="model"), "draft"),
+    ],
+)
+def test_nan_logits_raise(parts, method, broken):
+    """NaN weights (target or drafter) give a clear ValueError, never silent tokens: the pipeline's distributions
+    are validated where they are made (`SamplingParams.probs`), so its verifier calls skip re-validation."""
+    import copy
+
+    target, near, head, vq = (copy.deepcopy(m) for m in parts)
+    with torch.no_grad():
+        for p in {"target": target, "eagle": head, "draft": near}[broken].parameters():
+            p.fill_(float("nan"))
+    pipe = SpeculativeARImagePipeline(target, vq, near, head)
+    with pytest.raises(ValueError, match="NaN"):
+        run(pipe, **method)

@@ -50,6 +50,11 @@ class JacobiDrafter:
         self.q_draft = result.next_q.clone()
         self._fill(pending, result.num_carried, generator)
 
+    def narrow(self, width):
+        """Keep only the first `width` window positions from now on (the image ends within them)."""
+        if width < self.drafts.shape[1]:
+            self.drafts, self.q_draft = self.drafts[:, :width], self.q_draft[:, :width]
+
     def _fill(self, pending, num_carried, generator):
         """Fill positions `>= num_carried [B]` with fresh tokens (point-mass `q_draft`)."""
         b, k = self.drafts.shape

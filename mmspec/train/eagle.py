@@ -119,6 +119,15 @@ def evaluate_head(head, target, codes, labels, batch_size=250, steps=4):
     return metrics
 
 
+def _unroll_text(args):
+    if args.unroll <= 1:
+        return ""
+    return (
+        f"; training-time test: {args.unroll} unrolled steps (the head fed its own features, attending as at "
+        f"inference), step j weighted {args.step_decay}^j" + (f"; initialised from {args.init}" if args.init else "")
+    )
+
+
 def run(args):
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
@@ -177,9 +186,11 @@ def run(args):
             "block type -> f_hat[t+1], decoded by the target's own output head (token embedding and output head are "
             f"the target's, not stored here). Trained on the target's final-norm features: SmoothL1 regression + "
             f"{args.p_weight} x soft cross-entropy to the target's next-token distribution, uniform input-feature "
-            f"noise U(-{args.noise}, {args.noise}), {args.null_prob:.0%} null-class rows. `accept_prob` is the mean "
-            "one-step acceptance probability sum_v min(p_target, q_draft) given the target's true feature (temperature "
-            f"1, no guidance) on the first {len(eval_codes)} `{args.eval_split}` items."
+            f"noise U(-{args.noise}, {args.noise}), {args.null_prob:.0%} null-class rows{_unroll_text(args)}. "
+            "`accept_prob` is the mean one-step acceptance probability sum_v min(p_target, q_draft) given the "
+            "target's true feature (temperature 1, no guidance); `accept_prob_step{j}` the same for the (j+1)-th "
+            f"token of a chain the head drafts on its own features; on the first {len(eval_codes)} "
+            f"`{args.eval_split}` items."
         ),
         model=saved,
         data=f"{args.data} ({args.train_split}: {len(codes)} items)",

@@ -104,9 +104,10 @@ class StaticKVCache:
         """Write `k_new, v_new [rows, n_kv_head, M, head_dim]` at `write_slots [rows, M]` of `layer`; return the
         layer's full K, V `[rows, n_kv_head, max_seq, head_dim]` (views into the cache)."""
         k_layer, v_layer = self.k[layer], self.v[layer]
-        index = write_slots[:, None, :, None].expand(-1, k_layer.shape[1], -1, k_layer.shape[-1])
-        k_layer.scatter_(2, index, k_new.to(k_layer.dtype))
-        v_layer.scatter_(2, index, v_new.to(v_layer.dtype))
+        rows = torch.arange(write_slots.shape[0], device=write_slots.device)[:, None].expand_as(write_slots)
+        # index_put on the [rows, slots, heads, hd] view (2-3x faster than a 4-D scatter_ for M > 1 on CPU)
+        k_layer.transpose(1, 2)[rows, write_slots] = k_new.transpose(1, 2).to(k_layer.dtype)
+        v_layer.transpose(1, 2)[rows, write_slots] = v_new.transpose(1, 2).to(v_layer.dtype)
         return k_layer, v_layer
 
     def visibility(self, key_slots, key_mask):

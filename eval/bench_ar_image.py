@@ -9,7 +9,8 @@ Protocol: one warm-up call per method, then `--repeats` rounds; each round runs 
 hits all alike) on the same `--num-images` class labels (balanced over the classes) with the same per-call seeds.
 `latency_s` is the median over calls of wall time / images in the call; `speedup` = plain latency / method latency
 from the same run; `accuracy` is the zoo classifier's accuracy on all generated images of the method.
-`step_compression` = image tokens / target forwards of the batched call (what latency sees: a batch finishes with
+`target_forwards_per_image` = sequential target forwards an image needs (its call's forwards: every image of a batched
+call is in each of them; plain = image tokens). `step_compression` = image tokens / target forwards of the batched call (what latency sees: a batch finishes with
 its slowest row); `row_step_compression` = the same per row, averaged (each row's own rounds + the prefill).
 """
 

@@ -130,6 +130,12 @@ class StaticKVCache:
         mask.scatter_(2, key_slots[:, None, :].expand(rows, m, k), key_mask)
         return mask
 
+    def select_rows(self, index):
+        """Keep only rows `index [R']` (e.g. to drop finished sequences from later forwards); copies the storage."""
+        self.k, self.v = self.k[:, index], self.v[:, index]
+        self.lengths, self.key_valid = self.lengths[index], self.key_valid[index]
+        return self
+
     # ------------------------------------------------------------------ commit / rollback
     def rollback(self, lengths):
         """Set the committed lengths back to `lengths [rows]` (a tensor or int). Nothing else changes."""

@@ -55,24 +55,26 @@ class SpecStats:
             self.generated_tokens[b] += num_tokens
             self.prefill_tokens[b] += num_tokens
 
-    def record_round(self, num_drafted, num_accepted, num_generated, active=None):
-        """Record one verification round for all rows (tensors or lists of length B).
+    def record_round(self, num_drafted, num_accepted, num_generated, active=None, rows=None):
+        """Record one verification round (tensors or lists, one entry per row that took part).
 
         `num_generated` is what the row committed this round (accepted drafts + the next token, fewer when the
-        sequence ends); `active` masks rows that did not take part (finished rows).
+        sequence ends); `active` masks rows that did not take part (finished rows); `rows` are the batch rows the
+        entries belong to (default `0 .. B-1`; pipelines that compact finished rows away pass the survivors' ids).
         """
         drafted, accepted, generated = (
             torch.as_tensor(x).tolist() for x in (num_drafted, num_accepted, num_generated)
         )
-        active = [True] * self.batch_size if active is None else torch.as_tensor(active).tolist()
-        for b in range(self.batch_size):
-            if not active[b]:
+        rows = list(range(self.batch_size)) if rows is None else torch.as_tensor(rows).tolist()
+        active = [True] * len(rows) if active is None else torch.as_tensor(active).tolist()
+        for i, b in enumerate(rows):
+            if not active[i]:
                 continue
-            self.drafted_tokens[b] += drafted[b]
-            self.accepted_tokens[b] += accepted[b]
-            self.generated_tokens[b] += generated[b]
+            self.drafted_tokens[b] += drafted[i]
+            self.accepted_tokens[b] += accepted[i]
+            self.generated_tokens[b] += generated[i]
             self.rounds[b] += 1
-            k = min(accepted[b], len(self.accept_histogram) - 1)
+            k = min(accepted[i], len(self.accept_histogram) - 1)
             self.accept_histogram[k] += 1
 
     @contextmanager

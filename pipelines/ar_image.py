@@ -73,7 +73,9 @@ class SpeculativeImageOutput(BaseOutput):
 
 
 class _Tokens:
-    """Per-call token buffer: `tokens [B, N]` (-1 = not generated) and `count [B]` tokens generated per row.
+    """Per-call token buffer of the rows still being decoded: `tokens [B', N]` (-1 = not generated), `count [B']`
+    tokens generated per row, `ids [B']` their rows in the call's batch. Finished rows are compacted out of the
+    per-round work (`keep`); `full()` is the whole `[B, N]` grid.
 
     The last generated token of a row is *pending*: emitted, but not yet fed to the target (its cache length is
     `cls_token_num + count - 1`)."""
@@ -84,6 +86,8 @@ class _Tokens:
         self.tokens[:, 0] = first
         self.count = torch.ones(b, dtype=torch.long, device=first.device)
         self.rows = torch.arange(b, device=first.device)
+        self.ids = self.rows
+        self._grid = self.tokens.clone()  # rows that left keep their tokens here
 
     @property
     def active(self):
@@ -100,8 +104,29 @@ class _Tokens:
     def remaining(self):
         return self.tokens.shape[1] - self.count
 
+    def num_generated(self):
+        """Tokens generated so far over the whole batch."""
+        return int(self.count.sum()) + self.tokens.shape[1] * (self._grid.shape[0] - self.ids.shape[0])
+
+    def full(self):
+        """The `[B, N]` token grid of every row of the call."""
+        grid = self._grid.clone()
+        grid[self.ids] = self.tokens
+        return grid
+
+    def replace(self, grid):
+        """Take a (callback-edited) `[B, N]` grid."""
+        self._grid = grid.clone()
+        self.tokens = grid[self.ids].clone()
+
+    def keep(self, index):
+        """Keep only rows `index` (positions in the current buffer) for the rounds to come."""
+        self._grid[self.ids] = self.tokens
+        self.tokens, self.count, self.ids = self.tokens[index], self.count[index], self.ids[index]
+        self.rows = torch.arange(index.shape[0], device=index.device)
+
     def emit(self, new_tokens, num_new):
-        """Append `new_tokens[b, :num_new[b]]` to each active row (truncated at N); returns tokens appended [B]."""
+        """Append `new_tokens[b, :num_new[b]]` to each active row (truncated at N); returns tokens appended [B']."""
         n_max = self.tokens.shape[1]
         num = torch.where(self.active, torch.minimum(num_new, self.remaining()), 0)
         j = torch.arange(new_tokens.shape[1], device=new_tokens.device)
@@ -343,7 +368,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
 
             # 4. tokens -> images
             with stats.timer("decode", device):
-                images = self.postprocess(state.tokens, output_type)
+                images = self.postprocess(state.full(), output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
             return images, stats
@@ -385,11 +410,25 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
     def _end_round(self, state, round_index, callback, callback_inputs):
         if callback is None:
             return
-        out = callback(
-            self, round_index, int(state.count.sum()), {name: getattr(state, name) for name in callback_inputs}
-        )
+        tensors = {name: state.full() if name == "tokens" else getattr(state, name) for name in callback_inputs}
+        out = callback(self, round_index, state.num_generated(), tensors)
         if out and "tokens" in out:
-            state.tokens = out["tokens"]
+            state.replace(out["tokens"])
+
+    @staticmethod
+    def _drop_finished(state, caches=(), per_row=()):
+        """Compact finished rows out of the per-round work: `state`, the KV `caches` and the `per_row` tensors (all
+        in CFG rows `[cond; uncond]`) keep only the active rows. Returns the compacted `per_row` tensors and the kept
+        positions `[B']` (None when nothing changed), for drafter state in batch-item rows."""
+        active = state.active
+        if bool(active.all()) or not bool(active.any()):
+            return per_row, None
+        index = active.nonzero()[:, 0]
+        both = torch.cat([index, index + active.shape[0]])
+        state.keep(index)
+        for cache in caches:
+            cache.select_rows(both)
+        return tuple(t[both] for t in per_row), index
 
     def _target_chain(self, cache, state, drafts, sampling, stats, device):
         """Score `[pending, drafts]` for both CFG streams: returns `p_target [B, K+1, V]`."""
@@ -408,7 +447,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             p = self._target_chain(cache, state, state.tokens[:, :0], sampling, stats, device)[:, 0]  # [B, V]
             cache.commit(_two(active.long()))
             num = state.emit(sample(p, generator)[:, None], torch.ones_like(state.count))
-            stats.record_round(torch.zeros_like(num), torch.zeros_like(num), num, active)
+            stats.record_round(torch.zeros_like(num), torch.zeros_like(num), num, active, rows=state.ids)
             rnd += 1
             self._end_round(state, rnd, callback, callback_inputs)
 
@@ -432,9 +471,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             cache.commit(_two(torch.where(active, res.num_accepted + 1, 0)))
             num = state.emit(res.tokens, res.num_accepted + 1)
             drafter.commit(cache.lengths[: state.count.shape[0]])
-            stats.record_round(num_draft, res.num_accepted, num, active)
+            stats.record_round(num_draft, res.num_accepted, num, active, rows=state.ids)
             rnd += 1
             self._end_round(state, rnd, callback, callback_inputs)
+            self._drop_finished(state, (cache, drafter.cache))
 
     def _decode_tree(self, prefill_hidden, total, depth, top_k, acceptance, knobs, resample, state, cache, sampling,
                      generator, stats, callback, callback_inputs):  # fmt: skip
@@ -442,14 +482,13 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         children) or a chain of `min(depth, total)` tokens sampled from its `q_draft` (`top_k == 1`); one target
         forward scores it."""
         device, head, target = cache.device, self.eagle_head, self.transformer
-        batch = state.count.shape[0]
         chain = min(depth, total) if top_k == 1 else 0
-        head_cache = head.setup_cache(2 * batch, cache.max_seq)
+        head_cache = head.setup_cache(cache.rows, cache.max_seq)
         hidden_in, ids_in = prefill_hidden, _two(state.pending[:, None])  # pairs (h_t, x_{t+1})
-        num_valid = torch.ones(2 * batch, dtype=torch.long, device=device)
+        num_valid = torch.ones(2 * state.count.shape[0], dtype=torch.long, device=device)
         rnd = 0
         while bool(state.active.any()):
-            active = state.active
+            active, batch = state.active, state.count.shape[0]
             num_draft = state.remaining().clamp(min=1, max=chain or None)
             with stats.timer("draft", device):
                 if chain:
@@ -488,9 +527,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             ids_in = _two(res.tokens.clamp(min=0))
             num_valid = _two(res.num_accepted + 1)
             drafted = num_draft if chain else torch.full_like(num, tokens_v.shape[1] - 1)
-            stats.record_round(drafted, res.num_accepted, num, active)
+            stats.record_round(drafted, res.num_accepted, num, active, rows=state.ids)
             rnd += 1
             self._end_round(state, rnd, callback, callback_inputs)
+            (hidden_in, ids_in, num_valid), _ = self._drop_finished(
+                state, (cache, head_cache), (hidden_in, ids_in, num_valid)
+            )
 
     def _decode_jacobi(self, window, init, coupling, acceptance, knobs, resample, state, cache, sampling, generator,
                        stats, callback, callback_inputs):  # fmt: skip
@@ -513,9 +555,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             num = state.emit(res.tokens, res.num_accepted + 1)
             with stats.timer("draft", device):
                 jacobi.update(res, state.pending, generator)
-            stats.record_round(num_draft, res.num_accepted, num, active)
+            stats.record_round(num_draft, res.num_accepted, num, active, rows=state.ids)
             rnd += 1
             self._end_round(state, rnd, callback, callback_inputs)
+            _, kept = self._drop_finished(state, (cache,))
+            if kept is not None:
+                jacobi.select_rows(kept)
 
     # ------------------------------------------------------------------ output
     def postprocess(self, tokens, output_type):

@@ -124,3 +124,14 @@ def test_visibility_and_slot_checks():
         cache.check_slots(torch.tensor([[1, 2]]))
     with pytest.raises(ValueError, match="rows"):
         StaticKVCache(1, 0, 1, 8, 4)
+
+
+def test_select_rows_keeps_the_chosen_sequences():
+    cache = StaticKVCache(2, 4, 1, 8, 2)
+    cache.k.copy_(torch.arange(cache.k.numel(), dtype=torch.float32).view_as(cache.k))
+    cache.lengths = torch.tensor([1, 2, 3, 4])
+    cache.key_valid[2, 0] = False
+    ref = cache.clone()
+    cache.select_rows(torch.tensor([2, 0]))
+    assert cache.rows == 2 and cache.lengths.tolist() == [3, 1]
+    assert torch.equal(cache.k, ref.k[:, [2, 0]]) and torch.equal(cache.key_valid, ref.key_valid[[2, 0]])

@@ -172,6 +172,38 @@ def test_callback_sees_tokens(pipe):
     assert seen and seen[-1][1].min() >= 0 and seen[0][0] == 1
 
 
+@pytest.mark.parametrize("method", [dict(acceptance="exact", drafter="model"), dict(acceptance="exact", drafter="eagle"),
+                                    dict(acceptance="grouped")])  # fmt: skip
+def test_finished_rows_leave_the_batch(parts, method):
+    """Rows that finish are compacted out of later forwards (fewer rows scored), while the callback still sees the
+    whole [B, N] grid, finished rows keep their tokens and per-row stats stay per original row."""
+    target, near, head, vq = parts
+    rows_scored, grids = [], []
+    original_forward = target.forward
+
+    def counting_forward(input_ids, *args, **kwargs):
+        rows_scored.append(input_ids.shape[0])
+        return original_forward(input_ids, *args, **kwargs)
+
+    def cb(p, rnd, n, kwargs):
+        grids.append(kwargs["tokens"].clone())
+        return {}
+
+    pipe = SpeculativeARImagePipeline(target, vq, near, head)
+    target.forward = counting_forward
+    try:
+        out = run(pipe, class_labels=[0, 1, 2, 3], callback_on_step_end=cb, **method)
+    finally:
+        del target.forward
+    s = out.stats
+    assert s.generated_tokens == [GRID**2] * 4 and len(set(s.rounds)) > 1  # ragged: rows finish apart
+    assert rows_scored[0] == 8 and min(rows_scored) < 8  # CFG rows [cond; uncond] of the live rows only
+    assert all(g.shape == (4, GRID**2) for g in grids)
+    assert torch.equal(grids[-1], out.images)
+    for a, b in zip(grids, grids[1:]):  # tokens, once written, never change
+        assert torch.equal(b[a >= 0], a[a >= 0])
+
+
 def test_save_load_round_trip(pipe, tmp_path):
     pipe.save_pretrained(tmp_path / "pipe")
     loaded = SpeculativeARImagePipeline.from_pretrained(tmp_path / "pipe")

@@ -50,6 +50,10 @@ class JacobiDrafter:
         self.q_draft = result.next_q.clone()
         self._fill(pending, result.num_carried, generator)
 
+    def select_rows(self, index):
+        """Keep only batch items `index [B']` (finished rows dropped)."""
+        self.drafts, self.q_draft = self.drafts[index], self.q_draft[index]
+
     def narrow(self, width):
         """Keep only the first `width` window positions from now on (the image ends within them)."""
         if width < self.drafts.shape[1]:

@@ -18,8 +18,8 @@ tree of `num_draft_tokens` nodes, `tree_depth` levels and `tree_top_k` determini
 Classifier-free guidance: every target forward scores both streams (rows `[cond; uncond]`, same tokens, same cache
 commits), and `p_target` / `q_draft` are the guided, temperature/top-k/top-p processed distributions
 (`mmspec.sampling.SamplingParams`), exactly what plain sampling draws from. Batches are ragged: every row accepts its
-own number of tokens per round and keeps its own cache length; a finished row idles (its forwards are padding) until
-all rows are done, so no row waits for another to catch up.
+own number of tokens per round and keeps its own cache length, so no row waits for another to catch up; a finished
+row is compacted out of the target/draft caches and later forwards (the call returns when every row is done).
 """
 
 import logging

@@ -16,10 +16,8 @@ from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
     random_batch_indices,
-    save_model,
     seed_everything,
-    train_loop,
-    warmup_cosine_lr,
+    train_and_save,
     write_model_card,
 )
 from mmspec.train.data import load_mnist
@@ -71,22 +69,7 @@ def run(args):
         loss = F.cross_entropy(logits, labels[idx], label_smoothing=args.label_smoothing)
         return {"loss": loss, "acc": (logits.argmax(-1) == labels[idx]).float().mean()}
 
-    result = train_loop(
-        model,
-        optimizer,
-        step_fn,
-        total_steps=args.steps,
-        out_dir=args.out,
-        generator=generator,
-        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps, min_lr_ratio=0.02),
-        grad_clip=args.grad_clip,
-        checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every,
-    )
-    save_model(model, args.out, dtype=torch.float16 if args.fp16_weights else None)
-    from mmspec.models import load
-
-    saved = load(args.out)  # evaluate what users load
+    result, saved = train_and_save(model, optimizer, step_fn, args, generator, min_lr_ratio=0.02)
     metrics = {f"final_train_{k}": v for k, v in result.metrics.items()}
     test_images, test_labels = load_mnist("test")
     metrics["test_accuracy"] = accuracy(saved, test_images, test_labels)

@@ -361,6 +361,32 @@ def save_model(model, out_dir: str | os.PathLike, dtype: torch.dtype | None = to
     return out_dir
 
 
+def train_and_save(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0.1, **loop_kwargs):
+    """The shared tail of every training task: `train_loop` with the common options of `add_common_arguments`
+    (warmup + cosine schedule, grad clip, checkpoint/log cadence), `save_model` to `args.out` (float16 unless
+    `--fp32-weights`), then the model loaded back as users will load it.
+
+    Returns `(TrainResult, saved model)`; `loop_kwargs` go to `train_loop` (e.g. `extra_state`, `after_step`).
+    """
+    from mmspec.models import load
+
+    result = train_loop(
+        model,
+        optimizer,
+        step_fn,
+        total_steps=args.steps,
+        out_dir=args.out,
+        generator=generator,
+        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps, min_lr_ratio=min_lr_ratio),
+        grad_clip=args.grad_clip,
+        checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every,
+        **loop_kwargs,
+    )
+    save_model(model, args.out, dtype=torch.float16 if args.fp16_weights else None)
+    return result, load(args.out)
+
+
 def _jsonable(value):
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}

@@ -22,10 +22,8 @@ from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
     random_batch_indices,
-    save_model,
     seed_everything,
-    train_loop,
-    warmup_cosine_lr,
+    train_and_save,
     write_model_card,
 )
 from mmspec.train.gpt import (
@@ -160,22 +158,7 @@ def run(args):
         )
         return {"loss": vloss + args.p_weight * ploss, "vloss": vloss.detach(), "ploss": ploss.detach()}
 
-    result = train_loop(
-        head,
-        optimizer,
-        step_fn,
-        total_steps=args.steps,
-        out_dir=args.out,
-        generator=generator,
-        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
-        grad_clip=args.grad_clip,
-        checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every,
-    )
-    save_model(head, args.out, dtype=torch.float16 if args.fp16_weights else None)
-    from mmspec.models import load
-
-    saved = load(args.out)
+    result, saved = train_and_save(head, optimizer, step_fn, args, generator)
     metrics = evaluate_head(saved, target, eval_codes, eval_labels)
     logger.info("%s metrics: %s", args.eval_split, metrics)
     write_model_card(

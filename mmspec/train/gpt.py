@@ -21,10 +21,8 @@ from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
     random_batch_indices,
-    save_model,
     seed_everything,
-    train_loop,
-    warmup_cosine_lr,
+    train_and_save,
     write_model_card,
 )
 
@@ -155,22 +153,7 @@ def run(args):
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x.reshape(-1))
         return {"loss": loss}
 
-    result = train_loop(
-        model,
-        optimizer,
-        step_fn,
-        total_steps=args.steps,
-        out_dir=args.out,
-        generator=generator,
-        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
-        grad_clip=args.grad_clip,
-        checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every,
-    )
-    save_model(model, args.out, dtype=torch.float16 if args.fp16_weights else None)
-    from mmspec.models import load
-
-    saved = load(args.out)  # evaluate what users load (fp16-rounded weights)
+    result, saved = train_and_save(model, optimizer, step_fn, args, generator)
     metrics = evaluate_nll(saved, eval_codes, eval_labels)
     logger.info("%s metrics: %s", args.eval_split, metrics)
     write_model_card(

@@ -21,10 +21,8 @@ from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
     random_batch_indices,
-    save_model,
     seed_everything,
-    train_loop,
-    warmup_cosine_lr,
+    train_and_save,
     write_model_card,
 )
 from mmspec.train.data import MNIST_PAD, load_mnist
@@ -186,26 +184,9 @@ def run(args):
             if n:
                 logger.info("step %d: restarted %d dead codes", step + 1, n)
 
-    result = train_loop(
-        model,
-        optimizer,
-        step_fn,
-        total_steps=args.steps,
-        out_dir=args.out,
-        generator=generator,
-        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
-        grad_clip=args.grad_clip,
-        checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every,
-        extra_state={"usage": usage},
-        after_step=after_step,
+    result, saved = train_and_save(
+        model, optimizer, step_fn, args, generator, extra_state={"usage": usage}, after_step=after_step
     )
-
-    # Save, then evaluate the model as users will load it (possibly float16-rounded weights).
-    save_model(model, args.out, dtype=torch.float16 if args.fp16_weights else None)
-    from mmspec.models import load
-
-    saved = load(args.out)
     test_images, _ = load_mnist(args.eval_split)
     metrics = evaluate_vq(saved, test_images)
     train_metrics = evaluate_vq(saved, images[:2000])

@@ -299,9 +299,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             tree_depth, tree_top_k: EAGLE drafting (`tree_depth` default: 5, or 7 for `"relaxed"` / `"grouped"`,
                 whose looser acceptance keeps longer chains). `tree_top_k=1` (default): a chain of `tree_depth`
                 tokens, each sampled from the head's processed distribution (accepted with probability
-                `sum min(p, q)`; on a CPU the cheapest EAGLE mode). `tree_top_k > 1`: the EAGLE-2 dynamic tree (`tree_depth` levels,
-                `tree_top_k` top-k children per node, best `num_draft_tokens` nodes kept), verified node by node
-                (deterministic drafts: a child is accepted with probability `p(x)` of the current residual).
+                `sum min(p, q)`; on a CPU the cheapest EAGLE mode). `tree_top_k > 1`: the EAGLE-2 dynamic tree
+                (`tree_depth` levels, `tree_top_k` top-k children per node, best `num_draft_tokens` nodes kept),
+                verified node by node (deterministic drafts: a child is accepted with probability `p(x)` of the
+                current residual).
             relaxation_top_k, relaxation_delta, relaxation_lambda: LANTERN neighbourhood size k, additive TV budget
                 delta, or LANTERN++'s multiplicative lambda (> 1; replaces delta when set).
             group_size, group_prob_threshold, group_dist_threshold: GSD rank window and its probability / squared
@@ -495,15 +496,15 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                     length = int(num_draft.max())  # no drafts past the last image token
                     drafts, q_draft = draft_chain(head, target, head_cache, hidden_in, ids_in, num_valid,
                                                   length=length, sampling=sampling, generator=generator)  # fmt: skip
-                    tokens_v, inputs = torch.cat([state.pending[:, None], drafts], dim=1), ()
+                    tokens_v = torch.cat([state.pending[:, None], drafts], dim=1)
                 else:
                     tree = draft_tree(head, target, head_cache, hidden_in, ids_in, num_valid, depth=depth,
                                       top_k=top_k, total=total, guidance_scale=sampling.guidance_scale)  # fmt: skip
                     tokens_v, parents_v = prepend_root(state.pending, tree.tokens, tree.parents)  # [B, N+1]
-                    inputs = tree_inputs(_two(parents_v), cache.lengths)
                 head_cache.rollback(head_cache.lengths - _two(torch.where(active, 0, num_valid[:batch])))
                 stats.draft_forwards += length if chain else depth
             with stats.timer("verify", device):
+                inputs = () if chain else tree_inputs(_two(parents_v), cache.lengths)  # tree positions/slots/mask
                 out = target(_two(tokens_v), cache, *inputs, return_hidden=True)
                 stats.target_forwards += 1
                 p_target = sampling.probs(*out.logits.chunk(2))  # [B, N+1, V]

@@ -294,11 +294,26 @@ def prepend_root(root_tokens, tokens, parents):
     return (torch.cat([root_tokens, tokens], dim=1), torch.cat([torch.full_like(parents[:, :1], -1), shifted], dim=1))
 
 
+def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None):
+    """Step 1 of every EAGLE draft: feed the newly accepted pairs `(hidden, input_ids)` (`num_valid [rows]` valid per
+    row, default all), commit them to the head cache, and return the last valid feature `[rows, 1, dim]`, which
+    drafts the first token after the root."""
+    rows, m = input_ids.shape
+    device = input_ids.device
+    num_valid = torch.full((rows,), m, dtype=torch.long, device=device) if num_valid is None else num_valid
+    num_valid = torch.as_tensor(num_valid, dtype=torch.long, device=device)
+    if tuple(num_valid.shape) != (rows,) or bool(((num_valid < 1) | (num_valid > m)).any()):
+        raise ValueError(f"num_valid must be [rows={rows}] with values in 1..{m}")
+    feats = head(hidden, input_ids, target, cache)
+    cache.commit(num_valid)
+    return feats[torch.arange(rows, device=device), num_valid - 1][:, None]
+
+
 @torch.no_grad()
 def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, sampling, generator):
     """EAGLE chain with *sampled* drafts: `length` tokens, each drawn from the head's processed distribution.
 
-    Step 1 is as `draft_tree` (commit the accepted pairs, the last feature drafts). Each draft token is sampled from
+    Step 1 is `commit_accepted` (as in `draft_tree`). Each draft token is sampled from
     `q_draft = sampling.probs(cond, uncond)` of the head's logits (CFG, temperature, top-k/p exactly as the target's),
     so standard speculative sampling accepts it with probability `sum_v min(p_target, q_draft)`; a deterministic
     top-1 chain would be accepted with `p_target(argmax q_draft)` only, far less at temperature 1. Under greedy
@@ -319,10 +334,7 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, sa
         raise ValueError(f"rows must be [cond; uncond] (even), got {rows}")
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
-    num_valid = torch.as_tensor(num_valid, dtype=torch.long, device=input_ids.device)
-    feats = head(hidden, input_ids, target, cache)
-    cache.commit(num_valid)
-    feat = feats[torch.arange(rows, device=input_ids.device), num_valid - 1][:, None]  # [rows, 1, dim]
+    feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid)  # [rows, 1, dim]
     tokens, probs = [], []
     for d in range(length):
         q = sampling.probs(*head.compute_logits(target, feat[:, 0]).chunk(2))  # [B, V]
@@ -367,19 +379,14 @@ def draft_tree(
     Returns:
         `DraftTree` with `B = rows // 2` items under CFG (`guidance_scale` not None), else `B = rows`.
     """
-    rows, m = input_ids.shape
+    rows = input_ids.shape[0]
     device = input_ids.device
     if guidance_scale is not None and rows % 2:
         raise ValueError(f"with guidance_scale the rows must be [cond; uncond] (even), got {rows}")
     if depth < 1 or top_k < 1 or total < 1:
         raise ValueError(f"depth, top_k and total must be >= 1, got {depth}, {top_k}, {total}")
     top_k = min(top_k, head.config.vocab_size)
-    num_valid = torch.full((rows,), m, dtype=torch.long, device=device) if num_valid is None else num_valid
-    num_valid = torch.as_tensor(num_valid, dtype=torch.long, device=device)
-    if tuple(num_valid.shape) != (rows,) or bool(((num_valid < 1) | (num_valid > m)).any()):
-        raise ValueError(f"num_valid must be [rows={rows}] with values in 1..{m}")
     batch = rows // 2 if guidance_scale is not None else rows
-    ar_rows = torch.arange(rows, device=device)
 
     def log_probs(features):  # [rows, K, dim] -> [B, K, V]
         logits = cfg_combine(head.compute_logits(target, features), guidance_scale)
@@ -391,9 +398,7 @@ def draft_tree(
         return torch.cat([x, x], dim=0) if guidance_scale is not None else x
 
     # 1. accepted chain -> committed head state
-    feats = head(hidden, input_ids, target, cache)
-    cache.commit(num_valid)
-    root_feat = feats[ar_rows, num_valid - 1][:, None]  # [rows, 1, dim]
+    root_feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid)  # [rows, 1, dim]
     base_len = cache.lengths
 
     # depth 1: children of the root

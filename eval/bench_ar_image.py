@@ -37,6 +37,11 @@ METHODS = {
 }
 
 
+# pipeline knobs settable from the command line (flag = --name-with-dashes); unset ones keep the pipeline default
+KNOBS = {"num_draft_tokens": int, "tree_depth": int, "tree_top_k": int, "relaxation_top_k": int,
+         "relaxation_delta": float, "group_size": int, "group_dist_threshold": float, "jacobi_window": int}  # fmt: skip
+
+
 def add_arguments(parser):
     parser.add_argument("--zoo", default=str(Path(__file__).resolve().parent.parent / "assets"))
     parser.add_argument("--batch-size", type=int, default=1)
@@ -47,15 +52,10 @@ def add_arguments(parser):
     parser.add_argument("--guidance-scale", type=float, default=2.0)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
-    for flag, kind in (("num-draft-tokens", int), ("tree-depth", int), ("tree-top-k", int), ("relaxation-top-k", int),
-                       ("relaxation-delta", float), ("group-size", int), ("group-dist-threshold", float),
-                       ("jacobi-window", int)):  # fmt: skip
-        parser.add_argument(f"--{flag}", type=kind, default=None, help="pipeline knob (default: the pipeline's)")
+    for name, kind in KNOBS.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=kind, default=None, help="pipeline knob (default: the pipeline's)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-
-
-KNOBS = ("num_draft_tokens", "tree_depth", "tree_top_k", "relaxation_top_k", "relaxation_delta", "group_size",
-         "group_dist_threshold", "jacobi_window")  # fmt: skip
 
 
 def _knobs(args):

@@ -61,9 +61,9 @@ def add_arguments(parser):
 def eagle_losses(head, target, x, y, drop, noise=0.0, generator=None, unroll=1, step_decay=1.0):
     """Losses of one batch of token grids `x [B, N]`, classes `y [B]`.
 
-    Returns `(vloss, ploss, q_logits, p_logits)`: the step-weighted mean regression and distillation losses over
-    `unroll` training-time-test steps (`EagleHead.forward_unrolled`; step j has weight `step_decay ** j` and counts
-    positions `i >= j` only), and the step-0 draft / target logits (for metrics).
+    Returns `(vloss, ploss)`: the step-weighted mean regression and distillation losses over `unroll`
+    training-time-test steps (`EagleHead.forward_unrolled`; step j has weight `step_decay ** j` and counts positions
+    `i >= j` only).
     """
     with torch.no_grad():
         out = target.forward_train(x, y, drop=drop, return_hidden=True)
@@ -77,13 +77,11 @@ def eagle_losses(head, target, x, y, drop, noise=0.0, generator=None, unroll=1, 
     total_weight = 0.0
     for j, feats in enumerate(head.forward_unrolled(inputs, x[:, :-1], target, unroll)):  # pair i -> h[i + 1]
         q_logits = head.compute_logits(target, feats[:, j:])
-        if j == 0:
-            first_q = q_logits
         w = step_decay**j
         vloss = vloss + w * F.smooth_l1_loss(feats[:, j:], hidden[:, 1 + j :])
         ploss = ploss + w * soft_cross_entropy(q_logits, p_next[:, j:])
         total_weight += w
-    return vloss / total_weight, ploss / total_weight, first_q, p_logits[:, 1:]
+    return vloss / total_weight, ploss / total_weight
 
 
 @torch.no_grad()
@@ -153,9 +151,7 @@ def run(args):
         idx = random_batch_indices(len(codes), args.batch_size, generator)
         x, y = codes[idx], labels[idx]
         drop = null_drop(len(x), args.null_prob, generator)
-        vloss, ploss, _, _ = eagle_losses(
-            head, target, x, y, drop, args.noise, generator, args.unroll, args.step_decay
-        )
+        vloss, ploss = eagle_losses(head, target, x, y, drop, args.noise, generator, args.unroll, args.step_decay)
         return {"loss": vloss + args.p_weight * ploss, "vloss": vloss.detach(), "ploss": ploss.detach()}
 
     result, saved = train_and_save(head, optimizer, step_fn, args, generator)

@@ -136,6 +136,15 @@ class Upsample(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
+def _res_attn(block, h):
+    """A resolution level's residual blocks, each followed by its attention block when the level has them."""
+    for i, res in enumerate(block.res):
+        h = res(h)
+        if len(block.attn) > 0:
+            h = block.attn[i](h)
+    return h
+
+
 class Encoder(nn.Module):
     """Images [B, in_channels, H, W] -> latents [B, z_channels, H / 2^(L-1), W / 2^(L-1)], L = len(ch_mult)."""
 
@@ -169,10 +178,7 @@ class Encoder(nn.Module):
     def forward(self, x):
         h = self.conv_in(x)
         for block in self.conv_blocks:
-            for i, res in enumerate(block.res):
-                h = res(h)
-                if len(block.attn) > 0:
-                    h = block.attn[i](h)
+            h = _res_attn(block, h)
             if hasattr(block, "downsample"):
                 h = block.downsample(h)
         for layer in self.mid:
@@ -214,10 +220,7 @@ class Decoder(nn.Module):
         for layer in self.mid:
             h = layer(h)
         for block in self.conv_blocks:
-            for i, res in enumerate(block.res):
-                h = res(h)
-                if len(block.attn) > 0:
-                    h = block.attn[i](h)
+            h = _res_attn(block, h)
             if hasattr(block, "upsample"):
                 h = block.upsample(h)
         return self.conv_out(F.silu(self.norm_out(h)))

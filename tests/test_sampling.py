@@ -1,9 +1,18 @@
 """mmspec.sampling: CFG, logits -> probs (temperature, top-k, top-p, greedy), sync-free sampling."""
 
+import numpy as np
 import pytest
 import torch
 
-from mmspec.sampling import SamplingParams, cfg_combine, cfg_combine_stacked, logits_to_probs, sample
+from mmspec.sampling import (
+    SamplingParams,
+    cfg_combine,
+    cfg_combine_stacked,
+    check_probs_finite,
+    finite_flag,
+    logits_to_probs,
+    sample,
+)
 
 
 def test_cfg_combine_llamagen_form():
@@ -61,10 +70,17 @@ def test_greedy_is_one_hot_at_cfg_argmax():
     "kwargs, name",
     [
         ({"top_k": 0}, "top_k"),
-        ({"top_k": 1.5}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.2}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
         ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),  # must be finite (not read as "uniform")
+        ({"temperature": float("nan")}, "temperature"),
+        ({"guidance_scale": float("inf")}, "guidance_scale"),
+        ({"guidance_scale": float("-inf")}, "guidance_scale"),
+        ({"guidance_scale": float("nan")}, "guidance_scale"),
+        ({"guidance_scale": 1e39}, "guidance_scale"),  # finite in Python, inf in float32 CFG
+        ({"guidance_scale": -0.5}, "guidance_scale"),  # anti-guidance is rejected
     ],
 )
 def test_invalid_params_name_the_argument(kwargs, name):
@@ -74,6 +90,44 @@ def test_invalid_params_name_the_argument(kwargs, name):
         logits_to_probs(torch.randn(2, 4), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"guidance_scale": "2"}, "guidance_scale"),
+        ({"guidance_scale": True}, "guidance_scale"),
+        ({"guidance_scale": None}, "guidance_scale"),
+        ({"temperature": "1"}, "temperature"),
+        ({"temperature": False}, "temperature"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_k": "4"}, "top_k"),
+        ({"top_p": "0.9"}, "top_p"),
+        ({"top_p": True}, "top_p"),
+        ({"do_sample": "no"}, "do_sample"),
+        ({"do_sample": 0}, "do_sample"),
+    ],
+)
+def test_wrongly_typed_params_are_type_errors_naming_the_argument(kwargs, name):
+    with pytest.raises(TypeError, match=name):
+        SamplingParams(**kwargs)
+    with pytest.raises(TypeError, match=name):
+        logits_to_probs(torch.randn(2, 4), **kwargs)
+
+
+def test_numpy_knobs_are_accepted_as_plain_numbers():
+    params = SamplingParams(guidance_scale=np.float32(2.0), temperature=np.float64(0.5), top_k=np.int64(3))
+    assert type(params.guidance_scale) is float and type(params.temperature) is float and type(params.top_k) is int
+    assert params == SamplingParams(guidance_scale=2.0, temperature=0.5, top_k=3)
+
+
+def test_guidance_scale_zero_is_the_unconditional_distribution():
+    cond, uncond = torch.randn(3, 7), torch.randn(3, 7)
+    cond[:, 2] = float("-inf")  # a token masked in the conditional stream only: 0 * -inf must not give NaN
+    torch.testing.assert_close(SamplingParams(guidance_scale=0.0).probs(cond, uncond), uncond.softmax(-1))
+    torch.testing.assert_close(cfg_combine(cond, uncond, 0.0), uncond)
+
+
 def test_nan_logits_raise():
     logits = torch.randn(2, 4)
     logits[1, 2] = float("nan")
@@ -81,6 +135,82 @@ def test_nan_logits_raise():
         logits_to_probs(logits)
     with pytest.raises(ValueError, match="logits_uncond"):
         logits_to_probs(torch.randn(2, 4), logits_uncond=logits, guidance_scale=2.0)
+    for kwargs in ({"do_sample": False}, {"top_k": 2}, {"top_p": 0.5}, {"temperature": 0.0}):
+        with pytest.raises(ValueError, match="logits contain NaN"):
+            logits_to_probs(logits, **kwargs)
+
+
+def test_temperature_overflow_raises_naming_it():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    assert torch.isnan(logits_to_probs(logits, temperature=1e-40, validate=False)).all()  # what the check catches
+    with pytest.raises(ValueError, match=r"temperature=1e-40 overflow float32"):
+        logits_to_probs(logits, temperature=1e-40)
+    with pytest.raises(ValueError, match=r"temperature=1e-40"):
+        SamplingParams(temperature=1e-40).probs(logits)
+    assert logits_to_probs(logits, temperature=1e-30).argmax(-1).item() == 2  # small but representable: fine
+
+
+def test_guidance_overflow_raises_naming_the_knobs():
+    cond = torch.tensor([[0.0, 1e9, 3.0]])
+    uncond = torch.tensor([[1e9, 0.0, 3.0]])  # logit gaps of 1e9: 1e30 * 1e9 overflows float32
+    assert not torch.isfinite(logits_to_probs(cond, logits_uncond=uncond, guidance_scale=1e30, validate=False)).all()
+    with pytest.raises(ValueError, match=r"guidance_scale=1e\+30 overflow float32"):
+        logits_to_probs(cond, logits_uncond=uncond, guidance_scale=1e30)
+    with pytest.raises(ValueError, match=r"guidance_scale=1e\+30, temperature=0.5 overflow"):
+        SamplingParams(guidance_scale=1e30, temperature=0.5).probs(cond, uncond)
+    with pytest.raises(ValueError, match=r"guidance_scale=1e\+30"):  # greedy rows are checked too
+        SamplingParams(guidance_scale=1e30, do_sample=False).probs(cond, uncond)
+    ok = SamplingParams(guidance_scale=1e20).probs(cond, uncond)  # 1e29: large but finite
+    assert torch.equal(ok, torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_all_minus_inf_row_raises():
+    logits = torch.randn(2, 5)
+    logits[1] = float("-inf")
+    with pytest.raises(ValueError, match="entirely -inf"):
+        logits_to_probs(logits)
+    with pytest.raises(ValueError, match="entirely -inf"):
+        logits_to_probs(logits, do_sample=False)
+
+
+def test_validate_costs_one_host_sync(monkeypatch):
+    syncs = []
+    original = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: syncs.append(1) or original(t))
+    cond, uncond = torch.randn(2, 3, 9), torch.randn(2, 3, 9)
+    SamplingParams(guidance_scale=3.0, temperature=0.7, top_k=5, top_p=0.9).probs(cond, uncond)
+    assert len(syncs) == 1
+    SamplingParams(guidance_scale=3.0, do_sample=False).probs(cond, uncond)
+    assert len(syncs) == 2
+    SamplingParams(guidance_scale=3.0).probs(cond, uncond, validate=False)
+    assert len(syncs) == 2
+
+
+def test_greedy_rows_carry_nan_when_their_maximum_is_not_finite():
+    logits = torch.randn(3, 6)
+    logits[1, 4] = float("nan")
+    logits[2] = float("-inf")
+    probs = logits_to_probs(logits, do_sample=False, validate=False)
+    assert torch.equal(probs[0], torch.nn.functional.one_hot(logits[0].argmax(), 6).float())
+    assert torch.isnan(probs[1]).any() and torch.isnan(probs[2]).any()
+
+
+def test_check_probs_finite_on_probs_and_on_device_flags():
+    params = SamplingParams(guidance_scale=1e30, temperature=0.5)
+    cond, uncond = torch.tensor([[0.0, 1e9, 3.0]]), torch.tensor([[1e9, 0.0, 3.0]])
+    good = SamplingParams().probs(torch.randn(2, 3))
+    check_probs_finite(good, params)  # finite: no error
+    bad = params.probs(cond, uncond, validate=False)
+    with pytest.raises(ValueError, match=r"target probabilities .*guidance_scale=1e\+30, temperature=0.5 overflow"):
+        check_probs_finite(bad, params, "target")
+    flag = finite_flag(good)  # the engine ANDs one flag per distribution on the device and checks once at the end
+    check_probs_finite(flag, params)
+    flag = flag & finite_flag(bad)
+    assert flag.dtype == torch.bool and flag.dim() == 0
+    with pytest.raises(ValueError, match=r"guidance_scale=1e\+30"):
+        check_probs_finite(flag, params)
+    with pytest.raises(ValueError, match="NaN"):
+        check_probs_finite(torch.tensor([[float("nan"), 1.0]]), SamplingParams())
 
 
 @pytest.mark.parametrize("method", ["inverse_cdf", "exponential", "multinomial"])

@@ -1,8 +1,9 @@
 """Exact chain rule (Leviathan / Chen) and greedy verification.
 
 Proofs:
-* exact enumeration (float64): the law of the first two emitted tokens, built from the public API's acceptance
-  probabilities and `residual_probs`, equals p(y1) p(y2 | y1) to 1e-9 -- for sampled and point-mass drafts;
+* exact enumeration (float64) through the verifier itself: every draft pair and accept/reject branch, with the
+  verifier's draws scripted (coins chosen, sample uniforms bisected to the inverse-CDF boundaries), gives the law of
+  the first two emitted tokens, equal to p(y1) p(y2 | y1) to 1e-9 -- for sampled and point-mass drafts;
 * Monte Carlo through the public API (200k independent rows in one call, ragged num_draft): chi-square of the first
   token and of the first two tokens against the target law (p > 1e-4, fixed seeds);
 * adversarial pairs (p == q, disjoint supports, one-hot q, peaked p / flat q, q = 0 where p > 0);
@@ -12,6 +13,7 @@ Proofs:
 import pytest
 import torch
 
+import mmspec.random
 from mmspec.verify import residual_probs, verify_exact, verify_greedy
 
 
@@ -31,8 +33,46 @@ def _ar_model(gen):
     return p1, p2, p3, q1, q2
 
 
+def _script_draws(monkeypatch, coins: torch.Tensor, uniforms: torch.Tensor) -> None:
+    """Replace the verifier's random draws, in their documented order (the acceptance coins ``[B, K]``, then one
+    uniform per row for the correction / bonus sample), by the given values. Every draw goes through
+    `mmspec.random` (`rand` -> `_draw`), so this drives the verifier's own accept / resample code deterministically."""
+    script = [coins, uniforms]
+
+    def draw(fn, shape, generator, device, dtype, counts):
+        value = script.pop(0)
+        assert tuple(value.shape) == tuple(shape)
+        return value.to(device=device, dtype=dtype)
+
+    monkeypatch.setattr(mmspec.random, "_draw", draw)
+
+
+def _emitted_law(monkeypatch, pairs, p_target, q_draft, coins, iterations=52):
+    """Exact law of the token the verifier SAMPLES (correction or bonus) for each row, given scripted coins.
+
+    Inverse-CDF sampling maps the uniform u to a token monotonically, so the probability of token y is the width of
+    the u-interval mapping to y. Bisect every boundary ``b_y = sup{u: token(u) <= y}`` through `verify_exact` itself
+    (all rows x boundaries in one batch; 52 halvings: exact to ~2e-16). Returns ``([A, V] law, accept_prob [A, K])``.
+    """
+    rows = len(pairs)
+    rep = lambda t: None if t is None else t.repeat_interleave(V - 1, dim=0)  # noqa: E731  rows x boundaries
+    y = torch.arange(V - 1).repeat(rows)  # boundary index of each repeated row
+    lo, hi = torch.zeros(rows * (V - 1), dtype=torch.float64), torch.ones(rows * (V - 1), dtype=torch.float64)
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        _script_draws(monkeypatch, rep(coins), mid[:, None])
+        res = verify_exact(rep(pairs), rep(p_target), rep(q_draft), generator=None)
+        token = res.tokens.gather(1, res.num_accepted[:, None]).squeeze(1)  # the sampled token
+        below = token <= y
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    cdf = torch.cat([torch.zeros(rows, 1), lo.view(rows, V - 1), torch.ones(rows, 1)], 1).double()
+    return cdf.diff(dim=1), res.accept_prob[:: V - 1]
+
+
 @pytest.mark.parametrize("point_mass", [False, True])
-def test_exact_enumeration_first_two_tokens(point_mass, make_generator):
+def test_exact_enumeration_first_two_tokens(point_mass, make_generator, monkeypatch):
+    """Every draft pair, every accept/reject branch, and the law of the resampled token, all from `verify_exact`'s
+    own code (scripted coins, bisected sample uniforms): the first two emitted tokens are exactly p(y1) p(y2 | y1)."""
     p1, p2, p3, q1, q2 = _ar_model(make_generator(0))
     if point_mass:  # deterministic drafter: x1 = 3, x2 = f(x1)
         pairs = torch.tensor([[3, 1]])
@@ -44,16 +84,17 @@ def test_exact_enumeration_first_two_tokens(point_mass, make_generator):
         q_draft = torch.stack([q1.expand(len(grid), V), q2[grid[:, 0]]], dim=1)
     x1, x2 = pairs[:, 0], pairs[:, 1]
     p_target = torch.stack([p1.expand(len(pairs), V), p2[x1], p3[x1, x2]], dim=1)  # [A, 3, V]
-    res = verify_exact(pairs, p_target, q_draft, generator=make_generator(1))
-    a1, a2 = res.accept_prob[:, 0], res.accept_prob[:, 1]  # deterministic acceptance probabilities
-    r1 = residual_probs(p1.expand(len(pairs), V), None if point_mass else q1.expand(len(pairs), V), x1)
-    r2 = residual_probs(p2[x1], None if point_mass else q2[x1], x2)
+    ones, zeros = torch.ones(len(pairs), 2), torch.zeros(len(pairs), 2)
+    # coins 1 reject (accept iff coin < a <= 1), coins 0 accept (a > 0; branches with a = 0 get weight 0 below)
+    law_r1, accept = _emitted_law(monkeypatch, pairs, p_target, q_draft, ones)  # rejected at 1: correction y1
+    law_r2, _ = _emitted_law(monkeypatch, pairs, p_target, q_draft, torch.stack([zeros[:, 0], ones[:, 1]], 1))
+    a1, a2 = accept[:, 0], accept[:, 1]
     joint = torch.zeros(V, V, dtype=torch.float64)
     for i in range(len(pairs)):
         w = weight[i]
         joint[x1[i], x2[i]] += w * a1[i] * a2[i]  # both accepted
-        joint[x1[i]] += w * a1[i] * (1 - a2[i]) * r2[i]  # x1 accepted, correction at 2
-        joint += w * (1 - a1[i]) * r1[i][:, None] * p2  # correction at 1, next round draws p(. | y1)
+        joint[x1[i]] += w * a1[i] * (1 - a2[i]) * law_r2[i]  # x1 accepted, correction at 2
+        joint += w * (1 - a1[i]) * law_r1[i][:, None] * p2  # correction at 1, next round draws p(. | y1)
     target = p1[:, None] * p2
     assert torch.allclose(joint, target, atol=1e-9, rtol=0)
     assert abs(float(joint.sum()) - 1) < 1e-9

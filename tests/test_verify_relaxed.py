@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from mmspec.verify import (
-    _grouped_accept_all,  # internal, checked against a reference
     acceptance_probs,
     codebook_neighbours,
     grouped_masses,
@@ -27,6 +26,7 @@ from mmspec.verify import (
     verify_grouped,
     verify_relaxed,
 )
+from mmspec.verify.gsd import _grouped_accept_all  # internal, checked against a reference
 
 
 V = 6
@@ -85,7 +85,9 @@ def test_grouped_masses_reference():
     emb = torch.randn(vocab, 3, generator=gen, dtype=torch.float64) * 0.5
     tokens = torch.randint(0, vocab, (4,), generator=gen)
     for g in (1, 5, 14):
-        big_p, big_q = grouped_masses(p, q, tokens, group_size=g, prob_threshold=0.05, embeddings=emb)
+        big_p, big_q = grouped_masses(
+            p, q, tokens, group_size=g, prob_threshold=0.05, dist_threshold=0.5, embeddings=emb
+        )
         for b in range(4):
             order = torch.argsort(p[b], stable=True).tolist()
             x = int(tokens[b])

@@ -2,8 +2,10 @@
 
 Properties: shapes, ragged batches (num_draft per row), emitted tokens in range, -1 padding, prefix-closed masks,
 probability outputs sum to one, no NaN, determinism for a fixed generator seed. Errors: shape mismatch, negative /
-NaN / non-normalised probabilities, q_draft = 0 at a sampled draft, out-of-range drafts, bad tree parents, unknown
-rule / mode / acceptance / resample names -- each a ValueError (TypeError for wrong types) naming the argument.
+NaN / non-normalised probabilities (NaN also for greedy rules, which take logits), q_draft = 0 at a sampled draft,
+out-of-range drafts and neighbour indices, bad tree parents, unknown rule / mode / acceptance / resample names and
+knobs, bad knob values (k, group_size, delta, lam), non-integer num_draft, wrong generator types -- each a ValueError
+(TypeError for wrong types) naming the argument.
 """
 
 import pytest
@@ -12,10 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmspec.verify import (
+    RULE_CLASSES,
     RULES,
+    Exact,
+    Grouped,
+    Lantern,
     codebook_neighbours,
     get_rule,
+    make_rule,
+    rejection_step,
     residual_probs,
+    verify_chain,
     verify_continuous,
     verify_exact,
     verify_greedy,
@@ -184,8 +193,8 @@ def test_bad_names_and_knobs():
     with pytest.raises(ValueError, match="resample"):
         verify_grouped(d, p, q, generator=gen, resample="uniform")
     nb = codebook_neighbours(torch.randn(5, 2), 2)
-    with pytest.raises(ValueError, match="exactly one of delta"):
-        verify_relaxed(d, p, q, neighbours=nb, generator=gen)
+    with pytest.raises(ValueError, match="delta .*or lam"):
+        Lantern(neighbours=nb, delta=None)  # verify_relaxed's delta=None means the rule's default
     with pytest.raises(ValueError, match="neighbours"):
         verify_relaxed(d, p, q, neighbours=nb[:4], delta=0.1, generator=gen)
     with pytest.raises(ValueError, match="k must be"):
@@ -258,3 +267,138 @@ def test_bad_continuous_inputs():
         verify_continuous(x, x, ones, x, ones, generator=gen, max_residual_tries=0)
     with pytest.raises(ValueError, match="log_ratio_offset"):
         verify_continuous(x, x, ones, x, ones, generator=gen, log_ratio_offset=torch.zeros(2))
+
+
+def test_greedy_rejects_nan():
+    d, p, _ = _good()
+    bad = p.index_fill(2, torch.tensor([1]), float("nan"))
+    with pytest.raises(ValueError, match="p_target contains NaN"):
+        verify_greedy(d, bad)
+    with pytest.raises(ValueError, match="p_target contains NaN"):
+        verify_greedy(d, bad.log())  # logits are fine, NaN logits are not
+    verify_greedy(d, p.log())
+    tok = torch.tensor([[0, 1, 2], [3, 4, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="p_target contains NaN"):
+        verify_tree(tok, torch.tensor([-1, -1, 0]), torch.cat([bad, p[:, :1]], 1), generator=None, greedy=True)
+    verify_tree(tok, torch.tensor([-1, -1, 0]), torch.cat([p, p[:, :1]], 1).log(), generator=None, greedy=True)
+
+
+def test_neighbour_indices_out_of_range():
+    d, p, q = _good()
+    gen = torch.Generator()
+    nb = codebook_neighbours(torch.randn(5, 2), 2)
+    for value in (5, 17, -1):
+        bad = nb.clone()
+        bad[3, 1] = value
+        with pytest.raises(ValueError, match="neighbours out of range"):
+            verify_relaxed(d, p, q, neighbours=bad, delta=0.3, generator=gen)
+        with pytest.raises(ValueError, match="neighbours out of range"):
+            verify_tree(d, torch.tensor([-1, 0]), p, generator=gen, rule=Lantern(bad))
+        with pytest.raises(ValueError, match="neighbours out of range"):
+            verify_jacobi(d, p, q, generator=gen, acceptance="relaxed", neighbours=bad)
+    with pytest.raises(TypeError, match="neighbours must be an integer"):
+        verify_relaxed(d, p, q, neighbours=nb.float(), generator=gen)
+
+
+def test_bad_resample_for_every_rule():
+    d, p, q = _good()
+    gen = torch.Generator()
+    nb = codebook_neighbours(torch.randn(5, 2), 2)
+    for name, cls, knobs in [("exact", Exact, {}), ("relaxed", Lantern, {"neighbours": nb}), ("grouped", Grouped, {})]:
+        with pytest.raises(ValueError, match="resample"):
+            cls(resample="foo", **knobs)
+        with pytest.raises(ValueError, match="resample"):
+            make_rule(name, resample="foo", **knobs)
+        with pytest.raises(ValueError, match="resample"):
+            rejection_step(p[:, 0], q[:, 0], d[:, 0], acceptance=name, resample="foo", **knobs)
+        with pytest.raises(ValueError, match="resample"):
+            verify_jacobi(d, p, q, generator=gen, acceptance=name, resample="foo", **knobs)
+        with pytest.raises(ValueError, match="resample"):
+            verify_tree(d, torch.tensor([-1, 0]), p, generator=gen, acceptance=name, resample="foo", **knobs)
+    with pytest.raises(ValueError, match="resample"):
+        verify_relaxed(d, p, q, neighbours=nb, resample="foo", generator=gen)
+    with pytest.raises(ValueError, match="resample"):
+        verify_grouped(d, p, q, resample="foo", generator=gen)
+
+
+def test_bad_knob_values():
+    d, p, q = _good()
+    gen = torch.Generator()
+    nb = codebook_neighbours(torch.randn(5, 2), 2)
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        verify_relaxed(d, p, q, neighbours=nb, k=-1, generator=gen)
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        verify_tree(d, torch.tensor([-1, 0]), p, generator=gen, acceptance="relaxed", neighbours=nb, k=-2)
+    with pytest.raises(TypeError, match="k must be an int"):
+        Lantern(nb, k=1.5)
+    with pytest.raises(ValueError, match="delta must be >= 0"):
+        Lantern(nb, delta=-0.1)
+    with pytest.raises(ValueError, match="delta must be >= 0"):
+        Grouped(delta=float("nan"))
+    for size in (2.5, True, "3"):
+        with pytest.raises(TypeError, match="group_size"):
+            verify_grouped(d, p, q, group_size=size, generator=gen)
+        with pytest.raises(TypeError, match="group_size"):
+            verify_jacobi(d, p, q, generator=gen, acceptance="grouped", group_size=size)
+    with pytest.raises(ValueError, match="group_size"):
+        Grouped(group_size=-3)
+    Grouped(group_size=torch.tensor(3).item())  # any integral value is fine
+
+
+def test_num_draft_must_be_integer():
+    d, p, q = _good()
+    gen = torch.Generator()
+    x = torch.randn(3, 2, 4)
+    ones = torch.ones(3, 2, 4)
+    for num_draft in (torch.tensor([1.0, 2.0, 0.0]), torch.tensor([True, False, True])):
+        for call in (
+            lambda nd: verify_exact(d, p, q, generator=gen, num_draft=nd),
+            lambda nd: verify_greedy(d, p, nd),
+            lambda nd: verify_jacobi(d, p, q, generator=gen, num_draft=nd),
+            lambda nd: verify_continuous(x, x, ones, x, ones, generator=gen, num_draft=nd),
+        ):
+            with pytest.raises(TypeError, match="num_draft"):
+                call(num_draft)
+
+
+def test_generator_type_is_checked():
+    d, p, q = _good()
+    x = torch.randn(3, 2, 4)
+    ones = torch.ones(3, 2, 4)
+    nb = codebook_neighbours(torch.randn(5, 2), 2)
+    calls = [
+        lambda g: verify_exact(d, p, q, generator=g),
+        lambda g: verify_chain(Exact(), d, p, q, generator=g),
+        lambda g: verify_relaxed(d, p, q, neighbours=nb, generator=g),
+        lambda g: verify_grouped(d, p, q, generator=g),
+        lambda g: verify_jacobi(d, p, q, generator=g, coupling=True),
+        lambda g: verify_tree(d, torch.tensor([-1, 0]), p, generator=g),
+        lambda g: verify_continuous(x, x, ones, x, ones, generator=g),
+    ]
+    for call in calls:
+        for bad in (0, "seed", [torch.Generator(), 1, torch.Generator()]):
+            with pytest.raises(TypeError, match="generator"):
+                call(bad)
+        with pytest.raises(ValueError, match="generator"):  # one per row
+            call([torch.Generator(), torch.Generator()])
+        call([torch.Generator().manual_seed(i) for i in range(3)])
+
+
+def test_rule_names_and_objects():
+    d, p, q = _good()
+    gen = torch.Generator()
+    assert set(RULE_CLASSES) == {"exact", "relaxed", "grouped"}
+    with pytest.raises(ValueError, match=r"\['exact', 'relaxed', 'grouped'\]"):
+        make_rule("typical")
+    with pytest.raises(TypeError, match="group_sizes"):
+        make_rule("grouped", group_sizes=3)
+    with pytest.raises(TypeError, match="rule must be an AcceptanceRule"):
+        verify_chain("exact", d, p, q, generator=gen)
+    with pytest.raises(TypeError, match="rule must be an AcceptanceRule"):
+        verify_tree(d, torch.tensor([-1, 0]), p, generator=gen, rule="exact")
+    with pytest.raises(TypeError, match="either rule"):
+        verify_jacobi(d, p, q, generator=gen, rule=Grouped(), group_size=3)
+    with pytest.raises(TypeError, match="either rule"):
+        verify_tree(d, torch.tensor([-1, 0]), p, generator=gen, rule=Exact(), acceptance="grouped")
+    with pytest.raises(ValueError, match="greedy=True is defined for acceptance 'exact' and 'relaxed' only"):
+        verify_chain(Grouped(), d, p, q, generator=gen, greedy=True)

@@ -1,0 +1,106 @@
+"""Speculative Jacobi decoding: chain verification of the previous iteration's tokens, then the re-draft.
+
+Papers: SJD (Teng et al., arXiv 2410.01699; release tyshiwo1/Accelerating-T2I-AR-with-SJD); coupled re-drafting
+from SCD / MC-SJD (So et al., arXiv 2510.24211). No draft model: the draft at position i is the token the target
+itself sampled there in the previous Jacobi iteration, conditioned on a then-unverified prefix; its ``q_draft`` is
+that iteration's processed distribution (one-hot for freshly initialised tokens). Verification is the chain engine
+(`mmspec.verify.chain.run_chain`) with any acceptance rule (GSD = SJD + `Grouped`).
+"""
+
+import torch
+from torch import Tensor
+
+from mmspec.random import Generators
+from mmspec.sampling import sample
+from mmspec.verify.chain import run_chain
+from mmspec.verify.registry import resolve_rule
+from mmspec.verify.results import JacobiResult
+from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
+
+
+__all__ = ["verify_jacobi"]
+
+
+def verify_jacobi(
+    draft_tokens: Tensor,
+    p_target: Tensor,
+    q_draft: Tensor | None = None,
+    *,
+    generator: Generators,
+    coupling: bool = False,
+    num_draft: Tensor | None = None,
+    rule: AcceptanceRule | None = None,
+    acceptance: str = "exact",
+    resample: str = "optimal",
+    validate: bool = True,
+    **knobs,
+) -> JacobiResult:
+    """Speculative Jacobi decoding step (SJD) with optional coupling (SCD / MC-SJD).
+
+    The window's drafts were produced by the previous Jacobi iteration; ``q_draft`` is that iteration's processed
+    distribution at each position (one-hot for freshly initialised tokens, or None if all are fresh). Verification
+    is `verify_chain` with ``rule`` (default `Exact`). Then every position after the committed correction is
+    re-drafted from THIS iteration's distributions ``p_target[:, j]`` (conditioned on the stale drafts) with
+    ``q := p_target[:, j]``:
+
+    * ``coupling=False`` (SJD): independent samples ``y_j ~ p_j``;
+    * ``coupling=True`` (SCD): maximal coupling with the old draft: keep ``d_j`` with probability
+      ``min(1, p_j(d_j)/q_j(d_j))`` (re-using the unused verification coin of position j), else sample
+      ``norm([p_j - q_j]_+)``. Marginally ``y_j ~ p_j`` (so verification stays lossless) while drafts repeat far
+      more often, which raises acceptance. Position ``L = num_draft[b]`` has no old draft: always a fresh sample.
+
+    RNG (after the chain's coins ``[B, K]`` and correction sample): the fresh samples ``[B, K+1]`` (row b draws
+    ``L + 1``), then with coupling the residual samples ``[B, K]`` (row b draws ``L``).
+
+    Args:
+        draft_tokens: ``[B, K]`` window drafts; p_target: ``[B, K+1, V]`` this iteration's distributions;
+            q_draft: ``[B, K, V]`` or None.
+        coupling: maximal-coupling re-draft.
+        rule: the acceptance rule (an `AcceptanceRule`); or the string form ``acceptance`` / ``resample`` /
+            ``knobs`` (`make_rule`), kept for compatibility.
+        generator, num_draft, validate: as `verify_chain`.
+
+    Returns:
+        `JacobiResult`: the verification plus ``next_drafts [B, K]`` (left-aligned, ``num_carried`` valid, -1
+        after), their distributions ``next_q [B, K, V]``. Row b carries ``L - n`` drafts (positions ``n+1..L``)
+        when it stopped at a rejection, else 0.
+    """
+    rule = resolve_rule(rule, acceptance, resample, knobs)
+    result, chain = run_chain(
+        rule,
+        draft_tokens,
+        p_target,
+        q_draft,
+        generator=generator,
+        num_draft=num_draft,
+        greedy=False,
+        validate=validate,
+    )
+    p, q, tokens, lengths, n = chain.p, chain.q, chain.tokens, chain.lengths, chain.num_accepted
+    batch, k = tokens.shape
+    vocab = p.shape[-1]
+
+    # Re-draft every position j = 0..L from this iteration's p_j (only j in n+1..L are kept).
+    redraft = sample(p, generator, counts=lengths + 1)  # [B, K+1] fresh
+    if coupling and k > 0:
+        exact_accept = chain.accept_prob if type(rule) is Exact else Exact().accept(p[:, :k], q, tokens)
+        keep = chain.coins < exact_accept  # [B, K]: the verification coin, unused after the first rejection
+        moved = sample(residual_probs(p[:, :k], q, tokens), generator, counts=lengths)  # [B, K]
+        coupled = torch.where(keep, tokens, moved)
+        has_old = torch.arange(k, device=p.device) < lengths[:, None]  # an old draft to couple with
+        redraft = torch.cat([torch.where(has_old, coupled, redraft[:, :k]), redraft[:, k:]], dim=1)
+    num_carried = torch.where(n < lengths, lengths - n, 0)  # [B]
+    slot = torch.arange(k, device=p.device)
+    src = (n[:, None] + 1 + slot).clamp(max=k)  # [B, K] source position in this window
+    carried = slot < num_carried[:, None]
+    next_drafts = torch.where(carried, redraft.gather(1, src), -1)
+    next_q = torch.where(carried[..., None], p.gather(1, src[..., None].expand(batch, k, vocab)), 0.0)
+    return JacobiResult(
+        num_accepted=result.num_accepted,
+        accept_mask=result.accept_mask,
+        tokens=result.tokens,
+        accept_prob=result.accept_prob,
+        next_drafts=next_drafts,
+        next_q=next_q,
+        num_carried=num_carried,
+    )

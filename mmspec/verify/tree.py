@@ -1,0 +1,225 @@
+"""Tree verification by recursive rejection sampling over siblings.
+
+Papers: SpecInfer (Miao et al., arXiv 2305.09781: multi-step speculative sampling over i.i.d. children), EAGLE-2
+(Li et al., arXiv 2406.16858: deterministic top-k children, ``evaluate_posterior``), RSD (Jeon et al.,
+arXiv 2402.14160: siblings drawn without replacement). At a node with target residual ``r`` (``p_target`` there
+before any sibling was tried), children ``c_1, c_2, ...`` are tried in order: ``c_j`` is accepted with the rule's
+``accept(r, q_j, c_j)``, otherwise ``r <- residual(r, q_j, c_j)`` (`AcceptanceRule.step`). An accepted child is
+descended into; a node with no accepted child emits ``y ~ r`` and stops. By induction over siblings every emitted
+token is distributed as ``p_target`` (exact rule), because the tree shape never depends on target coins.
+"""
+
+import torch
+from torch import Tensor
+
+from mmspec.random import Generators, check_generator, rand
+from mmspec.sampling import prob_dtype, sample
+from mmspec.verify.checks import Checks, check_choice, check_shape, gather_last, normalize, raise_first
+from mmspec.verify.registry import resolve_rule
+from mmspec.verify.results import VerifyResult
+from mmspec.verify.rules import AcceptanceRule
+
+
+__all__ = ["TREE_MODES", "verify_tree"]
+
+TREE_MODES = ("deterministic", "iid", "without_replacement")
+
+
+def _tree_children(parents: Tensor, present: Tensor, validate: bool, checks: Checks) -> tuple[Tensor, int]:
+    """-> (children [B, N+1, C]: node indices of the children of each p_target row in index order, -1 padded;
+    max depth). One host sync (validation flags + loop bounds)."""
+    batch, n = present.shape
+    node = torch.arange(n, device=parents.device)
+    if validate:
+        checks.add(((parents < -1) | (parents >= node)).any(), "parents[i] must be -1 (root) or in [0, i-1]")
+        par_present = present.gather(1, parents.clamp(0, max(n - 1, 0))) | (parents < 0)
+        checks.add((present & ~par_present).any(), "a present node has an absent parent (tree_tokens -1)")
+    parents = parents.clamp(-1, n - 1)
+    same = (parents[:, :, None] == parents[:, None, :]) & present[:, None, :]  # [B, N(i), N(j)]
+    rank = (same & (node[None, :] < node[:, None])).sum(-1)  # earlier siblings of node i  [B, N]
+    depth = torch.zeros(batch, n, dtype=torch.long, device=parents.device)
+    for i in range(n):  # parents[i] < i, so depth[parent] is ready
+        par = parents[:, i].clamp(min=0)
+        depth[:, i] = torch.where(parents[:, i] >= 0, depth.gather(1, par[:, None]).squeeze(1) + 1, 1)
+    zero = torch.zeros((), dtype=torch.long, device=parents.device)
+    max_depth = torch.where(present, depth, 0).amax() if n else zero
+    max_children = torch.where(present, rank + 1, 0).amax() if n else zero
+    values = torch.stack([f.to(torch.long) for f in checks.flags] + [max_depth, max_children]).tolist()
+    raise_first(values[:-2], checks.messages)
+    width = int(values[-1])
+    # children[b, row, slot]; absent nodes are written to a dump slot that is cut off.
+    children = torch.full((batch, (n + 1) * (width + 1)), -1, dtype=torch.long, device=parents.device)
+    flat = torch.where(present, (parents + 1) * (width + 1) + rank, (width + 1) * (n + 1) - 1)
+    children.scatter_(1, flat, torch.where(present, node, -1).expand(batch, n).contiguous())
+    children = children.view(batch, n + 1, width + 1)[..., :width]
+    return children, int(values[-2])
+
+
+def verify_tree(
+    tree_tokens: Tensor,
+    parents: Tensor,
+    p_target: Tensor,
+    q_draft: Tensor | None = None,
+    *,
+    mode: str = "deterministic",
+    generator: Generators,
+    greedy: bool = False,
+    rule: AcceptanceRule | None = None,
+    acceptance: str = "exact",
+    resample: str = "optimal",
+    validate: bool = True,
+    **knobs,
+) -> VerifyResult:
+    """Tree verification by recursive rejection sampling over siblings (module docstring).
+
+    Modes, i.e. how the children were drawn (the tree shape must not depend on target coins):
+
+    * ``"deterministic"``: top-k / fixed children, ``q`` = point mass (``q_draft`` must be None): accept with
+      ``r(c)``, on reject zero ``c`` and renormalise (EAGLE-2 ``evaluate_posterior``). Duplicates are fine.
+    * ``"iid"``: children drawn i.i.d. from ``q_draft[:, i]`` (SpecInfer multi-step speculative sampling).
+    * ``"without_replacement"``: the sibling set was drawn without replacement from ``q_draft[:, i]`` (RSD;
+      EAGLE-1 static-tree sampling); sibling j is checked against the conditional
+      ``q_j = q 1[x not in earlier siblings] / (1 - q(earlier siblings))``. Siblings must be distinct.
+
+    ``rule`` plugs any acceptance rule into the same recursion: `Exact` (default; lossless), `Lantern` /
+    `Grouped` (the numerator / group masses are computed on the current residual ``r``, as in LANTERN's
+    dynamic-tree code). ``greedy=True``: accept the first child passing ``rule.greedy_accept`` (exact: equal to
+    ``argmax p``) and emit the argmax; no randomness.
+
+    RNG: one uniform per tried child (a row with no child to try at a step draws nothing there), then one uniform
+    per row for the emitted token.
+
+    Args:
+        tree_tokens: ``[B, N]`` node tokens; -1 marks an absent node (ragged trees; its children must be absent).
+        parents: ``[N]`` or ``[B, N]``: ``parents[i] = -1`` (child of the root) or an earlier node in ``[0, i)``.
+        p_target: ``[B, N+1, V]``; index 0 = target distribution at the root, index ``i+1`` = after node i
+            (greedy: probabilities or logits).
+        q_draft: ``[B, N, V]`` draft distribution node i was drawn from (``iid``) / its sibling set was drawn
+            from (``without_replacement``), or None (``deterministic``).
+        mode, greedy: see above.
+        rule: the acceptance rule; or the string form ``acceptance`` / ``resample`` / ``knobs`` (`make_rule`),
+            kept for compatibility.
+        generator, validate: as `verify_chain`.
+
+    Returns:
+        `VerifyResult` with ``path [B, D+1]`` (rows of ``p_target``: 0 = root, then ``1 + node`` per accepted
+        node, -1 padded), ``tokens [B, D+1]`` (accepted tokens along the path, the emitted token at index
+        ``num_accepted``, -1 after), ``accept_mask [B, N]`` (accepted nodes), ``accept_prob [B, N]`` (NaN where a
+        node was never tried); ``D`` = tree depth.
+    """
+    check_choice("mode", mode, TREE_MODES)
+    rule = resolve_rule(rule, acceptance, resample, knobs)
+    if not isinstance(tree_tokens, Tensor) or tree_tokens.ndim != 2:
+        shape = tuple(tree_tokens.shape) if isinstance(tree_tokens, Tensor) else type(tree_tokens).__name__
+        raise ValueError(f"tree_tokens must be [B, N], got shape {shape}")
+    if tree_tokens.dtype.is_floating_point:
+        raise TypeError(f"tree_tokens must be an integer tensor, got {tree_tokens.dtype}")
+    batch, n = tree_tokens.shape
+    if not isinstance(p_target, Tensor) or p_target.ndim != 3:
+        raise ValueError(f"p_target must be [B, N+1, V] = [{batch}, {n + 1}, V]")
+    vocab = p_target.shape[-1]
+    check_shape("p_target", p_target, (batch, n + 1, vocab))
+    if parents.ndim == 1:
+        check_shape("parents", parents, (n,))
+        parents = parents[None].expand(batch, n)
+    else:
+        check_shape("parents", parents, (batch, n))
+    parents = parents.to(device=p_target.device, dtype=torch.long)
+    if mode == "deterministic" and q_draft is not None:
+        raise ValueError("q_draft must be None for mode='deterministic' (children are point masses)")
+    if mode != "deterministic" and q_draft is None and not greedy:
+        raise ValueError(f"q_draft [B, N, V] is required for mode={mode!r}")
+    check_generator(generator, batch, p_target.device)
+    checks = Checks()
+    rule.check(vocab, checks if validate else None)
+    p = p_target.to(prob_dtype(p_target.dtype))
+    q = None if (q_draft is None or greedy) else q_draft.to(p.dtype)
+    if q_draft is not None and not greedy:
+        check_shape("q_draft", q_draft, (batch, n, vocab))
+    present = tree_tokens >= 0  # [B, N]
+    tokens = tree_tokens.clamp(0, vocab - 1)
+    if validate:
+        checks.add((tree_tokens >= vocab).any(), f"tree_tokens out of range [-1 (absent), {vocab})")
+        valid_p = torch.cat([torch.ones_like(present[:, :1]), present], dim=1)  # [B, N+1]
+        if greedy:  # greedy trees accept logits
+            checks.not_nan("p_target", p)
+        else:
+            checks.probs("p_target", p, valid_p, p_target.dtype)
+        if q is not None:
+            checks.probs("q_draft", q, present, q_draft.dtype)
+            checks.add(
+                ((gather_last(q, tokens) <= 0) & present).any(),
+                "q_draft is 0 at a draft token (a draft cannot have been sampled from q_draft)",
+            )
+        if mode == "without_replacement":
+            sib = (parents[:, :, None] == parents[:, None, :]) & present[:, :, None] & present[:, None, :]
+            dup = sib & (tokens[:, :, None] == tokens[:, None, :])
+            dup = dup & ~torch.eye(n, dtype=torch.bool, device=p.device)
+            checks.add(dup.any(), "mode='without_replacement' needs distinct siblings")
+    children, max_depth = _tree_children(parents, present, validate, checks)  # [B, N+1, C]
+    width = children.shape[-1]
+
+    rows = torch.arange(batch, device=p.device)
+    cur = torch.zeros(batch, dtype=torch.long, device=p.device)  # p_target row of the current node (0 = root)
+    resid = p[:, 0]  # [B, V]
+    removed = torch.zeros(batch, vocab, dtype=torch.bool, device=p.device)  # tried siblings (without_replacement)
+    done = torch.zeros(batch, dtype=torch.bool, device=p.device)
+    final = resid
+    num_acc = torch.zeros(batch, dtype=torch.long, device=p.device)
+    path = torch.full((batch, max_depth + 1), -1, dtype=torch.long, device=p.device)
+    path[:, 0] = 0
+    out = torch.full((batch, max_depth + 1), -1, dtype=torch.long, device=p.device)
+    accept_mask = torch.zeros(batch, n + 1, dtype=torch.bool, device=p.device)  # last column: dump slot
+    accept_prob = torch.full((batch, n + 1), float("nan"), dtype=p.dtype, device=p.device)
+    for depth in range(max_depth):
+        kids = children.gather(1, cur.view(batch, 1, 1).expand(batch, 1, width)).squeeze(1)  # [B, C]
+        found = torch.zeros(batch, dtype=torch.bool, device=p.device)
+        chosen = torch.zeros(batch, dtype=torch.long, device=p.device)
+        probs_here = torch.full((batch, width), float("nan"), dtype=p.dtype, device=p.device)  # [B, C]
+        for slot in range(width):
+            child = kids[:, slot].clamp(min=0)  # [B]
+            active = (kids[:, slot] >= 0) & ~done & ~found  # [B] rows with a child to try here
+            x = tokens.gather(1, child[:, None]).squeeze(1)  # [B]
+            if greedy:
+                ok = rule.greedy_accept(resid, x)
+                a, acc = ok.to(p.dtype), active & ok
+                next_resid = resid
+            else:
+                q_child = None
+                if q is not None:
+                    q_child = q.gather(1, child.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1)  # [B, V]
+                    if mode == "without_replacement":
+                        q_child = normalize(q_child.masked_fill(removed, 0.0), q_child)
+                a, next_resid = rule.step(resid, q_child, x)
+                coins = rand((batch,), generator, device=p.device, dtype=p.dtype, counts=active.long())  # [B]
+                acc = active & (coins < a)
+            probs_here[:, slot] = torch.where(active, a, float("nan"))
+            rejected = active & ~acc
+            resid = torch.where(rejected[:, None], next_resid, resid)
+            if mode == "without_replacement":
+                removed.scatter_(1, x[:, None], rejected[:, None] | removed.gather(1, x[:, None]))
+            found |= acc
+            chosen = torch.where(acc, child, chosen)
+        tried = ~torch.isnan(probs_here)
+        accept_prob.scatter_(1, torch.where(tried, kids, n), probs_here)
+        stop = ~done & ~found
+        final = torch.where(stop[:, None], resid, final)
+        done = done | stop
+        adv = found  # rows descending into an accepted child
+        path[:, depth + 1] = torch.where(adv, chosen + 1, -1)
+        out[:, depth] = torch.where(adv, tokens.gather(1, chosen[:, None]).squeeze(1), out[:, depth])
+        accept_mask.scatter_(1, torch.where(adv, chosen, n)[:, None], True)
+        num_acc = num_acc + adv.long()
+        cur = torch.where(adv, chosen + 1, cur)
+        resid = torch.where(adv[:, None], p.gather(1, cur.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1), resid)
+        removed = removed & ~adv[:, None]
+    final = torch.where(done[:, None], final, resid)  # rows that reached a leaf: bonus from p at the leaf
+    next_token = final.argmax(-1) if greedy else sample(final, generator)
+    out[rows, num_acc] = next_token
+    return VerifyResult(
+        num_accepted=num_acc,
+        accept_mask=accept_mask[:, :n],
+        tokens=out,
+        path=path,
+        accept_prob=accept_prob[:, :n],
+    )

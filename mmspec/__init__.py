@@ -1,8 +1,10 @@
 """mmspec: speculative decoding for multimodal generation.
 
-The verifier core lives in `mmspec.verify` (pure, batched acceptance rules) and `mmspec.sampling` (logits -> the
-exact distributions samples are drawn from). Models are in `mmspec.models`, drafters in `mmspec.drafters`,
-Diffusers-style pipelines in `mmspec.pipelines` and evaluation in `mmspec.eval`.
+The verifier core lives in `mmspec.verify` (pure, batched acceptance rules as objects) and `mmspec.sampling`
+(logits -> the exact distributions samples are drawn from); the decoding engine every pipeline shares in
+`mmspec.decoding` (one loop over a target adapter, a drafter and a rule) with the method registry `mmspec.methods`.
+Models are in `mmspec.models`, drafters in `mmspec.drafters`, Diffusers-style pipelines in `mmspec.pipelines` and
+evaluation in `mmspec.eval`.
 """
 
 from mmspec.sampling import SamplingParams

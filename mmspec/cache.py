@@ -10,7 +10,7 @@ is simply ignored afterwards unless committed. Nothing is ever cropped or copied
 * commit an accepted tree path: `cache.commit_path(path, path_len)` gathers the K/V of the path's nodes (written at
   `lengths[r] + node`) into the contiguous slots `lengths[r] + 0, 1, ...` and advances the lengths.
 
-Conventions shared by the models (`mmspec.models.llamagen.LlamaGenGPT`, `mmspec.drafters.eagle.EagleHead`):
+Conventions shared by the models (`mmspec.models.llamagen.LlamaGenGPT`, `mmspec.models.eagle.EagleHead`):
 
 * rows: with classifier-free guidance the rows are `[cond rows; uncond rows]` (2B rows, row `b` and `B + b` hold the
   same tokens); every row has its own length, so rows of one batch can be at different lengths in the same forward.
@@ -270,3 +270,11 @@ def path_to_leaf(parents, leaf):
     path = stacked.gather(1, cols)
     path = torch.where(torch.arange(d, device=parents.device)[None, :] < path_len[:, None], path, 0)
     return path, path_len
+
+
+def prepend_root(root_tokens, tokens, parents):
+    """Verification tree = `[root] + draft nodes`: returns `(tokens [B, N+1], parents [B, N+1])` with the root at
+    index 0 (parent -1) and every draft node shifted by one (children of the root point at 0)."""
+    root_tokens = root_tokens.reshape(-1, 1).to(tokens.dtype)
+    shifted = torch.where(parents >= 0, parents + 1, torch.zeros_like(parents))
+    return (torch.cat([root_tokens, tokens], dim=1), torch.cat([torch.full_like(parents[:, :1], -1), shifted], dim=1))

@@ -4,8 +4,12 @@ Conventions (both are reported, since papers disagree):
 - `mean_accepted_length` counts the bonus/correction token: tokens emitted per verification round
   (EAGLE's and Spec-Bench's tau; plain AR decoding has 1.0).
 - `mean_accepted_drafts` excludes it (gpt-fast's "Mean Accepted"; plain AR has 0.0).
-- `step_compression` = tokens generated / target forwards (the AR-image papers' name for tau, counted over
-  the whole generation, prefill excluded). A CFG forward of both streams counts as one target forward.
+- `step_compression` = tokens generated per row / target forwards, counted over the whole generation *including* the
+  prefill forward (which emits the first token; plain AR decoding has exactly 1.0). A CFG forward of both streams
+  counts as one target forward.
+
+Counters are accumulated on the device during decoding (no host sync per round) and turned into plain lists by
+`finalize()`, which the pipelines call before returning.
 """
 
 import time
@@ -22,6 +26,7 @@ class SpecStats:
     Args:
         batch_size: number of generated sequences (rows), CFG streams not counted.
         num_draft_tokens: the draft budget K per round (sizes the acceptance histogram).
+        extra: method-specific fields (e.g. residual fallbacks of a continuous rule), reported as they are.
     """
 
     batch_size: int
@@ -34,10 +39,12 @@ class SpecStats:
     prefill_tokens: list[int] = field(default_factory=list)  # [B] tokens the target emitted outside rounds
     rounds: list[int] = field(default_factory=list)  # [B] verification rounds the row took part in
     accept_histogram: list[int] = field(default_factory=list)  # [K+1] rounds with exactly k accepted drafts
+    time_prefill_s: float = 0.0
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_decode_s: float = 0.0
     time_total_s: float = 0.0
+    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         b, k = self.batch_size, self.num_draft_tokens
@@ -47,6 +54,7 @@ class SpecStats:
         self.prefill_tokens = self.prefill_tokens or [0] * b
         self.rounds = self.rounds or [0] * b
         self.accept_histogram = self.accept_histogram or [0] * (k + 1)
+        self._device = None  # device-side accumulators, created by the first record_round
 
     def record_prefill(self, num_tokens=1):
         """The prefill forward: one target forward that emits `num_tokens` per row, not a verification round."""
@@ -55,27 +63,34 @@ class SpecStats:
             self.generated_tokens[b] += num_tokens
             self.prefill_tokens[b] += num_tokens
 
-    def record_round(self, num_drafted, num_accepted, num_generated, active=None, rows=None):
-        """Record one verification round (tensors or lists, one entry per row that took part).
+    def record_round(self, num_drafted, num_accepted, num_generated, rows=None):
+        """Record one verification round: `[B']` tensors, one entry per row that took part; `rows [B']` are the
+        batch rows they belong to (default `0 .. B-1`; pipelines that compact finished rows away pass the survivors'
+        ids). `num_generated` is what the row committed this round (accepted drafts + the next token, fewer when
+        the sequence ends). No host sync: call `finalize()` to read the counters."""
+        num_accepted = torch.as_tensor(num_accepted)
+        device = num_accepted.device
+        if self._device is None:
+            zeros = torch.zeros(self.batch_size, dtype=torch.long, device=device)
+            self._device = dict(drafted=zeros, accepted=zeros.clone(), generated=zeros.clone(), rounds=zeros.clone(),
+                                hist=torch.zeros(len(self.accept_histogram), dtype=torch.long, device=device))  # fmt: skip
+        acc = self._device
+        rows = torch.arange(num_accepted.shape[0], device=device) if rows is None else torch.as_tensor(rows)
+        for name, value in (("drafted", num_drafted), ("accepted", num_accepted), ("generated", num_generated)):
+            acc[name].index_add_(0, rows, torch.as_tensor(value, device=device).long())
+        acc["rounds"].index_add_(0, rows, torch.ones_like(rows))
+        bins = num_accepted.long().clamp(max=len(self.accept_histogram) - 1)
+        acc["hist"].index_add_(0, bins, torch.ones_like(bins))
 
-        `num_generated` is what the row committed this round (accepted drafts + the next token, fewer when the
-        sequence ends); `active` masks rows that did not take part (finished rows); `rows` are the batch rows the
-        entries belong to (default `0 .. B-1`; pipelines that compact finished rows away pass the survivors' ids).
-        """
-        drafted, accepted, generated = (
-            torch.as_tensor(x).tolist() for x in (num_drafted, num_accepted, num_generated)
-        )
-        rows = list(range(self.batch_size)) if rows is None else torch.as_tensor(rows).tolist()
-        active = [True] * len(rows) if active is None else torch.as_tensor(active).tolist()
-        for i, b in enumerate(rows):
-            if not active[i]:
-                continue
-            self.drafted_tokens[b] += drafted[i]
-            self.accepted_tokens[b] += accepted[i]
-            self.generated_tokens[b] += generated[i]
-            self.rounds[b] += 1
-            k = min(accepted[i], len(self.accept_histogram) - 1)
-            self.accept_histogram[k] += 1
+    def finalize(self):
+        """Move the device-side counters into the list fields (one host sync). Idempotent."""
+        if self._device is not None:
+            acc, self._device = self._device, None
+            for name, attr in (("drafted", "drafted_tokens"), ("accepted", "accepted_tokens"),
+                               ("generated", "generated_tokens"), ("rounds", "rounds")):  # fmt: skip
+                setattr(self, attr, [a + b for a, b in zip(getattr(self, attr), acc[name].tolist())])
+            self.accept_histogram = [a + b for a, b in zip(self.accept_histogram, acc["hist"].tolist())]
+        return self
 
     @contextmanager
     def timer(self, phase, device=None):
@@ -94,28 +109,33 @@ class SpecStats:
     @property
     def mean_accepted_length(self):
         """Tokens emitted per verification round (bonus included; fewer only where a sequence ended)."""
+        self.finalize()
         rounds = sum(self.rounds)
         return (sum(self.generated_tokens) - sum(self.prefill_tokens)) / rounds if rounds else 0.0
 
     @property
     def mean_accepted_drafts(self):
+        self.finalize()
         rounds = sum(self.rounds)
         return sum(self.accepted_tokens) / rounds if rounds else 0.0
 
     @property
     def acceptance_rate(self):
+        self.finalize()
         drafted = sum(self.drafted_tokens)
         return sum(self.accepted_tokens) / drafted if drafted else 0.0
 
     @property
     def step_compression(self):
-        """Tokens generated per row / target forwards (each forward serves every row at once)."""
+        """Tokens generated per row / target forwards (each forward serves every row at once; prefill included)."""
+        self.finalize()
         if not self.target_forwards:
             return 0.0
         return sum(self.generated_tokens) / self.batch_size / self.target_forwards
 
     def to_dict(self):
-        out = asdict(self)
+        self.finalize()
+        out = {k: v for k, v in asdict(self).items()}
         out.update(
             mean_accepted_length=self.mean_accepted_length,
             mean_accepted_drafts=self.mean_accepted_drafts,

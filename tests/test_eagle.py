@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import mmspec.models
-from mmspec.cache import check_parents, tree_inputs
-from mmspec.drafters.eagle import EagleHead, cfg_combine, draft_tree, prepend_root
+from mmspec.cache import check_parents, prepend_root, tree_inputs
+from mmspec.drafters.eagle import cfg_combine, draft_tree
+from mmspec.models.eagle import EagleHead
 
 
 sys.path.insert(0, str(Path(__file__).parent))

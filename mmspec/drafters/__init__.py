@@ -1,11 +1,24 @@
-"""Drafters: models / procedures that propose draft tokens for a target to verify.
+"""Drafters: models / procedures that propose draft tokens for a target to verify (`mmspec.drafters.base.Drafter`).
 
-* `EagleHead` (`mmspec.drafters.eagle`): EAGLE-style one-layer feature head over a LlamaGen target, with the
-  EAGLE-2 dynamic tree builder `draft_tree`.
-* A small-GPT draft is just a small `mmspec.models.llamagen.LlamaGenGPT` (same vocabulary and classes).
+* `ModelDrafter` (`model.py`): a small AR model of the target's family drafts a chain.
+* `EagleDrafter` (`eagle.py`): an `mmspec.models.eagle.EagleHead` drafts a sampled chain or an EAGLE-2 dynamic tree.
+* `JacobiDrafter` (`jacobi.py`): the target drafts for itself (SJD window).
 """
 
-from mmspec.drafters.eagle import DraftTree, EagleHead, cfg_combine, draft_tree, prepend_root
+from mmspec.drafters.base import Drafter, Proposal
+from mmspec.drafters.eagle import DraftTree, EagleDrafter, cfg_combine, draft_chain, draft_tree
+from mmspec.drafters.jacobi import JacobiDrafter
+from mmspec.drafters.model import ModelDrafter
 
 
-__all__ = ["DraftTree", "EagleHead", "cfg_combine", "draft_tree", "prepend_root"]
+__all__ = [
+    "DraftTree",
+    "Drafter",
+    "EagleDrafter",
+    "JacobiDrafter",
+    "ModelDrafter",
+    "Proposal",
+    "cfg_combine",
+    "draft_chain",
+    "draft_tree",
+]

@@ -1,263 +1,29 @@
-"""EAGLE-style feature drafter for LlamaGen (Li et al. 2024, EAGLE-1/2; as used for images by LANTERN, Jang et al.
-2024), plus the EAGLE-2 dynamic draft-tree builder.
+"""EAGLE drafting (Li et al. 2024, EAGLE-1/2, arXiv 2401.15077 / 2406.16858) with an `mmspec.models.eagle.EagleHead`:
+sampled chains, the EAGLE-2 dynamic draft tree, and `EagleDrafter`, the engine's drafter that keeps the head's
+state between rounds.
 
-The head predicts the target's next final-norm feature from the current one and the next token:
-
-    f_hat[t+1] = Block(fc([tok_emb(x[t+1]) ; h[t]]))       # one decoder layer of the target's block type
-    q_draft(x[t+2]) = softmax(target.output(f_hat[t+1]))    # the target's output head, reused
-
-Pair `(h[t], x[t+1])` sits at the RoPE position of `x[t+1]` (the target's position of that token), so every head
-position is an image position. The head owns only `fc` and the layer; the token embedding and output head are the
-target's (passed in on every call, never stored).
-
-Head cache: `EagleHead.setup_cache` returns a one-layer `StaticKVCache` whose slot index equals the RoPE position;
-its first `cls_token_num` slots are marked invalid and its lengths start at `cls_token_num`, so the chain/tree helpers
-of `mmspec.cache` apply unchanged.
-
-Pipeline protocol (both CFG streams as rows `[cond; uncond]`):
-    1. after target prefill: `hidden` = target hidden at the last prefix slot `[rows, 1, dim]`, `input_ids` = the
-       first sampled token `[rows, 1]`.
-    2. after each verification that accepted tree nodes a_1..a_k and sampled the bonus token b: `hidden` = target
-       hiddens at [root, a_1, ..., a_k], `input_ids` = [a_1, ..., a_k, b] (`num_valid = k + 1`, ragged rows padded).
-    `draft_tree(head, target, head_cache, hidden, input_ids, num_valid, ...)` commits these pairs to the head cache
-    and returns the next draft tree; prepend the root b with `prepend_root` before verifying.
+Head inputs are pairs `(h[t], x[t+1])` of a target hidden state and the token after it, in model rows (both CFG
+streams `[cond; uncond]` when guidance is on):
+    1. after the target's prefill: `hidden` = target hidden at the last prefix slot `[rows, 1, dim]`, `input_ids` =
+       the first sampled token `[rows, 1]`;
+    2. after each verification that accepted nodes a_1..a_k and emitted the next token b: `hidden` = target hiddens at
+       [root, a_1, ..., a_k], `input_ids` = [a_1, ..., a_k, b] (`num_valid = k + 1`, ragged rows padded).
+Every draft starts by committing those pairs to the head cache (`commit_accepted`); drafted pairs stay scratch.
 """
 
 import logging
 from typing import NamedTuple
 
 import torch
-import torch.nn as nn
-from diffusers import ConfigMixin, ModelMixin
-from diffusers.configuration_utils import register_to_config
 
-from mmspec.cache import StaticKVCache, chain_inputs
-from mmspec.models.llamagen import TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
+from mmspec.drafters.base import Proposal
+from mmspec.models.eagle import EagleHead
 from mmspec.sampling import sample
 
 
 logger = logging.getLogger(__name__)
 
-
-class EagleHead(ModelMixin, ConfigMixin):
-    """One-layer EAGLE head for a `LlamaGenGPT` target (see module docstring)."""
-
-    @register_to_config
-    def __init__(
-        self,
-        vocab_size: int = 16384,
-        dim: int = 768,
-        n_head: int = 12,
-        n_kv_head: int | None = None,
-        multiple_of: int = 256,
-        ffn_dim_multiplier: float | None = None,
-        rope_base: float = 10000.0,
-        norm_eps: float = 1e-5,
-        cls_token_num: int = 1,
-        block_size: int = 256,
-        fc_bias: bool = True,
-        initializer_range: float = 0.02,
-        attn_dropout_p: float = 0.0,
-        resid_dropout_p: float = 0.0,
-        ffn_dropout_p: float = 0.0,
-    ):
-        super().__init__()
-        if dim % n_head or (dim // n_head) % 4:
-            raise ValueError(f"dim={dim} must be divisible by n_head={n_head} with head_dim a multiple of 4")
-        grid = int(round(block_size**0.5))
-        if grid * grid != block_size:
-            raise ValueError(f"block_size={block_size} must be a perfect square")
-        self.fc = nn.Linear(2 * dim, dim, bias=fc_bias)
-        hidden = ffn_hidden_dim(dim, multiple_of, ffn_dim_multiplier)
-        self.layers = nn.ModuleList(
-            [
-                TransformerBlock(
-                    dim, n_head, n_kv_head, hidden, norm_eps, attn_dropout_p, resid_dropout_p, ffn_dropout_p
-                )
-            ]
-        )
-        self.init_weights()
-
-    @classmethod
-    def from_target(cls, target, **overrides):
-        """A head whose shapes match `target` (a `LlamaGenGPT`); `overrides` change config fields."""
-        c = target.config
-        kwargs = dict(
-            vocab_size=c.vocab_size,
-            dim=c.dim,
-            n_head=c.n_head,
-            n_kv_head=c.n_kv_head,
-            multiple_of=c.multiple_of,
-            ffn_dim_multiplier=c.ffn_dim_multiplier,
-            rope_base=c.rope_base,
-            norm_eps=c.norm_eps,
-            cls_token_num=c.cls_token_num,
-            block_size=c.block_size,
-            initializer_range=c.initializer_range,
-        )
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    def init_weights(self, generator=None):
-        """N(0, initializer_range) for the Linear weights, zero biases (optional `torch.Generator`)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
-                nn.init.normal_(module.weight, 0.0, self.config.initializer_range, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        return self
-
-    @property
-    def head_dim(self):
-        return self.config.dim // self.config.n_head
-
-    def check_target(self, target):
-        c, t = self.config, target.config
-        for name in ("dim", "vocab_size", "cls_token_num", "block_size"):
-            if getattr(c, name) != getattr(t, name):
-                raise ValueError(f"target {name}={getattr(t, name)} does not match the head's {getattr(c, name)}")
-
-    def rope(self, input_pos):
-        c = self.config
-        return rope_2d(input_pos, self.head_dim, c.rope_base, c.cls_token_num, int(round(c.block_size**0.5)))
-
-    def setup_cache(self, rows, max_seq, dtype=None, device=None):
-        """One-layer cache with slot == RoPE position; slots `< cls_token_num` are invalid, lengths start there.
-
-        `max_seq` should cover `cls_token_num + block_size + (largest tree)`.
-        """
-        p = next(self.parameters())
-        cache = StaticKVCache(
-            1,
-            rows,
-            self.config.n_kv_head or self.config.n_head,
-            find_multiple(int(max_seq), 8),
-            self.head_dim,
-            dtype=dtype or p.dtype,
-            device=device or p.device,
-        )
-        self.reset_cache(cache)
-        return cache
-
-    def reset_cache(self, cache):
-        t = self.config.cls_token_num
-        cache.reset()
-        cache.key_valid[:, :t] = False
-        cache.lengths = torch.full((cache.rows,), t, dtype=torch.long, device=cache.device)
-        return cache
-
-    def _inputs(self, hidden, input_ids, target):
-        if hidden.dim() != 3 or hidden.shape[-1] != self.config.dim:
-            raise ValueError(f"hidden must be [rows, M, dim={self.config.dim}], got {tuple(hidden.shape)}")
-        if input_ids.dim() != 2 or tuple(input_ids.shape) != tuple(hidden.shape[:2]):
-            raise ValueError(f"input_ids must be [rows, M] = {tuple(hidden.shape[:2])}, got {tuple(input_ids.shape)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
-        if not torch.compiler.is_compiling() and input_ids.numel():
-            if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
-                raise ValueError(f"input_ids must be in [0, {self.config.vocab_size})")
-        self.check_target(target)
-        emb = target.tok_embeddings(input_ids).to(self.fc.weight.dtype)
-        return self.fc(torch.cat([emb, hidden.to(self.fc.weight.dtype)], dim=-1))
-
-    def forward(
-        self, hidden, input_ids, target, cache, input_pos=None, write_slots=None, attention_mask=None, cache_mask=None
-    ):
-        """Draft features for `M` pairs per row (chain by default, or a tree via positions/slots/mask).
-
-        Args:
-            hidden: `[rows, M, dim]` target final-norm features h[t] (or the head's own f_hat inside a tree).
-            input_ids: `[rows, M]` the next tokens x[t+1].
-            target: the `LlamaGenGPT` whose `tok_embeddings` are used.
-            cache, input_pos, write_slots, attention_mask, cache_mask: as `LlamaGenGPT.forward` (head cache).
-
-        Returns:
-            `f_hat [rows, M, dim]`; `self.compute_logits(target, f_hat)` gives the draft logits.
-        """
-        if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be a [rows, M] tensor, got {getattr(input_ids, 'shape', input_ids)}")
-        rows, m = input_ids.shape
-        if not isinstance(cache, StaticKVCache) or cache.k.shape[0] != 1 or cache.rows != rows:
-            raise ValueError("cache must be this head's StaticKVCache (setup_cache) with one row per input row")
-        if input_pos is None:
-            input_pos, default_slots, default_mask = chain_inputs(cache.lengths, m)
-            write_slots = default_slots if write_slots is None else write_slots
-            if attention_mask is None and cache_mask is None:
-                attention_mask = default_mask
-        if write_slots is None:
-            write_slots = input_pos
-        if cache_mask is None:
-            if attention_mask is None:
-                attention_mask = torch.ones(m, m, dtype=torch.bool, device=input_ids.device).tril().expand(rows, m, m)
-            if attention_mask.shape != (rows, m, m) or attention_mask.dtype != torch.bool:
-                raise ValueError(f"attention_mask must be bool [rows={rows}, M={m}, M={m}]")
-            cache.check_slots(write_slots)
-            cache_mask = cache.visibility(write_slots, attention_mask)
-        else:
-            cache.check_slots(write_slots)
-        if tuple(input_pos.shape) != (rows, m):
-            raise ValueError(f"input_pos must be [rows={rows}, M={m}], got {tuple(input_pos.shape)}")
-        x = self._inputs(hidden, input_ids, target)
-        return self.layers[0](x, self.rope(input_pos), cache_mask[:, None], cache, 0, write_slots)
-
-    def forward_train(self, hidden, input_ids, target):
-        """Teacher forcing: pairs `(hidden[:, i], input_ids[:, i])` at positions `cls_token_num + i`, causal.
-
-        With `hidden = target.forward_train(x, cond, return_hidden=True).hidden` (index i predicts x[:, i]), use
-        `input_ids = x`; output `i` regresses `hidden[:, i + 1]` (and its logits predict `x[:, i + 1]`).
-        """
-        x = self._inputs(hidden, input_ids, target)
-        pos = self.config.cls_token_num + torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        return self.layers[0](x, self.rope(pos), None, None, 0, None)
-
-    def forward_unrolled(self, hidden, input_ids, target, steps):
-        """Training-time test (EAGLE-3 / HASS style): teacher forcing unrolled for `steps` draft depths.
-
-        Step 0 is `forward_train`. Step `j >= 1` feeds the head its own step `j-1` output instead of the target's
-        feature (`f_{j-1}[i-1]` in place of `hidden[i]`), and position `i` attends exactly as the depth-`j+1` node of a
-        chain drafted at inference: step-0 keys at positions `<= i - j` (pairs built from true target features),
-        then step `s` keys at position `i - j + s` for `s = 1 .. j` (its drafted ancestors and itself).
-
-        Returns:
-            a list of `steps` tensors `[B, N, dim]`; entry `j` at position `i` regresses `hidden[:, i + 1]`, and is
-            meaningful for `i >= j` only (earlier positions have no true prefix to start the chain from).
-        """
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
-        b, n = input_ids.shape
-        device = input_ids.device
-        pos = self.config.cls_token_num + torch.arange(n, device=device)[None]
-        rope = self.rope(pos)
-        i = torch.arange(n, device=device)
-        kv = _ConcatKV()
-        outputs, feats = [], hidden
-        for j in range(steps):
-            x = self._inputs(feats, input_ids, target)
-            # keys of steps 0..j, step-major: [n, (j + 1) * n]
-            blocks = [i[None, :] <= i[:, None] - j] + [i[None, :] == i[:, None] - j + s for s in range(1, j + 1)]
-            mask = torch.cat(blocks, dim=1)
-            out = self.layers[0](x, rope, mask[None, None].expand(b, 1, n, (j + 1) * n), kv, 0, None)
-            outputs.append(out)
-            feats = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # position i now gets f_j[i - 1]
-        return outputs
-
-    @staticmethod
-    def compute_logits(target, features):
-        """Draft logits `[..., V]` (float32) from head features, through the target's output head."""
-        return target.output(features.to(target.output.weight.dtype)).float()
-
-
-class _ConcatKV:
-    """Stand-in for `StaticKVCache` in `forward_unrolled`: `update` appends the new keys/values out of place (so
-    autograd can flow through every step) and returns all of them."""
-
-    def __init__(self):
-        self.k, self.v = None, None
-
-    def update(self, layer, write_slots, k_new, v_new):
-        self.k = k_new if self.k is None else torch.cat([self.k, k_new], dim=2)
-        self.v = v_new if self.v is None else torch.cat([self.v, v_new], dim=2)
-        return self.k, self.v
+__all__ = ["DraftTree", "EagleDrafter", "EagleHead", "cfg_combine", "commit_accepted", "draft_chain", "draft_tree"]
 
 
 # ---------------------------------------------------------------------- EAGLE-2 dynamic tree
@@ -286,14 +52,6 @@ def cfg_combine(logits, guidance_scale):
     return uncond + s * (cond - uncond)
 
 
-def prepend_root(root_tokens, tokens, parents):
-    """Verification tree = `[root] + draft nodes`: returns `(tokens [B, N+1], parents [B, N+1])` with the root at
-    index 0 (parent -1) and every draft node shifted by one (children of the root point at 0)."""
-    root_tokens = root_tokens.reshape(-1, 1).to(tokens.dtype)
-    shifted = torch.where(parents >= 0, parents + 1, torch.zeros_like(parents))
-    return (torch.cat([root_tokens, tokens], dim=1), torch.cat([torch.full_like(parents[:, :1], -1), shifted], dim=1))
-
-
 def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None):
     """Step 1 of every EAGLE draft: feed the newly accepted pairs `(hidden, input_ids)` (`num_valid [rows]` valid per
     row, default all), commit them to the head cache, and return the last valid feature `[rows, 1, dim]`, which
@@ -310,39 +68,38 @@ def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None):
 
 
 @torch.no_grad()
-def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, sampling, generator):
+def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, guidance, generator, num_draft=None):
     """EAGLE chain with *sampled* drafts: `length` tokens, each drawn from the head's processed distribution.
 
-    Step 1 is `commit_accepted` (as in `draft_tree`). Each draft token is sampled from
-    `q_draft = sampling.probs(cond, uncond)` of the head's logits (CFG, temperature, top-k/p exactly as the target's),
-    so standard speculative sampling accepts it with probability `sum_v min(p_target, q_draft)`; a deterministic
-    top-1 chain would be accepted with `p_target(argmax q_draft)` only, far less at temperature 1. Under greedy
-    sampling `q_draft` is one-hot and the chain is the head's greedy chain. Drafted pairs are scratch: the head cache
-    keeps only the committed pairs (lengths grow by `num_valid`).
+    Step 1 is `commit_accepted` (as in `draft_tree`). Each draft token is sampled from the head's `q_draft`, processed
+    by `guidance` exactly as the target's distributions (CFG, temperature, top-k/p), so standard speculative sampling
+    accepts it with probability `sum_v min(p_target, q_draft)`; a deterministic top-1 chain would be accepted with
+    `p_target(argmax q_draft)` only, far less at temperature 1. Under greedy sampling `q_draft` is one-hot and the
+    chain is the head's greedy chain. Drafted pairs are scratch: the head cache keeps only the committed pairs
+    (lengths grow by `num_valid`).
 
     Args:
-        hidden, input_ids, num_valid: the accepted pairs, rows `[cond; uncond]` (see `draft_tree`).
+        hidden, input_ids, num_valid: the accepted pairs in model rows (see the module docstring).
         length: chain length K >= 1.
-        sampling: the pipeline's `mmspec.sampling.SamplingParams`.
-        generator: `torch.Generator` for the draft samples.
+        guidance: the call's `mmspec.decoding.guidance.Guidance` (row layout + processing).
+        generator: `torch.Generator` or one per batch item.
+        num_draft: optional `[B]` drafts each item needs (`<= length`); with per-item generators an item draws only
+            its own drafts, so its randomness does not depend on the rest of the batch.
 
     Returns:
         `(draft_tokens [B, K], q_draft [B, K, V])`.
     """
-    rows = input_ids.shape[0]
-    if rows % 2:
-        raise ValueError(f"rows must be [cond; uncond] (even), got {rows}")
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
     feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid)  # [rows, 1, dim]
     tokens, probs = [], []
     for d in range(length):
-        q = sampling.probs(*head.compute_logits(target, feat[:, 0]).chunk(2))  # [B, V]
-        tok = sample(q, generator)
+        q = guidance.probs(head.compute_logits(target, feat[:, 0]), "draft")  # [B, V]
+        tok = sample(q, generator, counts=None if num_draft is None else (num_draft > d).long())
         tokens.append(tok)
         probs.append(q)
         if d + 1 < length:
-            feat = head(feat, torch.cat([tok, tok])[:, None], target, cache)  # pair (f_hat, x) at the next slot
+            feat = head(feat, guidance.rows(tok)[:, None], target, cache)  # pair (f_hat, x) at the next slot
             cache.commit(1)
     cache.rollback(cache.lengths - (length - 1))
     return torch.stack(tokens, 1), torch.stack(probs, 1)
@@ -467,3 +224,66 @@ def draft_tree(
     if bool(((kept_parents >= 0) & (remapped < 0)).any()):  # cannot happen unless scores are NaN
         raise RuntimeError("draft tree selection is not ancestor-closed (NaN draft scores?)")
     return DraftTree(tokens.gather(1, keep), remapped, depths.gather(1, keep), scores.gather(1, keep))
+
+
+class EagleDrafter:
+    """The engine's EAGLE drafter (`mmspec.drafters.base.Drafter`): owns the head cache and the accepted pairs.
+
+    Args:
+        head: the `EagleHead` trained on `target`.
+        target: the target `LlamaGenGPT` (its token embedding and output head are shared with the head).
+        guidance: the call's `Guidance`.
+        depth: chain length (`top_k == 1`) or tree depth.
+        top_k: 1 = a chain of `depth` tokens sampled from `q_draft` (accepted with `sum min(p, q)`); > 1 = the
+            EAGLE-2 dynamic tree with `top_k` deterministic children per node and `total` nodes.
+        total: tree nodes kept (trees only).
+    """
+
+    needs_hidden = True
+
+    def __init__(self, head, target, guidance, depth, top_k=1, total=24):
+        head.check_target(target)
+        self.head, self.target, self.guidance = head, target, guidance
+        self.depth, self.top_k, self.total = int(depth), int(top_k), int(total)
+        self.chain = self.top_k == 1
+        self.max_width = self.depth if self.chain else min(self.total, self.top_k + (self.depth - 1) * self.top_k**2)
+        self.cache = None
+        self.draft_forwards = 0
+
+    def prefill(self, state, target_out):
+        """Start from the target's prefill: pair (hidden at the last prefix slot, first token)."""
+        rows = target_out.hidden.shape[0]
+        scratch = self.depth * self.top_k + 2  # drafted pairs: the chain, or the tree's frontiers
+        self.cache = self.head.setup_cache(rows, self.target.config.cls_token_num + state.max_length + scratch)
+        self.hidden, self.ids = target_out.hidden, self.guidance.rows(state.pending[:, None])
+        self.num_valid = torch.ones(rows, dtype=torch.long, device=self.ids.device)
+
+    def propose(self, state):
+        g = self.guidance
+        if self.chain:
+            num_draft = state.remaining().clamp(min=1, max=self.depth)
+            length = min(self.depth, state.max_remaining)  # no drafts past the last token of any row
+            drafts, q = draft_chain(self.head, self.target, self.cache, self.hidden, self.ids, self.num_valid,
+                                    length=length, guidance=g, generator=state.generator, num_draft=num_draft)  # fmt: skip
+            self.draft_forwards += length
+            return Proposal(drafts, num_draft, q_draft=q)
+        tree = draft_tree(self.head, self.target, self.cache, self.hidden, self.ids, self.num_valid, depth=self.depth,
+                          top_k=self.top_k, total=self.total,
+                          guidance_scale=g.sampling.guidance_scale if g.streams == 2 else None)  # fmt: skip
+        self.draft_forwards += self.depth
+        return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents)
+
+    def commit(self, result, target_out, state):
+        """Next head input: pairs (h[pending], a_1), ..., (h[a_k], next token) along the accepted chain / path."""
+        g, hidden = self.guidance, target_out.hidden
+        if result.path is not None:
+            path = g.rows(result.path.clamp(min=0))
+            hidden = hidden.gather(1, path[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        self.hidden = hidden
+        self.ids = g.rows(result.tokens.clamp(min=0))
+        self.num_valid = g.rows(result.num_emitted)
+
+    def select_rows(self, index):
+        rows = self.guidance.row_index(index, self.cache.rows // self.guidance.streams)
+        self.cache.select_rows(rows)
+        self.hidden, self.ids, self.num_valid = self.hidden[rows], self.ids[rows], self.num_valid[rows]

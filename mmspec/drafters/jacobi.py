@@ -10,64 +10,80 @@ that have no previous sample get *fresh* initial tokens with a point-mass `q_dra
 
 Both are fixed before the target looks at the window, so a one-hot `q_draft` is exactly the law they were drawn
 with given the context, as the verifier needs. The re-draft of carried positions (independent, or maximally
-coupled as in SCD) is `mmspec.verify.verify_jacobi`'s job; this class only keeps the window.
+coupled as in SCD) happens inside verification (`mmspec.verify.verify_jacobi`, asked for by the proposal's
+`jacobi_coupling`): it reuses the verification coins. This class only keeps the window.
 """
 
 import torch
 import torch.nn.functional as F
 
+from mmspec.drafters.base import Proposal
+from mmspec.random import rand
+
+
+__all__ = ["JacobiDrafter"]
+
 
 class JacobiDrafter:
-    """Keeps the Jacobi window `[B, K]` of drafts and their `q_draft [B, K, V]` between iterations.
+    """Keeps the Jacobi window `[B, K]` of drafts and their `q_draft [B, K, V]` between iterations
+    (`mmspec.drafters.base.Drafter`).
 
     Args:
         vocab_size: V.
         window: K, draft tokens per iteration (the verification forward scores `pending + K` tokens).
         init: `"repeat"` or `"random"` (see module docstring).
+        coupling: re-draft with SCD maximal coupling (True) or independently as SJD (False).
     """
 
     INITS = ("repeat", "random")
+    needs_hidden = False
+    draft_forwards = 0
 
-    def __init__(self, vocab_size, window, init="repeat"):
+    def __init__(self, vocab_size, window, init="repeat", coupling=True):
         if init not in self.INITS:
-            raise ValueError(f"jacobi init must be one of {self.INITS}, got {init!r}")
+            raise ValueError(f"jacobi_init must be one of {self.INITS}, got {init!r}")
         if window < 1:
-            raise ValueError(f"jacobi window must be >= 1 draft token, got {window}")
-        self.vocab_size, self.window, self.init = vocab_size, window, init
+            raise ValueError(f"jacobi_window must be >= 1 draft token, got {window}")
+        self.vocab_size, self.window, self.init, self.coupling = vocab_size, int(window), init, bool(coupling)
+        self.max_width = self.window
         self.drafts = None  # [B, K]
         self.q_draft = None  # [B, K, V]
 
-    def reset(self, pending, generator):
-        """Start a fresh window after `pending [B]` (all positions freshly initialised)."""
-        b = pending.shape[0]
-        self.drafts = torch.full((b, self.window), -1, dtype=torch.long, device=pending.device)
-        self.q_draft = torch.zeros(b, self.window, self.vocab_size, device=pending.device)
-        self._fill(pending, torch.zeros(b, dtype=torch.long, device=pending.device), generator)
+    def prefill(self, state, target_out=None):
+        """Start a fresh window after each row's pending token (all positions freshly initialised)."""
+        b, device = state.batch_size, state.tokens.device
+        self.drafts = torch.full((b, self.window), -1, dtype=torch.long, device=device)
+        self.q_draft = torch.zeros(b, self.window, self.vocab_size, device=device)
+        self._fill(state, torch.zeros(b, dtype=torch.long, device=device))
 
-    def update(self, result, pending, generator):
-        """Next window from a `JacobiResult`: the carried re-drafts (left-aligned) and fresh tokens after them."""
-        self.drafts = result.next_drafts.clone()
-        self.q_draft = result.next_q.clone()
-        self._fill(pending, result.num_carried, generator)
-
-    def select_rows(self, index):
-        """Keep only batch items `index [B']` (finished rows dropped)."""
-        self.drafts, self.q_draft = self.drafts[index], self.q_draft[index]
-
-    def narrow(self, width):
-        """Keep only the first `width` window positions from now on (the image ends within them)."""
+    def propose(self, state):
+        num_draft = state.remaining().clamp(min=1, max=self.window)
+        width = min(self.window, state.max_remaining)  # near the end: no drafts past the last token of any row
         if width < self.drafts.shape[1]:
             self.drafts, self.q_draft = self.drafts[:, :width], self.q_draft[:, :width]
+        return Proposal(self.drafts, num_draft, q_draft=self.q_draft, jacobi_coupling=self.coupling)
 
-    def _fill(self, pending, num_carried, generator):
+    def commit(self, result, target_out, state):
+        """Next window from the `JacobiResult`: the carried re-drafts (left-aligned) and fresh tokens after them."""
+        self.drafts = result.next_drafts.clone()
+        self.q_draft = result.next_q.clone()
+        self._fill(state, result.num_carried)
+
+    def select_rows(self, index):
+        self.drafts, self.q_draft = self.drafts[index], self.q_draft[index]
+
+    def _fill(self, state, num_carried):
         """Fill positions `>= num_carried [B]` with fresh tokens (point-mass `q_draft`)."""
         b, k = self.drafts.shape
-        fresh = torch.arange(k, device=pending.device)[None, :] >= num_carried[:, None]  # [B, K]
+        device = self.drafts.device
+        fresh = torch.arange(k, device=device)[None, :] >= num_carried[:, None]  # [B, K]
         if self.init == "random":
-            tokens = torch.randint(self.vocab_size, (b, k), generator=generator, device=pending.device)
+            need = state.remaining().clamp(min=0, max=k)  # a row draws only for the positions it can use
+            u = rand((b, k), state.generator, device=device, counts=need)
+            tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)
         else:  # repeat: every fresh slot copies the last known token before the fresh run
             last_idx = (num_carried - 1).clamp(min=0)
-            last_known = torch.where(num_carried > 0, self.drafts.gather(1, last_idx[:, None])[:, 0], pending)
+            last_known = torch.where(num_carried > 0, self.drafts.gather(1, last_idx[:, None])[:, 0], state.pending)
             tokens = last_known[:, None].expand(b, k)
         self.drafts = torch.where(fresh, tokens, self.drafts)
         one_hot = F.one_hot(self.drafts.clamp(min=0), self.vocab_size).to(self.q_draft.dtype)

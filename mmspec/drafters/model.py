@@ -1,18 +1,18 @@
-"""Small-model drafter: a smaller AR model of the same family drafts a chain of K tokens (Leviathan et al. 2023;
-Chen et al. 2023), for discrete-token image models (`LlamaGenGPT`).
+"""Small-model drafter: a smaller AR model of the same family drafts a chain of K tokens (Leviathan et al. 2023,
+arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318), for discrete-token image models (`LlamaGenGPT`).
 
-The draft model runs both CFG streams (rows `[cond; uncond]`) and its logits go through the *same* `SamplingParams`
-processing as the target's, so `q_draft` is exactly the distribution each draft token was drawn from (a one-hot
-under greedy decoding, i.e. a point-mass draft).
+The draft model runs the same CFG streams as the target (`mmspec.decoding.guidance.Guidance`) and its logits go through
+the *same* processing as the target's, so `q_draft` is exactly the distribution each draft token was drawn from (a
+one-hot under greedy decoding, i.e. a point-mass draft).
 
 Cache protocol (one `StaticKVCache` of the draft model, per-row lengths):
 
 * after `prefill`, the draft cache holds the condition prefix; the target's first token is *pending* (known, not yet
   in any cache).
-* `draft(last, pending, ...)` feeds `[last committed token, pending]` at slots `L - 1, L` (re-computing slot `L - 1`
-  keeps the shapes uniform: that slot is missing exactly when the previous round accepted all K drafts), then
-  K - 1 single-token forwards; K draft forwards in all. On the first round only `[pending]` is fed.
-* `commit(committed_lengths)` rolls the draft cache back to `committed_lengths - 1` (per row), which is always a
+* `propose` feeds `[last committed token, pending]` at slots `L - 1, L` (re-computing slot `L - 1` keeps the shapes
+  uniform: that slot is missing exactly when the previous round accepted all K drafts), then K - 1 single-token
+  forwards; K draft forwards in all. On the first round only `[pending]` is fed.
+* `commit` rolls the draft cache back to everything but the last committed token (per row), which is always a
   correct prefix, whatever was accepted.
 """
 
@@ -20,23 +20,33 @@ import logging
 
 import torch
 
+from mmspec.drafters.base import Proposal
 from mmspec.sampling import sample
 
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ModelDrafter"]
+
 
 class ModelDrafter:
-    """Drafts chains with a small `LlamaGenGPT` (see module docstring).
+    """Drafts chains with a small `LlamaGenGPT` (see module docstring; `mmspec.drafters.base.Drafter`).
 
     Args:
         model: the draft `LlamaGenGPT`; its vocabulary, class count and token grid must match the target's.
+        guidance: the call's `Guidance` (row layout + processing shared with the target).
+        num_draft_tokens: K, the chain length.
+        cond, cond_mask: the condition rows the target was prefilled with (model rows, all streams).
     """
 
-    def __init__(self, model):
-        self.model = model
+    needs_hidden = False
+
+    def __init__(self, model, guidance, num_draft_tokens, cond, cond_mask=None):
+        self.model, self.guidance, self.k = model, guidance, int(num_draft_tokens)
+        self.cond, self.cond_mask = cond, cond_mask
+        self.max_width = self.k
         self.cache = None
-        self._first_round = True
+        self.draft_forwards = 0
 
     @staticmethod
     def check_compatible(model, target):
@@ -49,46 +59,41 @@ class ModelDrafter:
                     "draft and target must share the token vocabulary and condition space"
                 )
 
-    def prefill(self, cond, max_seq, cond_mask=None):
-        """Reset the draft cache and write the condition prefix for rows `[cond; uncond]`."""
-        self.cache = self.model.setup_cache(cond.shape[0], max_seq)
-        self.model.prefill(cond, self.cache, cond_mask=cond_mask)
+    def prefill(self, state, target_out):
+        """Reset the draft cache and write the condition prefix."""
+        max_seq = self.model.config.cls_token_num + state.max_length + self.k + 2
+        self.cache = self.model.setup_cache(self.cond.shape[0], max_seq)
+        self.model.prefill(self.cond, self.cache, cond_mask=self.cond_mask)
         self._first_round = True
 
     @torch.no_grad()
-    def draft(self, last_tokens, pending, num_draft, sampling, generator):
-        """Draft `num_draft` tokens after `pending` for every batch item.
-
-        Args:
-            last_tokens: `[B]` last committed image token per item (ignored on the first round).
-            pending: `[B]` the token the target emitted last round (not yet in any cache).
-            num_draft: K >= 1.
-            sampling: the pipeline's `SamplingParams` (CFG scale, temperature, top-k/p), shared with the target.
-            generator: `torch.Generator` for the draft samples.
-
-        Returns:
-            `(draft_tokens [B, K], q_draft [B, K, V])`.
-        """
+    def propose(self, state):
+        """Draft `min(K, remaining)` tokens after each row's pending token."""
+        g = self.guidance
+        num_draft = state.remaining().clamp(min=1, max=self.k)
+        length = min(self.k, state.max_remaining)  # no drafts past the last token of any row
         if self._first_round:
-            feed = pending[:, None]
+            feed = state.pending[:, None]
         else:
-            feed = torch.stack([last_tokens, pending], dim=1)  # `commit` left the last committed slot open
-        feed = torch.cat([feed, feed])  # rows [cond; uncond] carry the same tokens
+            feed = torch.stack([state.last_committed, state.pending], dim=1)  # `commit` left the last slot open
+        feed = g.rows(feed)
         tokens, probs = [], []
-        for _ in range(num_draft):
-            logits = self.model(feed, self.cache).logits[:, -1]  # [2B, V]
+        for d in range(length):
+            logits = self.model(feed, self.cache).logits[:, -1]  # [rows, V]
             self.cache.commit(feed.shape[1])
-            cond, uncond = logits.chunk(2)
-            q = sampling.probs(cond, uncond)  # [B, V] exactly what the draft is drawn from
-            tok = sample(q, generator)
+            q = g.probs(logits, "draft")  # [B, V] exactly what the draft is drawn from
+            tok = sample(q, state.generator, counts=(num_draft > d).long())
             tokens.append(tok)
             probs.append(q)
-            feed = torch.cat([tok, tok])[:, None]
+            feed = g.rows(tok)[:, None]
+        self.draft_forwards += length
         self._first_round = False
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
+        return Proposal(torch.stack(tokens, 1), num_draft, q_draft=torch.stack(probs, 1))
 
-    def commit(self, committed_lengths):
-        """After verification: `committed_lengths [B]` = target cache lengths of the cond rows (prefix + committed
-        tokens). The draft cache keeps everything but the last committed token, which the next round re-feeds."""
-        lengths = torch.cat([committed_lengths, committed_lengths]) - 1
+    def commit(self, result, target_out, state):
+        """Keep everything but the last committed token (prefix + `count - 2` tokens), which the next round re-feeds."""
+        lengths = self.guidance.rows(self.model.config.cls_token_num + state.count - 2)
         self.cache.rollback(torch.minimum(lengths, self.cache.lengths))
+
+    def select_rows(self, index):
+        self.cache.select_rows(self.guidance.row_index(index, self.cache.rows // self.guidance.streams))

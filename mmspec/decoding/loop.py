@@ -1,0 +1,110 @@
+"""The decoding loop shared by every pipeline: draft -> score -> verify -> commit -> emit, until every row is done.
+
+    while rows remain:
+        drop finished rows (state, target cache, drafter state)           # one host sync per round
+        proposal = drafter.propose(state)                                 # chain or tree after each pending token
+        out = target.forward([pending, drafts] or [pending] + tree)       # p_target of every scored token
+        result = verify(rule, proposal, out.p_target)                     # mmspec.verify: exact / LANTERN / GSD ...
+        target.commit(accepted prefix);  state.emit(result.tokens)        # ragged: each row its own length
+        drafter.commit(result, out, state)
+
+Plain AR decoding is the same loop without a drafter (an empty proposal: the verifier samples one token from
+`p_target` per round). Speculative and plain decoding therefore share every line but the draft.
+
+The only host syncs per round are the compaction check (how many rows remain, how many tokens were generated, for
+the progress bar) and those a rule needs inside `mmspec.verify` (tree loop bounds). Counters stay on the device
+(`SpecStats.record_round`); non-finite distributions are flagged on the device and raised once at the end
+(`Guidance.check`).
+"""
+
+import logging
+
+import torch
+
+from mmspec.cache import prepend_root
+from mmspec.drafters.base import Proposal
+from mmspec.sampling import sample
+from mmspec.verify import VerifyResult, verify_chain, verify_jacobi, verify_tree
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["decode", "verify_proposal"]
+
+
+def verify_proposal(rule, proposal: Proposal, p_target, generator, greedy: bool):
+    """Verify one round's `proposal` against `p_target [B, 1 + K, V]` (index 0 = after the pending token) with the
+    acceptance `rule` (`mmspec.verify.AcceptanceRule`): tree, Jacobi window (verification + re-draft) or chain. An
+    empty proposal (plain AR) samples the next token from `p_target` directly: the same draw `verify_chain` would make
+    with no drafts (one uniform per row), without its bookkeeping."""
+    if proposal.width == 0 and proposal.parents is None and proposal.jacobi_coupling is None:
+        batch = p_target.shape[0]
+        token = sample(p_target[:, 0], generator)  # one-hot under greedy: the argmax
+        none = torch.zeros(batch, dtype=torch.long, device=p_target.device)
+        return VerifyResult(num_accepted=none, accept_mask=proposal.tokens.bool(), tokens=token[:, None])
+    if proposal.parents is not None:
+        return verify_tree(proposal.tokens, proposal.parents, p_target, proposal.q_draft, rule=rule,
+                           mode="deterministic", generator=generator, greedy=greedy, validate=False)  # fmt: skip
+    if proposal.jacobi_coupling is not None:
+        return verify_jacobi(proposal.tokens, p_target, proposal.q_draft, rule=rule, generator=generator,
+                             coupling=proposal.jacobi_coupling, num_draft=proposal.num_draft, validate=False)  # fmt: skip
+    return verify_chain(rule, proposal.tokens, p_target, proposal.q_draft, generator=generator,
+                        num_draft=proposal.num_draft, greedy=greedy, validate=False)  # fmt: skip
+
+
+def _drop_finished(state, target, drafter):
+    """Compact finished rows out of the state, the target and the drafter. Returns (rows left, tokens generated
+    over the call) and sets `state.max_remaining` -- the loop's one host sync per round."""
+    active = ~state.finished
+    remaining = torch.where(active, state.remaining(), 0).max()
+    left, generated, state.max_remaining = torch.stack([active.sum(), state.total_generated(), remaining]).tolist()
+    if 0 < left < state.batch_size:
+        index = active.nonzero()[:, 0]
+        state.keep(index)
+        target.select_rows(index)
+        if drafter is not None:
+            drafter.select_rows(index)
+    return left, generated
+
+
+def decode(target, drafter, rule, state, guidance, stats, *, progress=None, callback=None):
+    """Run rounds until every row of `state` is finished.
+
+    Args:
+        target: a `mmspec.decoding.target.Target` whose prefill already ran (each row's first token is pending).
+        drafter: a `mmspec.drafters.base.Drafter` (prefilled), or None for plain AR decoding.
+        rule: the `mmspec.verify` acceptance rule object (`Exact()`, `Lantern(...)`, `Grouped(...)`).
+        state: the `SequenceState` (tokens, per-row generators, trace).
+        guidance: the call's `Guidance` (greedy flag; finite-probability flags checked at the end).
+        stats: `SpecStats` to fill (`target_forwards`, per-round counters, draft/verify time).
+        progress: optional tqdm-like bar (`update(n)`), in tokens.
+        callback: optional `fn(state, round_index)` after every round.
+    """
+    device = state.tokens.device
+    reported = 0
+    while True:
+        left, generated = _drop_finished(state, target, drafter)
+        if progress is not None:
+            progress.update(generated - reported)
+            reported = generated
+        if not left:
+            break
+        with stats.timer("draft", device):
+            proposal = drafter.propose(state) if drafter is not None else Proposal.empty(state.batch_size, device)
+        with stats.timer("verify", device):
+            if proposal.parents is None:  # chain [pending, d_1 .. d_K]
+                tokens, parents = torch.cat([state.pending[:, None], proposal.tokens], dim=1), None
+            else:  # tree [pending (root), nodes]
+                tokens, parents = prepend_root(state.pending, proposal.tokens, proposal.parents)
+            out = target.forward(tokens, parents, return_hidden=drafter is not None and drafter.needs_hidden)
+            stats.target_forwards += 1
+            result = verify_proposal(rule, proposal, out.p_target, state.generator, guidance.greedy)
+        target.commit(result.num_emitted, None if parents is None else result.path.clamp(min=0))
+        num = state.emit(result.tokens, result.num_emitted, proposal.num_draft)
+        if drafter is not None:
+            with stats.timer("draft", device):
+                drafter.commit(result, out, state)
+        stats.record_round(proposal.num_draft, torch.minimum(result.num_accepted, num), num, rows=state.ids)
+        if callback is not None:
+            callback(state, state.rounds)
+    guidance.check()

@@ -1,0 +1,288 @@
+"""The method registry: which acceptance rules, drafters and knobs exist, defined once.
+
+Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choices, knob flags), the benchmarks
+(named presets) and the demo. A new rule or drafter is one entry here plus its own file.
+
+* `ACCEPTANCES`: name -> `Acceptance` (paper, lossless or not, which drafters it runs on, its default drafter order).
+* `DRAFTERS`: name -> `DrafterSpec` (the pipeline component it needs, if any).
+* `KNOBS`: pipeline keyword -> `Knob` (type, default, range check, which methods read it). Rule knobs take their
+  defaults from the rule classes of `mmspec.verify` (the one place they are defined).
+* `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mmspec.verify import RESAMPLES, RULE_CLASSES
+
+
+__all__ = [
+    "ACCEPTANCES",
+    "DRAFTERS",
+    "KNOBS",
+    "PRESETS",
+    "Acceptance",
+    "DrafterSpec",
+    "Knob",
+    "check_knob",
+    "check_knobs",
+    "resolve_drafter",
+]
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """An `acceptance=` choice of the pipelines."""
+
+    name: str
+    summary: str
+    lossless: bool
+    drafters: tuple[str, ...]  # drafters it can verify; the first loaded one is the default
+    sampling_only: bool = False  # undefined under greedy decoding
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A `drafter=` choice: `component` is the pipeline component it needs (None: the target drafts itself)."""
+
+    name: str
+    summary: str
+    component: str | None
+
+
+ACCEPTANCES = {
+    a.name: a
+    for a in (
+        Acceptance("none", "plain AR sampling (the baseline)", True, ()),
+        Acceptance(
+            "exact", "speculative sampling (Leviathan et al. 2023; EAGLE-2 trees)", True, ("eagle", "model", "jacobi")
+        ),  # fmt: skip
+        Acceptance(
+            "relaxed",
+            "LANTERN latent-proximity acceptance (Jang et al. 2024; LANTERN++)",
+            False,
+            ("eagle", "model", "jacobi"),
+        ),  # fmt: skip
+        Acceptance(
+            "grouped",
+            "GSD grouped acceptance (So et al. 2025)",
+            False,
+            ("jacobi", "eagle", "model"),
+            sampling_only=True,
+        ),  # fmt: skip
+        Acceptance("jacobi", "SJD (Teng et al. 2024), optional SCD coupling", True, ("jacobi",)),
+    )
+}
+
+DRAFTERS = {
+    d.name: d
+    for d in (
+        DrafterSpec("model", "a small AR model of the same family drafts a chain", "draft_model"),
+        DrafterSpec("eagle", "an EAGLE head drafts a sampled chain or an EAGLE-2 tree", "eagle_head"),
+        DrafterSpec("jacobi", "the target drafts for itself (Jacobi window)", None),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A method keyword of the pipelines: `kind` is int, float, bool or a tuple of allowed strings."""
+
+    name: str
+    kind: Any
+    default: Any
+    help: str
+    check: Callable[[Any], bool] | None = None  # range check on a well-typed value
+    bound: str = ""  # the range, for messages
+    optional: bool = False  # None allowed
+    used_by: tuple[str, ...] = ()  # acceptances or drafters that read it (empty: all)
+
+
+def _rule_default(rule, name):
+    return RULE_CLASSES[rule].__dataclass_fields__[name].default
+
+
+def _knobs():
+    pos = (lambda v: v >= 1, ">= 1")
+    return {
+        k.name: k
+        for k in (
+            Knob(
+                "num_draft_tokens",
+                int,
+                None,
+                "draft chain length K (model drafter, default 4) or EAGLE-2 tree nodes (default 24)",
+                *pos,
+                optional=True,
+                used_by=("model", "eagle"),
+            ),  # fmt: skip
+            Knob(
+                "tree_depth",
+                int,
+                None,
+                "EAGLE chain length / tree depth (default 5; 7 for relaxed, grouped)",
+                *pos,
+                optional=True,
+                used_by=("eagle",),
+            ),  # fmt: skip
+            Knob(
+                "tree_top_k",
+                int,
+                1,
+                "EAGLE: 1 = sampled chain, > 1 = EAGLE-2 tree with top-k children",
+                *pos,
+                used_by=("eagle",),
+            ),  # fmt: skip
+            Knob(
+                "relaxation_top_k",
+                int,
+                16,
+                "LANTERN neighbourhood size k (capped at V - 1)",
+                lambda v: v >= 0,
+                ">= 0",
+                used_by=("relaxed",),
+            ),  # fmt: skip
+            Knob(
+                "relaxation_delta",
+                float,
+                _rule_default("relaxed", "delta"),
+                "LANTERN total-variation budget delta",
+                lambda v: 0 <= v <= 1,
+                "in [0, 1]",
+                used_by=("relaxed",),
+            ),  # fmt: skip
+            Knob(
+                "relaxation_lambda",
+                float,
+                None,
+                "LANTERN++ multiplicative lambda (> 1; replaces delta)",
+                lambda v: v > 1,
+                "> 1",
+                optional=True,
+                used_by=("relaxed",),
+            ),  # fmt: skip
+            Knob(
+                "group_size",
+                int,
+                _rule_default("grouped", "group_size"),
+                "GSD group (rank window) size",
+                *pos,
+                used_by=("grouped",),
+            ),  # fmt: skip
+            Knob(
+                "group_prob_threshold",
+                float,
+                _rule_default("grouped", "prob_threshold"),
+                "GSD probability filter",
+                lambda v: 0 <= v <= 1,
+                "in [0, 1]",
+                used_by=("grouped",),
+            ),  # fmt: skip
+            Knob(
+                "group_dist_threshold",
+                float,
+                _rule_default("grouped", "dist_threshold"),
+                "GSD squared codebook-distance filter",
+                lambda v: v >= 0,
+                ">= 0",
+                used_by=("grouped",),
+            ),  # fmt: skip
+            Knob("jacobi_window", int, 16, "SJD window: draft tokens per forward", *pos, used_by=("jacobi",)),
+            Knob(
+                "jacobi_init", ("repeat", "random"), "repeat", "SJD fresh-token initialisation", used_by=("jacobi",)
+            ),  # fmt: skip
+            Knob("coupling", bool, True, "SCD maximal-coupling re-drafts (lossless)", used_by=("jacobi",)),
+            Knob(
+                "resample",
+                tuple(RESAMPLES),
+                "optimal",
+                "residual after a rejection under relaxed rules",
+                used_by=("relaxed", "grouped"),
+            ),  # fmt: skip
+        )
+    }
+
+
+KNOBS: dict[str, Knob] = _knobs()
+
+PRESETS = {
+    "plain": dict(acceptance="none"),
+    "exact-draft": dict(acceptance="exact", drafter="model"),
+    "exact-eagle": dict(acceptance="exact", drafter="eagle"),
+    "exact-eagle-tree": dict(acceptance="exact", drafter="eagle", num_draft_tokens=24, tree_depth=5, tree_top_k=4),
+    "relaxed": dict(acceptance="relaxed", drafter="eagle"),
+    "grouped": dict(acceptance="grouped", drafter="jacobi"),
+    "jacobi": dict(acceptance="jacobi"),
+}
+
+
+def _type_ok(kind, value):
+    if isinstance(kind, tuple):
+        return isinstance(value, str)
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        return isinstance(value, int) or (hasattr(value, "__index__") and not hasattr(value, "is_integer"))
+    return isinstance(value, (int, float))
+
+
+def check_knob(name, value):
+    """Validate one knob: `TypeError` for a wrong type (2.5 or "4" for an int, a bool for a number), `ValueError`
+    out of range; both name the argument. Returns the value as its kind (int / float / bool / str)."""
+    knob = KNOBS[name]
+    if value is None and knob.optional:
+        return None
+    if not _type_ok(knob.kind, value):
+        kind = "one of " + str(knob.kind) if isinstance(knob.kind, tuple) else knob.kind.__name__
+        raise TypeError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if isinstance(knob.kind, tuple):
+        if value not in knob.kind:
+            raise ValueError(f"{name} must be one of {knob.kind}, got {value!r}")
+        return value
+    value = knob.kind(value)
+    if knob.kind is float and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if knob.check is not None and not knob.check(value):
+        raise ValueError(f"{name} must be {knob.bound}, got {value!r}")
+    return value
+
+
+def check_knobs(**values):
+    """`check_knob` for each keyword; returns the validated dict."""
+    return {name: check_knob(name, value) for name, value in values.items()}
+
+
+def resolve_drafter(acceptance, drafter, available):
+    """Check an (acceptance, drafter) pair against the registry and the loaded components.
+
+    Args:
+        acceptance: an `ACCEPTANCES` key.
+        drafter: a `DRAFTERS` key or None (the acceptance's first drafter whose component is loaded).
+        available: names of the pipeline components that are loaded (e.g. `{"draft_model", "eagle_head"}`).
+
+    Returns:
+        the drafter name (None for `acceptance="none"`).
+    """
+    if not isinstance(acceptance, str) or acceptance not in ACCEPTANCES:
+        raise ValueError(f"acceptance must be one of {tuple(ACCEPTANCES)}, got {acceptance!r}")
+    if drafter is not None and (not isinstance(drafter, str) or drafter not in DRAFTERS):
+        raise ValueError(f"drafter must be one of {tuple(DRAFTERS)} or None, got {drafter!r}")
+    spec = ACCEPTANCES[acceptance]
+    if not spec.drafters:
+        return None
+    if drafter is None:
+        for name in spec.drafters:
+            component = DRAFTERS[name].component
+            if component is None or component in available:
+                return name
+        raise ValueError(f"acceptance={acceptance!r} needs one of the drafters {spec.drafters}; none is loaded")
+    if drafter not in spec.drafters:
+        raise ValueError(f"acceptance={acceptance!r} runs with drafter in {spec.drafters}, got drafter={drafter!r}")
+    component = DRAFTERS[drafter].component
+    if component is not None and component not in available:
+        raise ValueError(f"drafter={drafter!r} needs a {component} component")
+    return drafter

@@ -1,0 +1,76 @@
+"""`LlamaGenTarget`: a `LlamaGenGPT` as a target of the decoding loop (`mmspec.decoding.target.Target`).
+
+Owns the static KV cache (`mmspec.cache.StaticKVCache`) of every model row: `[cond; uncond]` with guidance on, the
+conditional rows only with guidance off (`mmspec.decoding.guidance.Guidance`). Cache slot == RoPE position.
+"""
+
+import torch
+from torch import Tensor
+
+from mmspec.cache import tree_inputs
+from mmspec.decoding.guidance import Guidance
+from mmspec.decoding.target import TargetOutput
+
+
+__all__ = ["LlamaGenTarget"]
+
+
+class LlamaGenTarget:
+    """Adapter of a `LlamaGenGPT` (c2i or t2i) for the decoding loop.
+
+    Args:
+        model: the target `LlamaGenGPT`.
+        guidance: the call's `Guidance` (stream layout + distribution processing).
+    """
+
+    def __init__(self, model, guidance: Guidance):
+        self.model, self.guidance = model, guidance
+        self.vocab_size = model.config.vocab_size
+        self.cache = None
+
+    @property
+    def prefix_length(self) -> int:
+        return self.model.config.cls_token_num
+
+    def prefill(self, cond: Tensor, num_tokens: int, scratch: int, cond_mask: Tensor | None = None,
+                return_hidden: bool = False) -> TargetOutput:  # fmt: skip
+        """Write the condition prefix of every row and return the first token's distribution.
+
+        Args:
+            cond: class ids `[B]` (c2i) or text features `[B, cls_token_num, caption_dim]` (t2i).
+            num_tokens: tokens to generate per row; `scratch`: the widest scored block (drafts + 1).
+            cond_mask: t2i only, bool `[B, cls_token_num]`.
+            return_hidden: also return the hidden state at the last prefix slot (EAGLE's first input).
+
+        Returns:
+            `TargetOutput(p_target [B, 1, V], hidden [rows, 1, dim] | None)`; validated (raises on NaN).
+        """
+        cond = self.guidance.condition_rows(cond, self.model.null_condition(cond.shape[0]))
+        if cond_mask is not None:
+            cond_mask = self.guidance.condition_rows(cond_mask, torch.ones_like(cond_mask))
+        max_seq = self.prefix_length + int(num_tokens) + int(scratch) + 1
+        self.cache = self.model.setup_cache(cond.shape[0], max_seq)
+        out = self.model.prefill(cond, self.cache, cond_mask=cond_mask, return_hidden=return_hidden)
+        return TargetOutput(self.guidance.probs(out.logits, "target", validate=True), out.hidden)
+
+    def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
+        rows = self.guidance.rows(tokens)  # [rows, M]
+        inputs = () if parents is None else tree_inputs(self.guidance.rows(parents), self.cache.lengths)
+        out = self.model(rows, self.cache, *inputs, return_hidden=return_hidden)
+        return TargetOutput(self.guidance.probs(out.logits, "target"), out.hidden)
+
+    def commit(self, num_tokens: Tensor, path: Tensor | None = None) -> None:
+        num = self.guidance.rows(num_tokens)
+        if path is None:
+            self.cache.commit(num)
+        else:
+            self.cache.commit_path(self.guidance.rows(path), num)
+
+    def select_rows(self, index: Tensor) -> None:
+        batch = self.cache.rows // self.guidance.streams
+        self.cache.select_rows(self.guidance.row_index(index, batch))
+
+    @property
+    def lengths(self) -> Tensor:
+        """`[B]` committed cache lengths (prefix + committed tokens) of the batch items."""
+        return self.guidance.items(self.cache.lengths)

@@ -1,15 +1,16 @@
-"""Micro-benchmarks: ``python -m mmspec.eval.bench SUBCOMMAND [options]``.
+"""Benchmarks: ``mmspec bench SUBCOMMAND [options]`` (or ``python -m mmspec.eval.bench``).
 
-Subcommands register themselves in ``SUBCOMMANDS`` with `register` (an ``add_arguments(parser)`` and a
-``run(args) -> dict`` function); the dict is logged and written to ``--json PATH`` if given. Timings use
-`time.perf_counter` around each call, after warm-up calls, with a device synchronise on accelerators, and report
-the median (plus p10/p90) over repeats.
+Subcommands are one line each in ``SUBCOMMANDS``: ``name -> ("module[:attribute]", help)``, naming an object (a
+module, or an attribute of one) with ``add_arguments(parser)`` and ``run(args) -> dict``; only the chosen one is
+imported. The dict is written to ``--json PATH`` if given. Timings use `time.perf_counter` around each call, after
+warm-up calls, with a device synchronise on accelerators, and report the median (plus p10/p90) over repeats.
 
 ``verify``: cost per call of every `mmspec.verify` rule at batch 1 and 16, K=8 draft tokens, V=16384 (LlamaGen's
 codebook), float32 on CPU by default.
 """
 
 import argparse
+import importlib
 import json
 import logging
 import statistics
@@ -17,27 +18,28 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUBCOMMANDS", "benchmark", "main", "register"]
+__all__ = ["SUBCOMMANDS", "benchmark", "main"]
 
-SUBCOMMANDS: dict[
-    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], dict]]
-] = {}
+# name -> ("module[:attribute]" with add_arguments(parser) and run(args) -> dict, help); one line each
+SUBCOMMANDS = {
+    "ar-image": ("mmspec.eval.bench_ar_image", "AR-image methods side by side on the MNIST zoo (speed + accuracy)"),
+    "verify": ("mmspec.eval.bench:VERIFY", "per-call cost of the verification rules (mmspec.verify)"),
+    # "continuous": ("mmspec.eval.bench_continuous", "MAR + CSpD continuous-token pipeline"),
+    # "vlm": ("mmspec.eval.bench_vlm", "VLM speculative decoding"),
+}
 
 
-def register(name: str, help_text: str):
-    """Decorator for ``run(args) -> dict``; ``add_arguments`` is attached as ``run.add_arguments``."""
-
-    def wrap(run: Callable[[argparse.Namespace], dict]):
-        SUBCOMMANDS[name] = (help_text, getattr(run, "add_arguments", lambda parser: None), run)
-        return run
-
-    return wrap
+def _subcommand(spec: str):
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
 
 
 def _sync(device: torch.device) -> None:
@@ -134,7 +136,7 @@ def _verify_cases(batch: int, args: argparse.Namespace, shared: dict) -> dict[st
             eagle_tok, eagle, p_eagle, generator=run, acceptance="relaxed", neighbours=nb, delta=0.1
         ),
         "grouped_point_mass": lambda: vf.verify_grouped(drafts, p, None, embeddings=emb, generator=run),
-        "grouped_sampled": lambda: vf.verify_grouped(drafts, p, q, embeddings=emb, generator=run),
+        "grouped_sampled": lambda: vf.verify_grouped(drafts, p, q, embeddings=emb, resample="released", generator=run),
         "grouped_sampled_gstar": lambda: vf.verify_grouped(
             drafts, p, q, embeddings=emb, resample="optimal", generator=run
         ),
@@ -188,18 +190,7 @@ def _run_verify(args: argparse.Namespace) -> dict:
     }
 
 
-_run_verify.add_arguments = _verify_add_arguments
-register("verify", "per-call cost of the verification rules (mmspec.verify)")(_run_verify)
-
-
-def _register_ar_image():
-    from mmspec.eval import bench_ar_image
-
-    bench_ar_image.run.add_arguments = bench_ar_image.add_arguments
-    register("ar-image", "every AR-image method side by side on the MNIST zoo (speed + accuracy)")(bench_ar_image.run)
-
-
-_register_ar_image()
+VERIFY = SimpleNamespace(add_arguments=_verify_add_arguments, run=_run_verify)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -207,13 +198,16 @@ _register_ar_image()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mmspec.eval.bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("--json", type=Path, default=None, help="write the report here")
-        add_arguments(cmd)
-        cmd.set_defaults(_run=run)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="mmspec bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    for name, (spec, help_text) in SUBCOMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if argv and argv[0] == name:  # only the chosen subcommand's module is imported
+            bench = _subcommand(spec)
+            cmd.add_argument("--json", type=Path, default=None, help="write the report here")
+            bench.add_arguments(cmd)
+            cmd.set_defaults(_run=bench.run)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = args._run(args)

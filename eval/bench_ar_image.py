@@ -1,9 +1,10 @@
 """`mmspec bench ar-image`: every AR-image method side by side, in one process, on the same seeds.
 
-Methods (names fixed for the JSON): `plain` (AR sampling), `exact-draft` (small GPT drafter), `exact-eagle`
-(EAGLE head, pipeline default: a sampled chain), `exact-eagle-tree` (EAGLE-2 dynamic tree: 24 nodes, depth 5,
-top-k 4), `relaxed` (LANTERN on EAGLE drafts), `grouped` (GSD on Jacobi drafts), `jacobi` (SJD).
-Knob options left unset keep the pipeline's defaults; a method's own settings (e.g. the tree's) win over them.
+Methods are the named presets of `mmspec.methods.PRESETS` (names fixed for the JSON): `plain` (AR sampling),
+`exact-draft` (small GPT drafter), `exact-eagle` (EAGLE head, pipeline default: a sampled chain), `exact-eagle-tree`
+(EAGLE-2 dynamic tree: 24 nodes, depth 5, top-k 4), `relaxed` (LANTERN on EAGLE drafts), `grouped` (GSD on Jacobi
+drafts), `jacobi` (SJD). One option per pipeline knob of `mmspec.methods.KNOBS` (`--tree-depth`, `--coupling`, ...);
+options left unset keep the pipeline's defaults; a method's own settings (e.g. the tree's) win over them.
 
 Protocol: one warm-up call per method, then `--repeats` rounds; each round runs every method (interleaved, so drift
 hits all alike) on the same `--num-images` class labels (balanced over the classes) with the same per-call seeds.
@@ -23,23 +24,11 @@ from pathlib import Path
 
 import torch
 
+from mmspec.cli import add_knob_arguments, knob_values
+from mmspec.methods import PRESETS
+
 
 logger = logging.getLogger(__name__)
-
-METHODS = {
-    "plain": dict(acceptance="none"),
-    "exact-draft": dict(acceptance="exact", drafter="model"),
-    "exact-eagle": dict(acceptance="exact", drafter="eagle"),
-    "exact-eagle-tree": dict(acceptance="exact", drafter="eagle", num_draft_tokens=24, tree_depth=5, tree_top_k=4),
-    "relaxed": dict(acceptance="relaxed", drafter="eagle"),
-    "grouped": dict(acceptance="grouped", drafter="jacobi"),
-    "jacobi": dict(acceptance="jacobi"),
-}
-
-
-# pipeline knobs settable from the command line (flag = --name-with-dashes); unset ones keep the pipeline default
-KNOBS = {"num_draft_tokens": int, "tree_depth": int, "tree_top_k": int, "relaxation_top_k": int,
-         "relaxation_delta": float, "group_size": int, "group_dist_threshold": float, "jacobi_window": int}  # fmt: skip
 
 
 def add_arguments(parser):
@@ -48,20 +37,19 @@ def add_arguments(parser):
     parser.add_argument("--num-images", type=int, default=40, help="images per method per repeat")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(PRESETS), help="comma-separated subset of " + ",".join(PRESETS))
     parser.add_argument("--guidance-scale", type=float, default=2.0)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
-    for name, kind in KNOBS.items():
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=kind, default=None, help="pipeline knob (default: the pipeline's)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
+    add_knob_arguments(parser)
 
 
 def _knobs(args):
     """Sampling settings plus the knob options that were set (the rest keep the pipeline's defaults)."""
     knobs = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)
-    return knobs | {k: getattr(args, k) for k in KNOBS if getattr(args, k) is not None}
+    return knobs | knob_values(args)
 
 
 def _effective_kwargs(pipe, kw):
@@ -74,19 +62,21 @@ def _effective_kwargs(pipe, kw):
 
 @torch.no_grad()
 def run(args):
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(PRESETS))
+    if unknown:
+        raise ValueError(f"--methods has unknown names {unknown}; known: {list(PRESETS)}")
+    if "plain" not in names:
+        names.insert(0, "plain")  # speedups are relative to plain AR from the same run
+
     from mmspec.models import load
     from mmspec.pipelines import SpeculativeARImagePipeline
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(names) - set(METHODS))
-    if unknown:
-        raise ValueError(f"--methods has unknown names {unknown}; known: {list(METHODS)}")
-    if "plain" not in names:
-        names.insert(0, "plain")  # speedups are relative to plain AR from the same run
-    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo)
-    classifier = load(Path(args.zoo) / "mnist-classifier")
+    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
+    device = pipe._execution_device  # generators and the classifier live where the pipeline runs
+    classifier = load(Path(args.zoo) / "mnist-classifier", device=device)
     n_classes = pipe.transformer.config.num_classes
     knobs = _knobs(args)
     bs = args.batch_size
@@ -94,9 +84,10 @@ def run(args):
     labels = [[(c * bs + i) % n_classes for i in range(bs)] for c in range(calls)]
 
     def call(name, c, seed):
-        kw = knobs | METHODS[name]
+        kw = knobs | PRESETS[name]
+        gen = torch.Generator(device=device).manual_seed(seed)
         start = time.perf_counter()
-        out = pipe(class_labels=labels[c], generator=torch.Generator().manual_seed(seed), output_type="pt", **kw)
+        out = pipe(class_labels=labels[c], generator=gen, output_type="pt", **kw)
         return out, time.perf_counter() - start
 
     for name in names:  # warm-up
@@ -115,8 +106,8 @@ def run(args):
                 r["compression"].append(s.step_compression)
                 n_tok = pipe.transformer.config.block_size
                 r["row_compression"].extend(n_tok / (rounds + 1) for rounds in s.rounds)
-                pred = classifier(out.images * 2 - 1).argmax(-1)
-                r["correct"] += int((pred == torch.tensor(labels[c])).sum())
+                pred = classifier(out.images.to(device) * 2 - 1).argmax(-1)
+                r["correct"] += int((pred == torch.tensor(labels[c], device=pred.device)).sum())
                 r["total"] += bs
         logger.info("repeat %d/%d done", rep + 1, args.repeats)
 
@@ -138,7 +129,7 @@ def run(args):
     report = {
         "config": dict(
             {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names},
-            method_kwargs={n: _effective_kwargs(pipe, knobs | METHODS[n]) for n in names},
+            method_kwargs={n: _effective_kwargs(pipe, knobs | PRESETS[n]) for n in names},
             torch=torch.__version__,
             threads=torch.get_num_threads(),
             python=platform.python_version(),

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from mmspec.methods import ACCEPTANCES
+
 
 logger = logging.getLogger(__name__)
 CARD_MARKER = "<!-- sample-eval -->"
@@ -23,14 +25,16 @@ CARD_MARKER = "<!-- sample-eval -->"
 def evaluate(pipe, classifier, per_class, batch_size=250, seed=0, **call_kwargs):
     """Generate `per_class` images of every class; return (accuracy, per-class accuracy, images [N,C,H,W], labels)."""
     n_classes = pipe.transformer.config.num_classes
+    device = pipe._execution_device  # generators live where the pipeline draws
+    classifier_device = next(classifier.parameters()).device
     labels = torch.arange(n_classes).repeat_interleave(per_class)
     images, preds = [], []
     for start in range(0, len(labels), batch_size):
         chunk = labels[start : start + batch_size]
-        gen = torch.Generator().manual_seed(seed + start)
+        gen = torch.Generator(device=device).manual_seed(seed + start)
         out = pipe(class_labels=chunk, generator=gen, output_type="pt", **call_kwargs)
-        images.append(out.images)
-        preds.append(classifier(out.images * 2 - 1).argmax(-1))
+        images.append(out.images.cpu())
+        preds.append(classifier(out.images.to(classifier_device) * 2 - 1).argmax(-1).cpu())
     images, preds = torch.cat(images), torch.cat(preds)
     correct = preds == labels
     per = [float(correct[labels == c].float().mean()) for c in range(n_classes)]
@@ -59,9 +63,10 @@ def main(argv=None):
     parser.add_argument("--per-class", type=int, default=100)
     parser.add_argument("--guidance-scale", type=float, default=2.0)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--acceptance", default="none")
+    parser.add_argument("--acceptance", default="none", choices=list(ACCEPTANCES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=250)
+    parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
     parser.add_argument("--no-write", action="store_true", help="only print; do not touch the model folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -71,8 +76,8 @@ def main(argv=None):
     from mmspec.pipelines import SpeculativeARImagePipeline
     from mmspec.pipelines.ar_image import to_pil
 
-    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo, prefix=args.prefix)
-    classifier = load(Path(args.zoo) / f"{args.prefix}-classifier")
+    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo, prefix=args.prefix).to(args.device)
+    classifier = load(Path(args.zoo) / f"{args.prefix}-classifier", device=pipe._execution_device)
     start = time.perf_counter()
     acc, per, images, labels = evaluate(pipe, classifier, args.per_class, args.batch_size, args.seed,
                                         guidance_scale=args.guidance_scale, temperature=args.temperature,

@@ -1,18 +1,88 @@
-"""Command line: `mmspec generate | bench | train`.
+"""Command line: `mmspec COMMAND [options]`, commands registered in `COMMANDS` (one line each).
 
 `mmspec generate` (the README's main job) samples a grid of digits from the shipped MNIST zoo with speculative
-decoding and prints the speed statistics next to plain AR decoding of the same images.
+decoding and prints the speed statistics next to plain AR decoding of the same images. `mmspec bench` and
+`mmspec train` hand their arguments to their own entry points (`mmspec bench --help`, `mmspec train --help`).
+
+The method options come from the registry `mmspec.methods`: `--acceptance` / `--drafter` choices from
+`ACCEPTANCES` / `DRAFTERS`, one flag per pipeline knob of `KNOBS` (`add_knob_arguments`, shared with the
+benchmarks), so an unknown method or an out-of-range knob is a usage error (exit 2) before anything is loaded.
 """
 
 import argparse
+import importlib
 import json
 import logging
 import sys
 import time
 from pathlib import Path
 
+from mmspec.methods import ACCEPTANCES, DRAFTERS, KNOBS, check_knob
+
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["COMMANDS", "add_knob_arguments", "knob_values", "main"]
+
+# command -> ("module:function" called with the remaining arguments, help); `eval`, `demo` go here, one line each
+COMMANDS = {
+    "generate": ("mmspec.cli:generate_main", "sample a digit grid from the MNIST zoo and print speed stats"),
+    "bench": ("mmspec.eval.bench:main", "benchmarks (see `mmspec bench --help`)"),
+    "train": ("mmspec.train.__main__:main", "train zoo models (see `mmspec train --help`)"),
+}
+
+
+def _entry_point(spec):
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# knob flags from the registry
+
+
+def _knob_type(name):
+    """argparse `type` for knob `name`: parse as its kind, then `check_knob` (a failure is a usage error)."""
+    knob = KNOBS[name]
+
+    def parse(text):
+        try:
+            return check_knob(name, knob.kind(text))
+        except (TypeError, ValueError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    return parse
+
+
+def add_knob_arguments(parser, names=None):
+    """One flag per pipeline knob of `mmspec.methods.KNOBS` (`--name-with-dashes`; bools as `--x / --no-x`).
+
+    Every flag defaults to None (= unset: the pipeline's default applies); `knob_values(args)` collects the set ones.
+    """
+    group = parser.add_argument_group("method knobs (unset: the pipeline's default)")
+    for name in KNOBS if names is None else names:
+        knob = KNOBS[name]
+        flag = "--" + name.replace("_", "-")
+        notes = ([] if knob.default is None else [f"default: {knob.default}"]) + (
+            [f"read by {', '.join(knob.used_by)}"] if knob.used_by else []
+        )
+        help_text = (knob.help + (f" ({'; '.join(notes)})" if notes else "")).replace("%", "%%")
+        if knob.kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif isinstance(knob.kind, tuple):
+            group.add_argument(flag, choices=knob.kind, default=None, help=help_text)
+        else:
+            group.add_argument(flag, type=_knob_type(name), default=None, metavar=knob.kind.__name__.upper(),
+                               help=help_text)  # fmt: skip
+
+
+def knob_values(args):
+    """The knob flags of `add_knob_arguments` that were set, as pipeline keywords."""
+    return {name: getattr(args, name) for name in KNOBS if getattr(args, name, None) is not None}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generate
 
 
 def _generate_args(parser):
@@ -26,19 +96,17 @@ def _generate_args(parser):
         default=1,
         help="images per pipeline call (1 = the latency regime speculative decoding targets)",
     )
-    parser.add_argument(
-        "--acceptance",
-        default="jacobi",
-        help="none | exact | relaxed | grouped | jacobi (default: SJD + SCD coupling, lossless)",
-    )
-    parser.add_argument("--drafter", default=None, help="model | eagle | jacobi (default: per acceptance)")
-    parser.add_argument("--num-draft-tokens", type=int, default=None)
+    parser.add_argument("--acceptance", default="jacobi", choices=list(ACCEPTANCES),
+                        help="acceptance rule (default: jacobi, SJD + SCD coupling, lossless)")  # fmt: skip
+    parser.add_argument("--drafter", default=None, choices=list(DRAFTERS), help="drafter (default: per acceptance)")
     parser.add_argument("--guidance-scale", type=float, default=2.0)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
     parser.add_argument("--out", default="mmspec_samples.png", help="PNG grid to write (one row per class)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-AR comparison run")
+    add_knob_arguments(parser)
 
 
 def generate(args):
@@ -47,19 +115,19 @@ def generate(args):
     from mmspec.eval.images import make_grid
     from mmspec.pipelines import SpeculativeARImagePipeline
 
-    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo)
+    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
+    device = pipe._execution_device
     classes = [int(c) for c in args.classes.split(",") if c.strip()]
     common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)
     labels = [c for c in classes for _ in range(args.num_per_class)]
     runs = {}
-    methods = [("speculative", dict(acceptance=args.acceptance, drafter=args.drafter,
-                                    num_draft_tokens=args.num_draft_tokens))]  # fmt: skip
+    methods = [("speculative", dict(acceptance=args.acceptance, drafter=args.drafter, **knob_values(args)))]
     if not args.no_baseline and args.acceptance != "none":
         methods.append(("plain", dict(acceptance="none")))
     for name, kw in methods:
         images, forwards, compression, accepted, wall = [], 0, [], [], 0.0
         for i in range(0, len(labels), args.batch_size):
-            gen = torch.Generator().manual_seed(args.seed + i)
+            gen = torch.Generator(device=device).manual_seed(args.seed + i)
             start = time.perf_counter()
             out = pipe(class_labels=labels[i : i + args.batch_size], generator=gen, **common, **kw)
             wall += time.perf_counter() - start
@@ -80,25 +148,28 @@ def generate(args):
     return report
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        from mmspec.eval.bench import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv and argv[0] == "train":
-        from mmspec.train.__main__ import main as train_main
-
-        return train_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="mmspec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _generate_args(sub.add_parser("generate", help="sample a digit grid from the MNIST zoo and print speed stats"))
-    sub.add_parser("bench", help="benchmarks (see `mmspec bench --help`)")
-    sub.add_parser("train", help="train zoo models (see `mmspec train --help`)")
+def generate_main(argv=None):
+    parser = argparse.ArgumentParser(prog="mmspec generate", description=COMMANDS["generate"][1])
+    _generate_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    if args.command == "generate":
-        generate(args)
+    generate(args)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return _entry_point(COMMANDS[argv[0]][0])(argv[1:]) or 0
+    # no or an unknown command: the top-level parser prints the usage / the error (exit 2)
+    parser = argparse.ArgumentParser(prog="mmspec", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    parser.parse_args(argv)
     return 0
 
 

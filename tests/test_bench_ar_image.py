@@ -1,10 +1,13 @@
 """`mmspec bench ar-image`: the JSON report (schema, knobs recorded, same seeds for every method) on the zoo."""
 
+import argparse
 import json
 
 import pytest
 
+from mmspec.eval import bench_ar_image
 from mmspec.eval.bench import main
+from mmspec.methods import KNOBS, PRESETS
 
 
 def test_bench_ar_image_writes_the_report(tmp_path):
@@ -37,3 +40,21 @@ def test_bench_leaves_grad_mode_alone():
 
     main(["ar-image", "--num-images", "1", "--repeats", "1", "--methods", "plain", "--threads", "1"])
     assert torch.is_grad_enabled()
+
+
+def test_methods_and_knob_flags_come_from_the_registry():
+    parser = argparse.ArgumentParser()
+    bench_ar_image.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.methods.split(",") == list(PRESETS)
+    assert bench_ar_image._knobs(args) == dict(guidance_scale=2.0, temperature=1.0, top_k=None)  # unset: defaults
+    assert set(KNOBS) <= {action.dest for action in parser._actions}
+    args = parser.parse_args(["--relaxation-lambda", "2.5", "--jacobi-init", "random", "--no-coupling",
+                              "--group-size", "3", "--resample", "released"])  # fmt: skip
+    knobs = bench_ar_image._knobs(args)
+    assert knobs == dict(guidance_scale=2.0, temperature=1.0, top_k=None, relaxation_lambda=2.5, jacobi_init="random",
+                         coupling=False, group_size=3, resample="released")  # fmt: skip
+    assert type(knobs["group_size"]) is int and type(knobs["relaxation_lambda"]) is float
+    for bad in (["--group-size", "2.5"], ["--relaxation-lambda", "0.5"], ["--jacobi-init", "zeros"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from mmspec.cli import add_knob_arguments, knob_values
 from mmspec.methods import PRESETS
@@ -42,6 +43,7 @@ def add_arguments(parser):
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
     add_knob_arguments(parser)
 
@@ -75,6 +77,7 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
+    pipe.set_progress_bar_config(disable=True)  # one bar over all calls instead (below)
     device = pipe._execution_device  # generators and the classifier live where the pipeline runs
     classifier = load(Path(args.zoo) / "mnist-classifier", device=device)
     n_classes = pipe.transformer.config.num_classes
@@ -94,11 +97,13 @@ def run(args):
         call(name, 0, args.seed)
     results = {n: dict(latency=[], forwards=[], accepted_len=[], compression=[], row_compression=[], correct=0, total=0)
                for n in names}  # fmt: skip
+    bar = tqdm(total=args.repeats * calls * len(names), unit="call", disable=args.quiet)
     for rep in range(args.repeats):
         for c in range(calls):
             seed = args.seed + 1000 * rep + c
             for name in names:
                 out, wall = call(name, c, seed)
+                bar.update(1)
                 r, s = results[name], out.stats
                 r["latency"].append(wall / bs)
                 r["forwards"].append(s.target_forwards)
@@ -110,6 +115,7 @@ def run(args):
                 r["correct"] += int((pred == torch.tensor(labels[c], device=pred.device)).sum())
                 r["total"] += bs
         logger.info("repeat %d/%d done", rep + 1, args.repeats)
+    bar.close()
 
     plain_latency = statistics.median(results["plain"]["latency"])
     methods = {}

@@ -117,7 +117,7 @@ def _knobs():
                 *pos,
                 optional=True,
                 used_by=("model", "eagle"),
-            ),  # fmt: skip
+            ),
             Knob(
                 "tree_depth",
                 int,
@@ -126,7 +126,7 @@ def _knobs():
                 *pos,
                 optional=True,
                 used_by=("eagle",),
-            ),  # fmt: skip
+            ),
             Knob(
                 "tree_top_k",
                 int,
@@ -134,7 +134,7 @@ def _knobs():
                 "EAGLE: 1 = sampled chain, > 1 = EAGLE-2 tree with top-k children",
                 *pos,
                 used_by=("eagle",),
-            ),  # fmt: skip
+            ),
             Knob(
                 "relaxation_top_k",
                 int,
@@ -143,7 +143,7 @@ def _knobs():
                 lambda v: v >= 0,
                 ">= 0",
                 used_by=("relaxed",),
-            ),  # fmt: skip
+            ),
             Knob(
                 "relaxation_delta",
                 float,
@@ -152,7 +152,7 @@ def _knobs():
                 lambda v: 0 <= v <= 1,
                 "in [0, 1]",
                 used_by=("relaxed",),
-            ),  # fmt: skip
+            ),
             Knob(
                 "relaxation_lambda",
                 float,
@@ -162,7 +162,7 @@ def _knobs():
                 "> 1",
                 optional=True,
                 used_by=("relaxed",),
-            ),  # fmt: skip
+            ),
             Knob(
                 "group_size",
                 int,
@@ -170,7 +170,7 @@ def _knobs():
                 "GSD group (rank window) size",
                 *pos,
                 used_by=("grouped",),
-            ),  # fmt: skip
+            ),
             Knob(
                 "group_prob_threshold",
                 float,
@@ -179,7 +179,7 @@ def _knobs():
                 lambda v: 0 <= v <= 1,
                 "in [0, 1]",
                 used_by=("grouped",),
-            ),  # fmt: skip
+            ),
             Knob(
                 "group_dist_threshold",
                 float,
@@ -188,11 +188,9 @@ def _knobs():
                 lambda v: v >= 0,
                 ">= 0",
                 used_by=("grouped",),
-            ),  # fmt: skip
+            ),
             Knob("jacobi_window", int, 16, "SJD window: draft tokens per forward", *pos, used_by=("jacobi",)),
-            Knob(
-                "jacobi_init", ("repeat", "random"), "repeat", "SJD fresh-token initialisation", used_by=("jacobi",)
-            ),  # fmt: skip
+            Knob("jacobi_init", ("repeat", "random"), "repeat", "SJD fresh-token initialisation", used_by=("jacobi",)),
             Knob("coupling", bool, True, "SCD maximal-coupling re-drafts (lossless)", used_by=("jacobi",)),
             Knob(
                 "resample",
@@ -200,7 +198,7 @@ def _knobs():
                 "optimal",
                 "residual after a rejection under relaxed rules",
                 used_by=("relaxed", "grouped"),
-            ),  # fmt: skip
+            ),
         )
     }
 

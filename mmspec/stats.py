@@ -8,8 +8,8 @@ Conventions (both are reported, since papers disagree):
   prefill forward (which emits the first token; plain AR decoding has exactly 1.0). A CFG forward of both streams
   counts as one target forward.
 
-Counters are accumulated on the device during decoding (no host sync per round) and turned into plain lists by
-`finalize()`, which the pipelines call before returning.
+Rounds are logged as tensor references during decoding (no work and no host sync per round) and added up into
+plain lists by `finalize()`, which the pipelines call before returning.
 """
 
 import time
@@ -54,7 +54,7 @@ class SpecStats:
         self.prefill_tokens = self.prefill_tokens or [0] * b
         self.rounds = self.rounds or [0] * b
         self.accept_histogram = self.accept_histogram or [0] * (k + 1)
-        self._device = None  # device-side accumulators, created by the first record_round
+        self._rounds_log = []  # per round: (rows, drafted, accepted, generated) tensors, summed by finalize()
 
     def record_prefill(self, num_tokens=1):
         """The prefill forward: one target forward that emits `num_tokens` per row, not a verification round."""
@@ -67,29 +67,28 @@ class SpecStats:
         """Record one verification round: `[B']` tensors, one entry per row that took part; `rows [B']` are the
         batch rows they belong to (default `0 .. B-1`; pipelines that compact finished rows away pass the survivors'
         ids). `num_generated` is what the row committed this round (accepted drafts + the next token, fewer when
-        the sequence ends). No host sync: call `finalize()` to read the counters."""
-        num_accepted = torch.as_tensor(num_accepted)
-        device = num_accepted.device
-        if self._device is None:
-            zeros = torch.zeros(self.batch_size, dtype=torch.long, device=device)
-            self._device = dict(drafted=zeros, accepted=zeros.clone(), generated=zeros.clone(), rounds=zeros.clone(),
-                                hist=torch.zeros(len(self.accept_histogram), dtype=torch.long, device=device))  # fmt: skip
-        acc = self._device
-        rows = torch.arange(num_accepted.shape[0], device=device) if rows is None else torch.as_tensor(rows)
-        for name, value in (("drafted", num_drafted), ("accepted", num_accepted), ("generated", num_generated)):
-            acc[name].index_add_(0, rows, torch.as_tensor(value, device=device).long())
-        acc["rounds"].index_add_(0, rows, torch.ones_like(rows))
-        bins = num_accepted.long().clamp(max=len(self.accept_histogram) - 1)
-        acc["hist"].index_add_(0, bins, torch.ones_like(bins))
+        the sequence ends). Logged as tensor references (no work, no host sync); `finalize()` adds them up."""
+        if rows is None:
+            rows = torch.arange(torch.as_tensor(num_accepted).numel())
+        self._rounds_log.append((rows, num_drafted, num_accepted, num_generated))
 
     def finalize(self):
-        """Move the device-side counters into the list fields (one host sync). Idempotent."""
-        if self._device is not None:
-            acc, self._device = self._device, None
-            for name, attr in (("drafted", "drafted_tokens"), ("accepted", "accepted_tokens"),
-                               ("generated", "generated_tokens"), ("rounds", "rounds")):  # fmt: skip
-                setattr(self, attr, [a + b for a, b in zip(getattr(self, attr), acc[name].tolist())])
-            self.accept_histogram = [a + b for a, b in zip(self.accept_histogram, acc["hist"].tolist())]
+        """Add the logged rounds into the list fields (one host sync). Idempotent."""
+        if not self._rounds_log:
+            return self
+        log, self._rounds_log = self._rounds_log, []
+        rows, drafted, accepted, generated = (
+            torch.cat([torch.as_tensor(x[i]).reshape(-1) for x in log]) for i in range(4)
+        )  # fmt: skip
+        device = accepted.device
+        sums = torch.zeros(4, self.batch_size, dtype=torch.long, device=device)
+        for i, value in enumerate((drafted, accepted, generated, torch.ones_like(accepted))):
+            sums[i].index_add_(0, rows.to(device), value.to(device).long())
+        hist = torch.bincount(accepted.long().clamp(max=len(self.accept_histogram) - 1),
+                              minlength=len(self.accept_histogram))  # fmt: skip
+        for attr, add in zip(("drafted_tokens", "accepted_tokens", "generated_tokens", "rounds"), sums.tolist()):
+            setattr(self, attr, [a + b for a, b in zip(getattr(self, attr), add)])
+        self.accept_histogram = [a + b for a, b in zip(self.accept_histogram, hist.tolist())]
         return self
 
     @contextmanager

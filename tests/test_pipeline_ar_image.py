@@ -171,6 +171,12 @@ def test_callback_sees_tokens(pipe):
         (dict(acceptance="grouped", do_sample=False), ValueError, "grouped"),
         (dict(do_sample="yes"), TypeError, "do_sample"),
         (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(temperature=1e-40), ValueError, "temperature"),  # overflows float32: no silent NaN images
+        (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(guidance_scale=float("inf")), ValueError, "guidance_scale"),
+        (dict(guidance_scale=1e39), ValueError, "guidance_scale"),
+        (dict(guidance_scale=-1.0), ValueError, "guidance_scale"),
+        (dict(guidance_scale="2"), TypeError, "guidance_scale"),
         (dict(acceptance="exact", drafter="eagle", tree_depth=0), ValueError, "tree_depth"),
         (dict(acceptance="exact", drafter="eagle", tree_top_k=0), ValueError, "tree_top_k"),
         (dict(acceptance="jacobi", jacobi_window=0), ValueError, "jacobi_window"),

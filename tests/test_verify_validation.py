@@ -402,3 +402,13 @@ def test_rule_names_and_objects():
         verify_tree(d, torch.tensor([-1, 0]), p, generator=gen, rule=Exact(), acceptance="grouped")
     with pytest.raises(ValueError, match="greedy=True is defined for acceptance 'exact' and 'relaxed' only"):
         verify_chain(Grouped(), d, p, q, generator=gen, greedy=True)
+
+
+def test_bool_draft_tokens_are_a_type_error():
+    from mmspec.verify import verify_exact, verify_tree
+
+    p = torch.full((1, 3, 4), 0.25)
+    with pytest.raises(TypeError, match="draft_tokens"):
+        verify_exact(torch.tensor([[True, False]]), p, None, generator=None)
+    with pytest.raises(TypeError, match="tree_tokens"):
+        verify_tree(torch.tensor([[True, False]]), torch.tensor([[-1, 0]]), p, generator=None)

@@ -5,7 +5,7 @@ With guidance on (`guidance_scale != 1`) every model forward scores two streams 
 (`SamplingParams.probs(cond, uncond)`). With guidance off only the conditional stream is run (`B` rows): the uncond
 logits would be ignored anyway.
 
-`Guidance` also keeps device-side "all finite" flags of every distribution it made, so the decoding loop checks them
+`Guidance` also keeps device-side running sums of every distribution it made (finite iff all were), so the decoding loop checks them
 once at the end (no host sync per round) and a NaN anywhere is a `ValueError` naming where it came from.
 """
 
@@ -29,7 +29,7 @@ class Guidance:
     def __init__(self, sampling: SamplingParams):
         self.sampling = sampling
         self.streams = 1 if sampling.guidance_scale == 1.0 else 2
-        self._finite: dict[str, Tensor] = {}
+        self._sums: dict[str, Tensor] = {}  # per source: running sum of every distribution made
 
     @property
     def greedy(self) -> bool:
@@ -58,17 +58,17 @@ class Guidance:
         updated and `check()` raises later.
         """
         p = self.sampling.probs(*logits.chunk(self.streams), validate=validate)
-        if not validate:
-            ok = torch.isfinite(p).all()
-            self._finite[source] = ok if source not in self._finite else self._finite[source] & ok
+        if not validate:  # a sum of probabilities is finite iff every one is: one reduction, one add
+            total = p.sum()
+            self._sums[source] = total if source not in self._sums else self._sums[source] + total
         return p
 
     def check(self) -> None:
         """Raise `ValueError` if any distribution made since the start was not finite (one host sync)."""
-        if not self._finite:
+        if not self._sums:
             return
-        names = list(self._finite)
-        flags = torch.stack([self._finite[n] for n in names]).tolist()
+        names = list(self._sums)
+        flags = torch.isfinite(torch.stack([self._sums[n].float() for n in names])).tolist()
         bad = [n for n, ok in zip(names, flags) if not ok]
         if bad:
             s = self.sampling

@@ -27,34 +27,27 @@ class SequenceState:
         max_length: N, tokens to generate per row (image tokens, or `max_new_tokens` for text).
         eos_token_id: optional id(s) that end a row (text); the EOS token itself is kept.
         generator: a `torch.Generator` or one per row (compacted with the rows).
-        pad_token_id: value of positions a row never generated (after its EOS).
+
+    Positions a row never generated (after its EOS) hold -1. The trace is logged per round (a few tensor references,
+    no work on the hot path) and assembled by `full_trace()`.
     """
 
-    def __init__(
-        self,
-        first: Tensor,
-        max_length: int,
-        *,
-        eos_token_id: int | list[int] | None = None,
-        generator: Generators = None,
-        pad_token_id: int = -1,
-    ):
+    def __init__(self, first: Tensor, max_length: int, *, eos_token_id: int | list[int] | None = None,
+                 generator: Generators = None):  # fmt: skip
         batch, device = first.shape[0], first.device
-        self.max_length, self.pad_token_id = int(max_length), pad_token_id
+        self.max_length = int(max_length)
         self.eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).reshape(-1)
-        self.tokens = torch.full((batch, self.max_length), pad_token_id, dtype=torch.long, device=device)
+        self.tokens = torch.full((batch, self.max_length), -1, dtype=torch.long, device=device)
         self.tokens[:, 0] = first
         self.count = torch.ones(batch, dtype=torch.long, device=device)
         self.ended = self._is_eos(first)  # [B] emitted EOS
         self.ids = torch.arange(batch, device=device)  # rows of the call's batch
         self.generator = generator
         self.rounds = 0
-        trace = DecodeTrace.empty(batch, self.max_length, device)
-        trace.round[:, 0], trace.origin[:, 0] = 0, PREFILL
-        self.round, self.origin = trace.round, trace.origin
+        self.max_remaining = self.max_length - 1  # refreshed by the loop once per round (one host sync)
         self._grid = self.tokens.clone()  # rows that left keep their tokens here
         self._left_generated = torch.zeros((), dtype=torch.long, device=device)  # tokens of rows that left
-        self._trace = DecodeTrace(trace.round.clone(), trace.origin.clone())
+        self._log = []  # per round: (ids, count before, tokens emitted, index of the closing token, drafts)
 
     # ------------------------------------------------------------------ per-row views
     @property
@@ -97,49 +90,49 @@ class SequenceState:
             `[B']` tokens appended per row.
         """
         j = torch.arange(new_tokens.shape[1], device=new_tokens.device)
-        num = torch.minimum(num_new, self.remaining())
-        eos_at = torch.where(self._is_eos(new_tokens) & (j < num[:, None]), j, new_tokens.shape[1]).amin(1)
-        self.ended = self.ended | (eos_at < num)
-        num = torch.minimum(num, eos_at + 1)
+        num = torch.minimum(num_new, self.max_length - self.count)
+        if self.eos is not None:
+            eos_at = torch.where(self._is_eos(new_tokens) & (j < num[:, None]), j, new_tokens.shape[1]).amin(1)
+            self.ended = self.ended | (eos_at < num)
+            num = torch.minimum(num, eos_at + 1)
         keep = j[None, :] < num[:, None]  # [B', M]
         rows = torch.arange(self.batch_size, device=j.device)[:, None].expand_as(keep)
         cols = (self.count[:, None] + j[None, :]).clamp(max=self.max_length - 1)
         self.tokens[rows[keep], cols[keep]] = new_tokens[keep]
         self.rounds += 1
-        self.round[rows[keep], cols[keep]] = self.rounds
-        last = num_new - 1  # index of the correction / bonus token
-        all_accepted = last >= (num_draft if num_draft is not None else 0)
-        origin = torch.where(
-            j[None, :] < last[:, None], ACCEPTED, torch.where(all_accepted, BONUS, RESAMPLED)[:, None]
-        )
-        self.origin[rows[keep], cols[keep]] = origin[keep].to(self.origin.dtype)
+        self._log.append((self.ids, self.count, num, num_new - 1, num_draft))
         self.count = self.count + num
         return num
 
     def keep(self, index: Tensor) -> None:
         """Keep only rows `index [B'']` (positions in the current buffer) for the rounds to come."""
-        self._store()
+        self._grid[self.ids] = self.tokens
         self._left_generated = self._left_generated + self.count.sum() - self.count[index].sum()
         self.tokens, self.count, self.ended, self.ids = (
             self.tokens[index], self.count[index], self.ended[index], self.ids[index]
         )  # fmt: skip
-        self.round, self.origin = self.round[index], self.origin[index]
         self.generator = select_generators(self.generator, index)
-
-    def _store(self) -> None:
-        self._grid[self.ids] = self.tokens
-        self._trace.round[self.ids], self._trace.origin[self.ids] = self.round, self.origin
 
     # ------------------------------------------------------------------ whole grid
     def full(self) -> Tensor:
-        """The `[B, N]` token grid of every row of the call (`pad_token_id` where nothing was generated)."""
-        self._store()
-        return self._grid.clone()
+        """The `[B, N]` token grid of every row of the call (-1 where nothing was generated)."""
+        grid = self._grid.clone()
+        grid[self.ids] = self.tokens
+        return grid
 
     def full_trace(self) -> DecodeTrace:
-        """The `DecodeTrace` of every row of the call."""
-        self._store()
-        return DecodeTrace(self._trace.round.clone(), self._trace.origin.clone())
+        """The `DecodeTrace` of every row of the call, assembled from the per-round log."""
+        trace = DecodeTrace.empty(self._grid.shape[0], self.max_length, self._grid.device)
+        trace.round[:, 0], trace.origin[:, 0] = 0, PREFILL
+        for r, (ids, start, num, last, num_draft) in enumerate(self._log, 1):
+            j = torch.arange(int(num.max()) if num.numel() else 0, device=ids.device)
+            keep = j[None, :] < num[:, None]
+            rows, cols = ids[:, None].expand_as(keep)[keep], (start[:, None] + j[None, :])[keep]
+            bonus = last >= (0 if num_draft is None else num_draft)
+            origin = torch.where(j[None, :] < last[:, None], ACCEPTED, torch.where(bonus, BONUS, RESAMPLED)[:, None])
+            trace.round[rows, cols] = r
+            trace.origin[rows, cols] = origin[keep].to(trace.origin.dtype)
+        return trace
 
     def total_generated(self) -> Tensor:
         """Tokens generated so far over the whole call (a 0-d tensor: no host sync)."""
@@ -147,5 +140,4 @@ class SequenceState:
 
     def num_generated(self) -> Tensor:
         """`[B]` tokens generated per row of the call (a tensor: no host sync)."""
-        self._store()
-        return (self._trace.origin >= 0).sum(1)
+        return (self.full() >= 0).sum(1)

@@ -18,6 +18,7 @@ import torch
 
 from mmspec.drafters.base import Proposal
 from mmspec.models.eagle import EagleHead
+from mmspec.random import num_rows
 from mmspec.sampling import sample
 
 
@@ -92,10 +93,11 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
     feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid)  # [rows, 1, dim]
+    counted = num_draft is not None and num_rows(generator) is not None  # per-row generators: draw only what's used
     tokens, probs = [], []
     for d in range(length):
         q = guidance.probs(head.compute_logits(target, feat[:, 0]), "draft")  # [B, V]
-        tok = sample(q, generator, counts=None if num_draft is None else (num_draft > d).long())
+        tok = sample(q, generator, counts=(num_draft > d).long() if counted else None)
         tokens.append(tok)
         probs.append(q)
         if d + 1 < length:

@@ -21,6 +21,7 @@ import logging
 import torch
 
 from mmspec.drafters.base import Proposal
+from mmspec.random import num_rows
 from mmspec.sampling import sample
 
 
@@ -77,12 +78,13 @@ class ModelDrafter:
         else:
             feed = torch.stack([state.last_committed, state.pending], dim=1)  # `commit` left the last slot open
         feed = g.rows(feed)
+        counted = num_rows(state.generator) is not None  # per-row generators: draw only the drafts a row uses
         tokens, probs = [], []
         for d in range(length):
             logits = self.model(feed, self.cache).logits[:, -1]  # [rows, V]
             self.cache.commit(feed.shape[1])
             q = g.probs(logits, "draft")  # [B, V] exactly what the draft is drawn from
-            tok = sample(q, state.generator, counts=(num_draft > d).long())
+            tok = sample(q, state.generator, counts=(num_draft > d).long() if counted else None)
             tokens.append(tok)
             probs.append(q)
             feed = g.rows(tok)[:, None]

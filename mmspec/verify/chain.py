@@ -45,7 +45,7 @@ def chain_setup(
     """
     if not isinstance(draft_tokens, Tensor) or draft_tokens.ndim != 2:
         raise ValueError("draft_tokens must be a [B, K] LongTensor")
-    if draft_tokens.dtype.is_floating_point:
+    if draft_tokens.dtype.is_floating_point or draft_tokens.dtype == torch.bool:
         raise TypeError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
     batch, k = draft_tokens.shape
     if not isinstance(p_target, Tensor) or p_target.ndim != 3:

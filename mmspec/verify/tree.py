@@ -112,7 +112,7 @@ def verify_tree(
     if not isinstance(tree_tokens, Tensor) or tree_tokens.ndim != 2:
         shape = tuple(tree_tokens.shape) if isinstance(tree_tokens, Tensor) else type(tree_tokens).__name__
         raise ValueError(f"tree_tokens must be [B, N], got shape {shape}")
-    if tree_tokens.dtype.is_floating_point:
+    if tree_tokens.dtype.is_floating_point or tree_tokens.dtype == torch.bool:
         raise TypeError(f"tree_tokens must be an integer tensor, got {tree_tokens.dtype}")
     batch, n = tree_tokens.shape
     if not isinstance(p_target, Tensor) or p_target.ndim != 3:

@@ -154,6 +154,9 @@ class _FakePipe:
     def to(self, device):
         return self
 
+    def set_progress_bar_config(self, **kwargs):
+        pass
+
     def __call__(self, class_labels, generator=None, output_type="pil", acceptance="none", **kwargs):
         assert isinstance(generator, _FakeGenerator)
         n = len(class_labels)

@@ -29,6 +29,7 @@ COMMANDS = {
     "generate": ("mmspec.cli:generate_main", "sample a digit grid from the MNIST zoo and print speed stats"),
     "bench": ("mmspec.eval.bench:main", "benchmarks (see `mmspec bench --help`)"),
     "train": ("mmspec.train.__main__:main", "train zoo models (see `mmspec train --help`)"),
+    "eval": ("mmspec.eval:main", "evaluation scripts: fid (see `mmspec eval --help`)"),
 }
 
 

@@ -109,10 +109,13 @@ def test_bench_subcommand_help_shows_its_options(capsys):
 
 
 def test_command_tables():
-    assert set(cli.COMMANDS) == {"generate", "bench", "train"}
+    assert set(cli.COMMANDS) == {"generate", "bench", "train", "eval"}
     for entry, help_text in cli.COMMANDS.values():
         assert callable(cli._entry_point(entry)) and help_text
     assert cli._entry_point(cli.COMMANDS["bench"][0]) is bench.main
+    import mmspec.eval as evaluation
+
+    assert cli._entry_point(cli.COMMANDS["eval"][0]) is evaluation.main and "fid" in evaluation.COMMANDS
     assert {"ar-image", "verify"} <= set(bench.SUBCOMMANDS)
     for spec, help_text in bench.SUBCOMMANDS.values():
         sub = bench._subcommand(spec)

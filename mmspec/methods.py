@@ -11,6 +11,7 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
 """
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -224,8 +225,8 @@ def _type_ok(kind, value):
     if isinstance(value, bool):
         return False
     if kind is int:
-        return isinstance(value, int) or (hasattr(value, "__index__") and not hasattr(value, "is_integer"))
-    return isinstance(value, (int, float))
+        return isinstance(value, numbers.Integral)  # Python and NumPy ints; not floats, bools or tensors
+    return isinstance(value, numbers.Real)
 
 
 def check_knob(name, value):

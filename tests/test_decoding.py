@@ -26,7 +26,7 @@ def tiny_gpt(seed, std=0.3):
 def test_emit_cuts_at_max_length_and_eos_and_sets_origins():
     state = SequenceState(torch.tensor([1, 2, 3]), 5, eos_token_id=9)
     new = torch.tensor([[4, 5, 6, 7], [9, 5, 6, 7], [4, 9, 6, 7]])
-    num = state.emit(new, torch.tensor([4, 3, 2]), num_draft=torch.tensor([3, 3, 3]))
+    num = state.emit(new, torch.tensor([4, 3, 2]), bonus=torch.tensor([True, False, False]))
     assert num.tolist() == [4, 1, 2]  # row 0: max length; row 1: EOS first; row 2: EOS second
     assert state.finished.tolist() == [True, True, True]
     full = state.full()
@@ -40,6 +40,13 @@ def test_emit_cuts_at_max_length_and_eos_and_sets_origins():
         [PREFILL, ACCEPTED, RESAMPLED, NONE, NONE],
     ]
     assert trace.round.tolist() == [[0, 1, 1, 1, 1], [0, 1, -1, -1, -1], [0, 1, 1, -1, -1]]
+
+
+def test_bad_state_arguments_name_themselves():
+    with pytest.raises(ValueError, match="max_length"):
+        SequenceState(torch.tensor([1]), 0)
+    with pytest.raises(TypeError, match="eos_token_id"):
+        SequenceState(torch.tensor([1]), 4, eos_token_id=2.5)
 
 
 def test_keep_compacts_rows_and_generators_but_full_keeps_the_grid():

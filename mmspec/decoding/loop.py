@@ -52,6 +52,15 @@ def verify_proposal(rule, proposal: Proposal, p_target, generator, greedy: bool)
                         num_draft=proposal.num_draft, greedy=greedy, validate=False)  # fmt: skip
 
 
+def _closes_with_bonus(result, proposal, parents):
+    """`[B]`: the round's last token was drawn from `p_target` itself -- every draft of the chain accepted, or the
+    accepted tree path ended at a leaf (`parents`: the verification tree, root first) -- rather than from a residual."""
+    if parents is None:
+        return result.num_accepted >= proposal.num_draft
+    last = result.path.gather(1, result.num_accepted[:, None])  # [B, 1] the last accepted node (root = 0)
+    return ~(parents == last).any(1)
+
+
 def _drop_finished(state, target, drafter):
     """Compact finished rows out of the state, the target and the drafter. Returns (rows left, tokens generated
     over the call) and sets `state.max_remaining` -- the loop's one host sync per round."""
@@ -100,7 +109,7 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
             stats.target_forwards += 1
             result = verify_proposal(rule, proposal, out.p_target, state.generator, guidance.greedy)
         target.commit(result.num_emitted, None if parents is None else result.path.clamp(min=0))
-        num = state.emit(result.tokens, result.num_emitted, proposal.num_draft)
+        num = state.emit(result.tokens, result.num_emitted, _closes_with_bonus(result, proposal, parents))
         if drafter is not None:
             with stats.timer("draft", device):
                 drafter.commit(result, out, state)

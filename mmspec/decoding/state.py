@@ -34,8 +34,14 @@ class SequenceState:
 
     def __init__(self, first: Tensor, max_length: int, *, eos_token_id: int | list[int] | None = None,
                  generator: Generators = None):  # fmt: skip
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be an int >= 1, got {max_length!r}")
+        if eos_token_id is not None:
+            ids = [eos_token_id] if not isinstance(eos_token_id, (list, tuple)) else list(eos_token_id)
+            if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
         batch, device = first.shape[0], first.device
-        self.max_length = int(max_length)
+        self.max_length = max_length
         self.eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).reshape(-1)
         self.tokens = torch.full((batch, self.max_length), -1, dtype=torch.long, device=device)
         self.tokens[:, 0] = first
@@ -47,7 +53,7 @@ class SequenceState:
         self.max_remaining = self.max_length - 1  # refreshed by the loop once per round (one host sync)
         self._grid = self.tokens.clone()  # rows that left keep their tokens here
         self._left_generated = torch.zeros((), dtype=torch.long, device=device)  # tokens of rows that left
-        self._log = []  # per round: (ids, count before, tokens emitted, index of the closing token, drafts)
+        self._log = []  # per round: (ids, count before, tokens emitted, index of the closing token, bonus flags)
 
     # ------------------------------------------------------------------ per-row views
     @property
@@ -80,33 +86,37 @@ class SequenceState:
         return (tokens[..., None] == self.eos).any(-1)
 
     # ------------------------------------------------------------------ updates
-    def emit(self, new_tokens: Tensor, num_new: Tensor, num_draft: Tensor | None = None) -> Tensor:
+    def emit(self, new_tokens: Tensor, num_new: Tensor, bonus: Tensor | None = None) -> Tensor:
         """Append `new_tokens[b, :num_new[b]]` to each row, cut at `max_length` and after an EOS.
 
-        `num_draft [B']` (drafts proposed this round) sets the trace origins: the first `num_new - 1` tokens are
-        accepted drafts, the last is `BONUS` if every draft was accepted, else `RESAMPLED`.
+        Trace origins: the first `num_new - 1` tokens are accepted drafts; the last one is `BONUS` where `bonus [B']`
+        says it was drawn from `p_target` itself (every draft on its path accepted; default: all rows, as in plain
+        decoding), else `RESAMPLED`. Fixed-shape writes (no boolean indexing): no host sync.
 
         Returns:
             `[B']` tokens appended per row.
         """
-        j = torch.arange(new_tokens.shape[1], device=new_tokens.device)
+        m = new_tokens.shape[1]
+        if self.tokens.shape[1] < self.max_length + m:  # scratch columns take the writes that are not kept
+            pad = self.tokens.new_full((self.batch_size, self.max_length + m - self.tokens.shape[1]), -1)
+            self.tokens = torch.cat([self.tokens, pad], dim=1)
+        j = torch.arange(m, device=new_tokens.device)
         num = torch.minimum(num_new, self.max_length - self.count)
         if self.eos is not None:
-            eos_at = torch.where(self._is_eos(new_tokens) & (j < num[:, None]), j, new_tokens.shape[1]).amin(1)
+            eos_at = torch.where(self._is_eos(new_tokens) & (j < num[:, None]), j, m).amin(1)
             self.ended = self.ended | (eos_at < num)
             num = torch.minimum(num, eos_at + 1)
         keep = j[None, :] < num[:, None]  # [B', M]
-        rows = torch.arange(self.batch_size, device=j.device)[:, None].expand_as(keep)
-        cols = (self.count[:, None] + j[None, :]).clamp(max=self.max_length - 1)
-        self.tokens[rows[keep], cols[keep]] = new_tokens[keep]
+        cols = torch.where(keep, self.count[:, None] + j[None, :], self.max_length + j[None, :])
+        self.tokens.scatter_(1, cols, new_tokens)
         self.rounds += 1
-        self._log.append((self.ids, self.count, num, num_new - 1, num_draft))
+        self._log.append((self.ids, self.count, num, num_new - 1, bonus))
         self.count = self.count + num
         return num
 
     def keep(self, index: Tensor) -> None:
         """Keep only rows `index [B'']` (positions in the current buffer) for the rounds to come."""
-        self._grid[self.ids] = self.tokens
+        self._grid[self.ids] = self.tokens[:, : self.max_length]
         self._left_generated = self._left_generated + self.count.sum() - self.count[index].sum()
         self.tokens, self.count, self.ended, self.ids = (
             self.tokens[index], self.count[index], self.ended[index], self.ids[index]
@@ -117,18 +127,18 @@ class SequenceState:
     def full(self) -> Tensor:
         """The `[B, N]` token grid of every row of the call (-1 where nothing was generated)."""
         grid = self._grid.clone()
-        grid[self.ids] = self.tokens
+        grid[self.ids] = self.tokens[:, : self.max_length]
         return grid
 
     def full_trace(self) -> DecodeTrace:
         """The `DecodeTrace` of every row of the call, assembled from the per-round log."""
         trace = DecodeTrace.empty(self._grid.shape[0], self.max_length, self._grid.device)
         trace.round[:, 0], trace.origin[:, 0] = 0, PREFILL
-        for r, (ids, start, num, last, num_draft) in enumerate(self._log, 1):
+        for r, (ids, start, num, last, bonus) in enumerate(self._log, 1):
             j = torch.arange(int(num.max()) if num.numel() else 0, device=ids.device)
             keep = j[None, :] < num[:, None]
             rows, cols = ids[:, None].expand_as(keep)[keep], (start[:, None] + j[None, :])[keep]
-            bonus = last >= (0 if num_draft is None else num_draft)
+            bonus = torch.ones_like(num, dtype=torch.bool) if bonus is None else bonus
             origin = torch.where(j[None, :] < last[:, None], ACCEPTED, torch.where(bonus, BONUS, RESAMPLED)[:, None])
             trace.round[rows, cols] = r
             trace.origin[rows, cols] = origin[keep].to(trace.origin.dtype)

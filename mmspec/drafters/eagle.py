@@ -53,15 +53,16 @@ def cfg_combine(logits, guidance_scale):
     return uncond + s * (cond - uncond)
 
 
-def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None):
+def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None, validate=True):
     """Step 1 of every EAGLE draft: feed the newly accepted pairs `(hidden, input_ids)` (`num_valid [rows]` valid per
     row, default all), commit them to the head cache, and return the last valid feature `[rows, 1, dim]`, which
-    drafts the first token after the root."""
+    drafts the first token after the root. `validate=False` skips the value check of `num_valid` (a host sync; the
+    engine's drafter makes `num_valid` itself)."""
     rows, m = input_ids.shape
     device = input_ids.device
     num_valid = torch.full((rows,), m, dtype=torch.long, device=device) if num_valid is None else num_valid
     num_valid = torch.as_tensor(num_valid, dtype=torch.long, device=device)
-    if tuple(num_valid.shape) != (rows,) or bool(((num_valid < 1) | (num_valid > m)).any()):
+    if tuple(num_valid.shape) != (rows,) or (validate and bool(((num_valid < 1) | (num_valid > m)).any())):
         raise ValueError(f"num_valid must be [rows={rows}] with values in 1..{m}")
     feats = head(hidden, input_ids, target, cache)
     cache.commit(num_valid)
@@ -69,7 +70,8 @@ def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None):
 
 
 @torch.no_grad()
-def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, guidance, generator, num_draft=None):
+def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, guidance, generator, num_draft=None,
+                validate=True):  # fmt: skip
     """EAGLE chain with *sampled* drafts: `length` tokens, each drawn from the head's processed distribution.
 
     Step 1 is `commit_accepted` (as in `draft_tree`). Each draft token is sampled from the head's `q_draft`, processed
@@ -86,13 +88,14 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
         generator: `torch.Generator` or one per batch item.
         num_draft: optional `[B]` drafts each item needs (`<= length`); with per-item generators an item draws only
             its own drafts, so its randomness does not depend on the rest of the batch.
+        validate: check `num_valid` (one host sync; see `commit_accepted`).
 
     Returns:
         `(draft_tokens [B, K], q_draft [B, K, V])`.
     """
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
-    feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid)  # [rows, 1, dim]
+    feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid, validate)  # [rows, 1, dim]
     counted = num_draft is not None and num_rows(generator) is not None  # per-row generators: draw only what's used
     tokens, probs = [], []
     for d in range(length):
@@ -121,6 +124,7 @@ def draft_tree(
     top_k=10,
     total=59,
     logits_processor=None,
+    validate=True,
 ):
     """EAGLE-2 dynamic draft tree (Li et al. 2024, "EAGLE-2"), batched over rows, both CFG streams.
 
@@ -157,7 +161,7 @@ def draft_tree(
         return torch.cat([x, x], dim=0) if guidance_scale is not None else x
 
     # 1. accepted chain -> committed head state
-    root_feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid)  # [rows, 1, dim]
+    root_feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid, validate)  # [rows, 1, dim]
     base_len = cache.lengths
 
     # depth 1: children of the root
@@ -244,6 +248,9 @@ class EagleDrafter:
     needs_hidden = True
 
     def __init__(self, head, target, guidance, depth, top_k=1, total=24):
+        for name, value in (("depth", depth), ("top_k", top_k), ("total", total)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         head.check_target(target)
         self.head, self.target, self.guidance = head, target, guidance
         self.depth, self.top_k, self.total = int(depth), int(top_k), int(total)
@@ -266,11 +273,12 @@ class EagleDrafter:
             num_draft = state.remaining().clamp(min=1, max=self.depth)
             length = min(self.depth, state.max_remaining)  # no drafts past the last token of any row
             drafts, q = draft_chain(self.head, self.target, self.cache, self.hidden, self.ids, self.num_valid,
-                                    length=length, guidance=g, generator=state.generator, num_draft=num_draft)  # fmt: skip
+                                    length=length, guidance=g, generator=state.generator, num_draft=num_draft,
+                                    validate=False)  # fmt: skip
             self.draft_forwards += length
             return Proposal(drafts, num_draft, q_draft=q)
         tree = draft_tree(self.head, self.target, self.cache, self.hidden, self.ids, self.num_valid, depth=self.depth,
-                          top_k=self.top_k, total=self.total,
+                          top_k=self.top_k, total=self.total, validate=False,
                           guidance_scale=g.sampling.guidance_scale if g.streams == 2 else None)  # fmt: skip
         self.draft_forwards += self.depth
         return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents)

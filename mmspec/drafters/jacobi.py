@@ -42,8 +42,8 @@ class JacobiDrafter:
     def __init__(self, vocab_size, window, init="repeat", coupling=True):
         if init not in self.INITS:
             raise ValueError(f"jacobi_init must be one of {self.INITS}, got {init!r}")
-        if window < 1:
-            raise ValueError(f"jacobi_window must be >= 1 draft token, got {window}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"jacobi_window must be an int >= 1 (draft tokens), got {window!r}")
         self.vocab_size, self.window, self.init, self.coupling = vocab_size, int(window), init, bool(coupling)
         self.max_width = self.window
         self.drafts = None  # [B, K]

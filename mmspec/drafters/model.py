@@ -43,6 +43,8 @@ class ModelDrafter:
     needs_hidden = False
 
     def __init__(self, model, guidance, num_draft_tokens, cond, cond_mask=None):
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
         self.model, self.guidance, self.k = model, guidance, int(num_draft_tokens)
         self.cond, self.cond_mask = cond, cond_mask
         self.max_width = self.k

@@ -161,17 +161,22 @@ def generate_main(argv=None):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in COMMANDS:
-        return _entry_point(COMMANDS[argv[0]][0])(argv[1:]) or 0
-    # no or an unknown command: the top-level parser prints the usage / the error (exit 2)
-    parser = argparse.ArgumentParser(prog="mmspec", description=__doc__.split("\n\n")[0])
+def dispatch(commands, argv, prog, description):
+    """Run `commands[argv[0]]` (a `"module:function"` taking the remaining arguments), or let argparse print the
+    usage / the unknown-command error (exit 2) listing the table."""
+    if argv and argv[0] in commands:
+        return _entry_point(commands[argv[0]][0])(argv[1:]) or 0
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (_, help_text) in COMMANDS.items():
+    for name, (_, help_text) in commands.items():
         sub.add_parser(name, help=help_text, add_help=False)
     parser.parse_args(argv)
     return 0
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return dispatch(COMMANDS, argv, "mmspec", __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -107,16 +107,19 @@ def _generate_args(parser):
     parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
     parser.add_argument("--out", default="mmspec_samples.png", help="PNG grid to write (one row per class)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-AR comparison run")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_knob_arguments(parser)
 
 
 def generate(args):
     import torch
+    from tqdm.auto import tqdm
 
     from mmspec.eval.images import make_grid
     from mmspec.pipelines import SpeculativeARImagePipeline
 
     pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
+    pipe.set_progress_bar_config(disable=True)  # one bar over all images instead (below)
     device = pipe._execution_device
     classes = [int(c) for c in args.classes.split(",") if c.strip()]
     common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)
@@ -125,8 +128,10 @@ def generate(args):
     methods = [("speculative", dict(acceptance=args.acceptance, drafter=args.drafter, **knob_values(args)))]
     if not args.no_baseline and args.acceptance != "none":
         methods.append(("plain", dict(acceptance="none")))
+    bar = tqdm(total=len(labels) * len(methods), unit="image", disable=args.quiet)
     for name, kw in methods:
         images, forwards, compression, accepted, wall = [], 0, [], [], 0.0
+        bar.set_description(name)
         for i in range(0, len(labels), args.batch_size):
             gen = torch.Generator(device=device).manual_seed(args.seed + i)
             start = time.perf_counter()
@@ -136,9 +141,11 @@ def generate(args):
             forwards += out.stats.target_forwards
             compression.append(out.stats.step_compression)
             accepted.append(out.stats.mean_accepted_length)
+            bar.update(len(out.images))
         runs[name] = dict(images=images, wall_s=round(wall, 3), target_forwards=forwards,
                           step_compression=round(sum(compression) / len(compression), 3),
                           mean_accepted_length=round(sum(accepted) / len(accepted), 3))  # fmt: skip
+    bar.close()
     make_grid(runs["speculative"].pop("images"), args.num_per_class).save(args.out)
     runs.get("plain", {}).pop("images", None)
     report = {"out": args.out, "images": len(labels), "batch_size": args.batch_size, "acceptance": args.acceptance}

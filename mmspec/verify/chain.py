@@ -20,7 +20,7 @@ from torch import Tensor
 
 from mmspec.random import Generators, check_generator, rand
 from mmspec.sampling import prob_dtype, sample
-from mmspec.verify.checks import Checks, check_shape, gather_last, num_draft_mask
+from mmspec.verify.checks import Checks, check_shape, check_tokens_and_probs, gather_last, num_draft_mask
 from mmspec.verify.gsd import Grouped
 from mmspec.verify.lantern import Lantern
 from mmspec.verify.results import VerifyResult
@@ -43,15 +43,7 @@ def chain_setup(
     Returns ``(p [B,K+1,V], q [B,K,V] | None, safe tokens [B,K], lengths [B], valid [B,K], pending value checks)``.
     ``check_probs=False`` (greedy decoding, which also takes logits) checks ``p_target`` for NaN only.
     """
-    if not isinstance(draft_tokens, Tensor) or draft_tokens.ndim != 2:
-        raise ValueError("draft_tokens must be a [B, K] LongTensor")
-    if draft_tokens.dtype.is_floating_point or draft_tokens.dtype == torch.bool:
-        raise TypeError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    batch, k = draft_tokens.shape
-    if not isinstance(p_target, Tensor) or p_target.ndim != 3:
-        raise ValueError(f"p_target must be [B, K+1, V] = [{batch}, {k + 1}, V]")
-    vocab = p_target.shape[-1]
-    check_shape("p_target", p_target, (batch, k + 1, vocab))
+    batch, k, vocab = check_tokens_and_probs("draft_tokens", draft_tokens, p_target, "K")
     p = p_target.to(prob_dtype(p_target.dtype))
     q = None
     if q_draft is not None:

@@ -76,6 +76,22 @@ def raise_first(flags: list, messages: list) -> None:
             raise ValueError(message() if callable(message) else message)
 
 
+def check_tokens_and_probs(name: str, tokens, p_target, dims: str) -> tuple[int, int, int]:
+    """Shape / dtype checks of draft tokens `[B, K]` (integer) and `p_target [B, K+1, V]` (``dims`` names K in
+    messages). Returns ``(B, K, V)``."""
+    if not isinstance(tokens, Tensor) or tokens.ndim != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"{name} must be [B, {dims}], got shape {shape}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {tokens.dtype}")
+    batch, k = tokens.shape
+    if not isinstance(p_target, Tensor) or p_target.ndim != 3:
+        raise ValueError(f"p_target must be [B, {dims}+1, V] = [{batch}, {k + 1}, V]")
+    vocab = p_target.shape[-1]
+    check_shape("p_target", p_target, (batch, k + 1, vocab))
+    return batch, k, vocab
+
+
 def check_shape(name: str, x: Tensor, shape: tuple) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

@@ -14,7 +14,15 @@ from torch import Tensor
 
 from mmspec.random import Generators, check_generator, rand
 from mmspec.sampling import prob_dtype, sample
-from mmspec.verify.checks import Checks, check_choice, check_shape, gather_last, normalize, raise_first
+from mmspec.verify.checks import (
+    Checks,
+    check_choice,
+    check_shape,
+    check_tokens_and_probs,
+    gather_last,
+    normalize,
+    raise_first,
+)
 from mmspec.verify.registry import resolve_rule
 from mmspec.verify.results import VerifyResult
 from mmspec.verify.rules import AcceptanceRule
@@ -109,16 +117,7 @@ def verify_tree(
     """
     check_choice("mode", mode, TREE_MODES)
     rule = resolve_rule(rule, acceptance, resample, knobs)
-    if not isinstance(tree_tokens, Tensor) or tree_tokens.ndim != 2:
-        shape = tuple(tree_tokens.shape) if isinstance(tree_tokens, Tensor) else type(tree_tokens).__name__
-        raise ValueError(f"tree_tokens must be [B, N], got shape {shape}")
-    if tree_tokens.dtype.is_floating_point or tree_tokens.dtype == torch.bool:
-        raise TypeError(f"tree_tokens must be an integer tensor, got {tree_tokens.dtype}")
-    batch, n = tree_tokens.shape
-    if not isinstance(p_target, Tensor) or p_target.ndim != 3:
-        raise ValueError(f"p_target must be [B, N+1, V] = [{batch}, {n + 1}, V]")
-    vocab = p_target.shape[-1]
-    check_shape("p_target", p_target, (batch, n + 1, vocab))
+    batch, n, vocab = check_tokens_and_probs("tree_tokens", tree_tokens, p_target, "N")
     if parents.ndim == 1:
         check_shape("parents", parents, (n,))
         parents = parents[None].expand(batch, n)

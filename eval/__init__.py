@@ -1,4 +1,5 @@
-"""Evaluation: benchmarks (`mmspec bench`), metrics (`metrics.py`, `inception.py`, `reference_stats.py`) and the
+"""Evaluation: benchmarks (`mmspec bench`), metrics (`metrics.py`, `kid.py`, `inception_score.py`, `inception.py`,
+`clip_score.py`, `reference_stats.py`) and the
 `mmspec eval` scripts, registered one line each in `COMMANDS`."""
 
 # `mmspec eval NAME` -> ("module:function" called with the remaining arguments, help)
@@ -7,6 +8,8 @@ COMMANDS = {
         "mmspec.eval.fid:main",
         "sample N images into resumable shards (1 or many ranks) and score FID / accuracy",
     ),
+    "sweep": ("mmspec.eval.sweep:main", "methods x knobs on one model: quality vs speed table and Pareto plot"),
+    "reference": ("mmspec.eval.reference:main", "reference statistics (.npz) of real MNIST for FID"),
 }
 
 

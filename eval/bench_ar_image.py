@@ -15,6 +15,7 @@ call is in each of them; plain = image tokens). `step_compression` = image token
 its slowest row); `row_step_compression` = the same per row, averaged (each row's own rounds + the prefill).
 """
 
+import argparse
 import inspect
 import logging
 import platform
@@ -25,24 +26,35 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import add_knob_arguments, knob_values
+from mmspec.cli import add_knob_arguments, knob_values, non_negative_int, positive_int, sampling_type
 from mmspec.methods import PRESETS
 
 
 logger = logging.getLogger(__name__)
 
 
+def _zoo(text):
+    """argparse `type` of `--zoo`: a folder with the zoo's c2i and vq folders (nothing is loaded here)."""
+    from mmspec.models import zoo_folders
+
+    try:
+        zoo_folders(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def add_arguments(parser):
-    parser.add_argument("--zoo", default=str(Path(__file__).resolve().parent.parent / "assets"))
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--num-images", type=int, default=40, help="images per method per repeat")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--zoo", type=_zoo, default=str(Path(__file__).resolve().parent.parent / "assets"))
+    parser.add_argument("--batch-size", type=positive_int, default=1)
+    parser.add_argument("--num-images", type=positive_int, default=40, help="images per method per repeat")
+    parser.add_argument("--repeats", type=positive_int, default=2)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--methods", default=",".join(PRESETS), help="comma-separated subset of " + ",".join(PRESETS))
-    parser.add_argument("--guidance-scale", type=float, default=2.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0)
+    parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
+    parser.add_argument("--top-k", type=sampling_type("top_k", int), default=None)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
     add_knob_arguments(parser)

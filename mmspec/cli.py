@@ -7,22 +7,38 @@ decoding and prints the speed statistics next to plain AR decoding of the same i
 The method options come from the registry `mmspec.methods`: `--acceptance` / `--drafter` choices from
 `ACCEPTANCES` / `DRAFTERS`, one flag per pipeline knob of `KNOBS` (`add_knob_arguments`, shared with the
 benchmarks), so an unknown method or an out-of-range knob is a usage error (exit 2) before anything is loaded.
+Every other `generate` option is checked up front too (class ids against the zoo's `config.json`, the output path,
+the device) so a bad command line never costs a model load. This module imports nothing heavy at import time
+(`mmspec --help` does not import torch); the registry is imported when a parser needs it.
 """
 
 import argparse
 import importlib
 import json
 import logging
+import math
+import os
 import sys
 import time
 from pathlib import Path
 
-from mmspec.methods import ACCEPTANCES, DRAFTERS, KNOBS, check_knob
-
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMANDS", "add_knob_arguments", "knob_values", "main"]
+__all__ = [
+    "COMMANDS",
+    "HelpFormatter",
+    "add_knob_arguments",
+    "finite_float",
+    "knob_values",
+    "main",
+    "non_negative_float",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "probability",
+    "sampling_type",
+]
 
 # command -> ("module:function" called with the remaining arguments, help); `eval`, `demo` go here, one line each
 COMMANDS = {
@@ -31,6 +47,8 @@ COMMANDS = {
     "train": ("mmspec.train.__main__:main", "train zoo models (see `mmspec train --help`)"),
     "eval": ("mmspec.eval:main", "evaluation scripts: fid (see `mmspec eval --help`)"),
 }
+NUM_PER_CLASS = 2  # `mmspec generate` default
+DEFAULT_ZOO = str(Path(__file__).resolve().parent.parent / "assets")
 
 
 def _entry_point(spec):
@@ -39,11 +57,104 @@ def _entry_point(spec):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# argparse types and help (shared with the benchmarks and the training tasks)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with `(default: X)` after every option that has a default worth showing (not None / False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _int_at_least(text, low):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+    return value
+
+
+def positive_int(text):
+    """argparse `type`: an integer >= 1 (else a usage error naming the flag)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text):
+    """argparse `type`: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def finite_float(text):
+    """argparse `type`: a finite number (NaN and inf are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text):
+    """argparse `type`: a finite number > 0."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text):
+    """argparse `type`: a finite number >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def probability(text):
+    """argparse `type`: a number in [0, 1]."""
+    value = finite_float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
+def sampling_type(name, kind):
+    """argparse `type` for a `mmspec.sampling.SamplingParams` field: parsed as `kind`, checked by SamplingParams
+    itself (so the CLI accepts exactly what the pipeline does)."""
+
+    def parse(text):
+        from mmspec.sampling import SamplingParams
+
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # knob flags from the registry
 
 
 def _knob_type(name):
     """argparse `type` for knob `name`: parse as its kind, then `check_knob` (a failure is a usage error)."""
+    from mmspec.methods import KNOBS, check_knob
+
     knob = KNOBS[name]
 
     def parse(text):
@@ -60,6 +171,8 @@ def add_knob_arguments(parser, names=None):
 
     Every flag defaults to None (= unset: the pipeline's default applies); `knob_values(args)` collects the set ones.
     """
+    from mmspec.methods import KNOBS
+
     group = parser.add_argument_group("method knobs (unset: the pipeline's default)")
     for name in KNOBS if names is None else names:
         knob = KNOBS[name]
@@ -79,6 +192,8 @@ def add_knob_arguments(parser, names=None):
 
 def knob_values(args):
     """The knob flags of `add_knob_arguments` that were set, as pipeline keywords."""
+    from mmspec.methods import KNOBS
+
     return {name: getattr(args, name) for name in KNOBS if getattr(args, name, None) is not None}
 
 
@@ -86,82 +201,225 @@ def knob_values(args):
 # generate
 
 
+def _class_ids(text):
+    """argparse `type` of `--classes`: comma-separated integers >= 0, at least one (the zoo's range is checked
+    after parsing)."""
+    ids = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            ids.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"class id {part.strip()!r} is not an integer (e.g. 0,1,2)") from None
+        if ids[-1] < 0:
+            raise argparse.ArgumentTypeError(f"class ids must be >= 0, got {ids[-1]}")
+    if not ids:
+        raise argparse.ArgumentTypeError(f"expected comma-separated class ids like 0,1,2, got {text!r}")
+    return ids
+
+
 def _generate_args(parser):
-    parser.add_argument("--zoo", default=str(Path(__file__).resolve().parent.parent / "assets"),
-                        help="folder holding the zoo (mnist-c2i, mnist-vq, drafters); default: the shipped assets")  # fmt: skip
-    parser.add_argument("--classes", default="0,1,2,3,4,5,6,7,8,9", help="comma-separated class ids")
-    parser.add_argument("--num-per-class", type=int, default=2)
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=1,
-        help="images per pipeline call (1 = the latency regime speculative decoding targets)",
-    )
+    from mmspec.methods import ACCEPTANCES, DRAFTERS
+
+    parser.add_argument("--zoo", default=DEFAULT_ZOO, help="folder holding the zoo (mnist-c2i, mnist-vq, drafters)")
+    parser.add_argument("--classes", type=_class_ids, default="0,1,2,3,4,5,6,7,8,9", metavar="IDS",
+                        help="comma-separated class ids, each in [0, the zoo's num_classes)")  # fmt: skip
+    count = parser.add_mutually_exclusive_group()
+    count.add_argument("--num-per-class", type=positive_int, default=None, metavar="N",  # None: see --num-images
+                       help=f"images per class id; the grid has one row per class id (default: {NUM_PER_CLASS})")  # fmt: skip
+    count.add_argument("--num-images", type=positive_int, default=None, metavar="N",
+                       help="instead of --num-per-class: N images in all, image i of class id i mod (number of "
+                            "--classes ids), so the grid has one column per class id")  # fmt: skip
+    parser.add_argument("--batch-size", type=positive_int, default=1, metavar="N",
+                        help="images per pipeline call (1 = the latency regime speculative decoding targets)")  # fmt: skip
     parser.add_argument("--acceptance", default="jacobi", choices=list(ACCEPTANCES),
-                        help="acceptance rule (default: jacobi, SJD + SCD coupling, lossless)")  # fmt: skip
-    parser.add_argument("--drafter", default=None, choices=list(DRAFTERS), help="drafter (default: per acceptance)")
-    parser.add_argument("--guidance-scale", type=float, default=2.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+                        help="acceptance rule (jacobi: SJD + SCD coupling, lossless)")  # fmt: skip
+    parser.add_argument("--drafter", default=None, choices=list(DRAFTERS),
+                        help="drafter (default: the acceptance's first drafter the zoo has)")  # fmt: skip
+    parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0, metavar="S",
+                        help="classifier-free guidance scale (>= 0; 1 = no guidance)")  # fmt: skip
+    parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0, metavar="T",
+                        help="sampling temperature (>= 0; 0 = greedy, not allowed for sampling-only rules)")  # fmt: skip
+    parser.add_argument("--top-k", type=sampling_type("top_k", int), default=None, metavar="K",
+                        help="keep the K most likely tokens (>= 1; unset: off)")  # fmt: skip
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="the call starting at image i uses seed + i")
     parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
-    parser.add_argument("--out", default="mmspec_samples.png", help="PNG grid to write (one row per class)")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="torch CPU threads (torch.set_num_threads; unset: torch's default)")  # fmt: skip
+    parser.add_argument("--out", default="mmspec_samples.png", help="image grid to write (PNG; folder must exist)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-AR comparison run")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_knob_arguments(parser)
 
 
+def _check_out(parser, out):
+    """`--out` must be a new or existing file (not a folder) in an existing, writable folder, with an image
+    extension PIL can write."""
+    from PIL import Image
+
+    path = Path(out)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        parser.error(f"argument --out: {out!r} is a directory; give a file name such as {str(path / 'grid.png')!r}")
+    if not parent.exists():
+        parser.error(f"argument --out: folder {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        parser.error(f"argument --out: {str(parent)!r} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        parser.error(f"argument --out: {out!r} is not writable")
+    Image.init()
+    if Image.registered_extensions().get(path.suffix.lower()) not in Image.SAVE:
+        parser.error(f"argument --out: {out!r} needs an image extension PIL can write, e.g. .png")
+
+
+def _check_device(parser, device):
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        parser.error(f"argument --device: {device!r} is not a torch device ({err})")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {device!r} but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        parser.error(f"argument --device: {device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        parser.error(f"argument --device: {device!r} but MPS is not available")
+
+
+def check_generate_args(parser, args):
+    """The checks that need more than one flag or a cheap look at the disk; all before any model loads.
+
+    Reads the zoo's `config.json` files (`mmspec.models.read_config`: no weights, no torch) for the number of
+    classes, resolves the (acceptance, drafter) pair against the drafter folders the zoo has, and checks `--out`.
+    Sets `args.labels` (the class id of every image) and `args.grid_columns`.
+    """
+    from mmspec.methods import ACCEPTANCES, resolve_drafter
+    from mmspec.models import read_config, zoo_folders
+
+    try:
+        folders = zoo_folders(args.zoo)
+        configs = {name: read_config(folder) for name, folder in folders.items()}
+    except ValueError as err:
+        parser.error(f"argument --zoo: {err}")
+    num_classes = configs["transformer"].get("num_classes", 1000)  # the class default, as the loader would use
+    bad = [c for c in args.classes if c >= num_classes]
+    if bad:
+        parser.error(
+            f"argument --classes: class id {bad[0]} is out of range: the zoo's target has {num_classes} classes "
+            f"(ids 0..{num_classes - 1})"
+        )
+    try:
+        resolve_drafter(args.acceptance, args.drafter, set(folders))
+    except ValueError as err:
+        parser.error(f"argument --drafter: {err} (zoo: {args.zoo})")
+    if ACCEPTANCES[args.acceptance].sampling_only and args.temperature == 0:
+        parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling rule --acceptance "
+                     f"{args.acceptance}")  # fmt: skip
+    _check_out(parser, args.out)
+    _check_device(parser, args.device)
+    if args.num_images is not None:
+        args.labels = [args.classes[i % len(args.classes)] for i in range(args.num_images)]
+        args.grid_columns = min(len(args.classes), args.num_images)
+    else:
+        per_class = NUM_PER_CLASS if args.num_per_class is None else args.num_per_class
+        args.labels = [c for c in args.classes for _ in range(per_class)]
+        args.grid_columns = per_class
+
+
+class ZooError(ValueError):
+    """The zoo's models failed to load or do not fit together (a usage error of `--zoo`, found while loading)."""
+
+
+def _run_method(pipe, args, kw, bar):
+    """Generate every image of `args.labels` with the method keywords `kw`; returns (images, stats dict)."""
+    import torch
+
+    device = pipe._execution_device
+    common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)
+    labels = args.labels
+    images, forwards, compression, accepted, wall = [], 0, [], [], 0.0
+    for i in range(0, len(labels), args.batch_size):
+        gen = torch.Generator(device=device).manual_seed(args.seed + i)
+        start = time.perf_counter()
+        out = pipe(class_labels=labels[i : i + args.batch_size], generator=gen, **common, **kw)
+        wall += time.perf_counter() - start
+        images += out.images
+        forwards += out.stats.target_forwards
+        compression.append(out.stats.step_compression)
+        accepted.append(out.stats.mean_accepted_length)
+        bar.update(len(out.images))
+    stats = dict(wall_s=wall, s_per_image=round(wall / len(labels), 4), target_forwards=forwards,
+                 step_compression=round(sum(compression) / len(compression), 3),
+                 mean_accepted_length=round(sum(accepted) / len(accepted), 3))  # fmt: skip
+    return images, stats
+
+
 def generate(args):
+    """Run `mmspec generate` on parsed, checked arguments (`check_generate_args`); prints and returns the report.
+
+    Report keys: the requested method's run under `"speculative"` (`"plain"` when `--acceptance none`), plain AR
+    decoding of the same images and seeds under `"plain_baseline"`, and `"speedup_vs_plain"` = baseline wall time /
+    speculative wall time (both absent with `--no-baseline`).
+    """
     import torch
     from tqdm.auto import tqdm
 
     from mmspec.eval.images import make_grid
+    from mmspec.methods import resolve_drafter
     from mmspec.pipelines import SpeculativeARImagePipeline
 
-    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        pipe = SpeculativeARImagePipeline.from_zoo(args.zoo)
+    except ValueError as err:  # e.g. weights that do not match their config.json: the message names the folder
+        raise ZooError(str(err)) from err
+    pipe = pipe.to(args.device)
     pipe.set_progress_bar_config(disable=True)  # one bar over all images instead (below)
-    device = pipe._execution_device
-    classes = [int(c) for c in args.classes.split(",") if c.strip()]
-    common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)
-    labels = [c for c in classes for _ in range(args.num_per_class)]
-    runs = {}
-    methods = [("speculative", dict(acceptance=args.acceptance, drafter=args.drafter, **knob_values(args)))]
+    loaded = {name for name in ("draft_model", "eagle_head") if getattr(pipe, name, None) is not None}
+    drafter = resolve_drafter(args.acceptance, args.drafter, loaded)
+    knobs = knob_values(args)
+    first = "plain" if args.acceptance == "none" else "speculative"
+    runs = [(first, dict(acceptance=args.acceptance, drafter=args.drafter, **knobs))]
     if not args.no_baseline and args.acceptance != "none":
-        methods.append(("plain", dict(acceptance="none")))
-    bar = tqdm(total=len(labels) * len(methods), unit="image", disable=args.quiet)
-    for name, kw in methods:
-        images, forwards, compression, accepted, wall = [], 0, [], [], 0.0
-        bar.set_description(name)
-        for i in range(0, len(labels), args.batch_size):
-            gen = torch.Generator(device=device).manual_seed(args.seed + i)
-            start = time.perf_counter()
-            out = pipe(class_labels=labels[i : i + args.batch_size], generator=gen, **common, **kw)
-            wall += time.perf_counter() - start
-            images += out.images
-            forwards += out.stats.target_forwards
-            compression.append(out.stats.step_compression)
-            accepted.append(out.stats.mean_accepted_length)
-            bar.update(len(out.images))
-        runs[name] = dict(images=images, wall_s=round(wall, 3), target_forwards=forwards,
-                          step_compression=round(sum(compression) / len(compression), 3),
-                          mean_accepted_length=round(sum(accepted) / len(accepted), 3))  # fmt: skip
+        runs.append(("plain_baseline", dict(acceptance="none")))
+    labels = args.labels
+    report = {"out": args.out, "images": len(labels), "classes": args.classes, "batch_size": args.batch_size,
+              "seed": args.seed, "device": args.device, "threads": torch.get_num_threads(),
+              "sampling": dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)}  # fmt: skip
+    bar = tqdm(total=len(labels) * len(runs), unit="image", disable=args.quiet)
+    for name, kw in runs:
+        bar.set_description(name.replace("_", " "))
+        images, stats = _run_method(pipe, args, kw, bar)
+        method = {"acceptance": kw["acceptance"]}
+        if name != "plain_baseline":
+            method.update(drafter=drafter, knobs=knobs)
+            make_grid(images, args.grid_columns).save(args.out)
+        report[name] = method | stats
     bar.close()
-    make_grid(runs["speculative"].pop("images"), args.num_per_class).save(args.out)
-    runs.get("plain", {}).pop("images", None)
-    report = {"out": args.out, "images": len(labels), "batch_size": args.batch_size, "acceptance": args.acceptance}
-    report.update(runs)
-    if "plain" in runs:
-        report["speedup"] = round(runs["plain"]["wall_s"] / runs["speculative"]["wall_s"], 3)
+    if "plain_baseline" in report:
+        plain, spec = report["plain_baseline"]["wall_s"], report["speculative"]["wall_s"]
+        report["speedup_vs_plain"] = round(plain / spec, 3) if spec > 0 else None
+    for name, _ in runs:
+        report[name]["wall_s"] = round(report[name]["wall_s"], 3)
     print(json.dumps(report, indent=2))
     return report
 
 
 def generate_main(argv=None):
-    parser = argparse.ArgumentParser(prog="mmspec generate", description=COMMANDS["generate"][1])
+    parser = argparse.ArgumentParser(
+        prog="mmspec generate", description=COMMANDS["generate"][1], formatter_class=HelpFormatter
+    )
     _generate_args(parser)
     args = parser.parse_args(argv)
+    check_generate_args(parser, args)
     logging.basicConfig(level=logging.WARNING)
-    generate(args)
+    try:
+        generate(args)
+    except ZooError as err:
+        parser.error(f"argument --zoo: {err}")
     return 0
 
 

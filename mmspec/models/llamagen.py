@@ -38,6 +38,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.models.config_fields import check_fields
 
 
 logger = logging.getLogger(__name__)
@@ -266,9 +267,8 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         cls_token_num: int = 1,
         block_size: int = 256,
     ):
+        check_fields("LlamaGenGPT", locals())  # types and ranges; the cross-field rules follow
         super().__init__()
-        if model_type not in ("c2i", "t2i"):
-            raise ValueError(f"model_type must be 'c2i' or 't2i', got {model_type!r}")
         if model_type == "c2i" and cls_token_num != 1:
             raise ValueError(f"cls_token_num must be 1 for model_type='c2i', got {cls_token_num}")
         if dim % n_head or (dim // n_head) % 4:

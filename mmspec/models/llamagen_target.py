@@ -4,7 +4,6 @@ Owns the static KV cache (`mmspec.cache.StaticKVCache`) of every model row: `[co
 conditional rows only with guidance off (`mmspec.decoding.guidance.Guidance`). Cache slot == RoPE position.
 """
 
-import torch
 from torch import Tensor
 
 from mmspec.cache import tree_inputs
@@ -39,15 +38,16 @@ class LlamaGenTarget:
         Args:
             cond: class ids `[B]` (c2i) or text features `[B, cls_token_num, caption_dim]` (t2i).
             num_tokens: tokens to generate per row; `scratch`: the widest scored block (drafts + 1).
-            cond_mask: t2i only, bool `[B, cls_token_num]`.
+            cond_mask: t2i only, bool `[B, cls_token_num]`, False at padded text positions (also applied to the
+                null-caption rows of CFG, as upstream).
             return_hidden: also return the hidden state at the last prefix slot (EAGLE's first input).
 
         Returns:
             `TargetOutput(p_target [B, 1, V], hidden [rows, 1, dim] | None)`; validated (raises on NaN).
         """
         cond = self.guidance.condition_rows(cond, self.model.null_condition(cond.shape[0]))
-        if cond_mask is not None:
-            cond_mask = self.guidance.condition_rows(cond_mask, torch.ones_like(cond_mask))
+        if cond_mask is not None:  # the uncond rows keep the prompt's mask, as upstream LlamaGen's `generate`
+            cond_mask = self.guidance.condition_rows(cond_mask, cond_mask)
         max_seq = self.prefix_length + int(num_tokens) + int(scratch) + 1
         self.cache = self.model.setup_cache(cond.shape[0], max_seq)
         out = self.model.prefill(cond, self.cache, cond_mask=cond_mask, return_hidden=return_hidden)

@@ -37,6 +37,8 @@ from diffusers.configuration_utils import register_to_config
 from diffusers.utils import BaseOutput
 from torch import nn
 
+from mmspec.models.config_fields import check_fields
+
 
 logger = logging.getLogger(__name__)
 
@@ -355,8 +357,14 @@ class LlamaGenVQ(ModelMixin, ConfigMixin):
         norm_num_groups: int = 32,
         sample_size: int | None = None,
     ):
+        check_fields("LlamaGenVQ", locals())  # types and ranges; the cross-field rules follow
         super().__init__()
         ch_mult = tuple(ch_mult)
+        factor = 2 ** (len(ch_mult) - 1)
+        if sample_size is not None and sample_size % factor:
+            raise ValueError(
+                f"sample_size={sample_size} must be a multiple of the downsampling factor {factor} (ch_mult={ch_mult})"
+            )
         for width in {ch} | {ch * m for m in ch_mult}:
             if width % norm_num_groups:
                 raise ValueError(

@@ -1,7 +1,8 @@
 """Training entry point: `python -m mmspec.train TASK [options]`.
 
 Each task lives in its own module exposing `add_arguments(parser)` and `run(args)`; runs are seeded,
-checkpoint as they go (re-running the same command resumes), and write a model card into `--out`.
+checkpoint as they go (re-running the same command resumes), show a progress bar (`--quiet`: none), and write a
+model card into `--out`. Only the chosen task's module is imported.
 """
 
 import argparse
@@ -17,17 +18,22 @@ TASKS = {
     "c2i": ("mmspec.train.gpt", "class-conditional LlamaGen GPT target on VQ tokens"),
     "draft": ("mmspec.train.draft", "small GPT draft distilled on the target's outputs"),
     "eagle": ("mmspec.train.eagle", "EAGLE-style feature head on the target's hidden states"),
+    "t2i": ("mmspec.train.t2i", "text-to-image LlamaGen GPT on VQ tokens + MiniLM caption features (mnist-t2i)"),
 }
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mmspec.train", description=__doc__)
+    from mmspec.cli import HelpFormatter
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="mmspec train", description=__doc__)
     sub = parser.add_subparsers(dest="task", required=True)
     for name, (module_name, help_text) in TASKS.items():
-        module = importlib.import_module(module_name)
-        task_parser = sub.add_parser(name, help=help_text)
-        module.add_arguments(task_parser)
-        task_parser.set_defaults(_run=module.run)
+        task_parser = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
+        if argv and argv[0] == name:  # only the chosen task's module (torch, diffusers) is imported
+            module = importlib.import_module(module_name)
+            module.add_arguments(task_parser)
+            task_parser.set_defaults(_run=module.run)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args._run(args)

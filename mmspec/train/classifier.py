@@ -11,6 +11,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from mmspec.cli import non_negative_int, positive_int, probability
 from mmspec.models.classifier import MNISTClassifier
 from mmspec.train.common import (
     add_common_arguments,
@@ -29,9 +30,9 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser):
     add_common_arguments(parser, steps=3000, batch_size=64, lr=2e-3, warmup_steps=100, checkpoint_every=500, threads=1)
     parser.add_argument("--data", default="train", help="MNIST split(s) to train on, e.g. train or train+val")
-    parser.add_argument("--feature-dim", type=int, default=128)
-    parser.add_argument("--max-shift", type=int, default=2, help="random translation in pixels (0: off)")
-    parser.add_argument("--label-smoothing", type=float, default=0.05)
+    parser.add_argument("--feature-dim", type=positive_int, default=128)
+    parser.add_argument("--max-shift", type=non_negative_int, default=2, help="random translation in pixels (0: off)")
+    parser.add_argument("--label-smoothing", type=probability, default=0.05)
 
 
 def random_shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:

@@ -36,6 +36,7 @@ Typical task (sketch):
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -52,6 +53,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from mmspec.cli import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 logger = logging.getLogger(__name__)
@@ -78,19 +83,25 @@ def add_common_arguments(
     """Add the options every training task shares (task-specific defaults via the keyword arguments).
 
     Adds: --out (required unless `out` given), --seed, --steps, --batch-size, --lr, --warmup-steps, --weight-decay,
-    --grad-clip, --checkpoint-every, --log-every, --threads, --fp32-weights (default: float16 weights), --note.
+    --grad-clip, --checkpoint-every, --log-every, --threads, --fp32-weights (default: float16 weights), --note,
+    --quiet (no progress bar). Numbers are range-checked by their argparse types (a bad value is a usage error).
     """
     parser.add_argument("--out", default=out, required=out is None, help="output model folder (also holds checkpoint)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (torch.Generator + torch.manual_seed)")
-    parser.add_argument("--steps", type=int, default=steps, help="total optimisation steps")
-    parser.add_argument("--batch-size", type=int, default=batch_size)
-    parser.add_argument("--lr", type=float, default=lr, help="peak learning rate (warmup + cosine decay)")
-    parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
-    parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm (0 disables)")
-    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every, help="steps between checkpoints")
-    parser.add_argument("--log-every", type=int, default=100, help="steps between log lines")
-    parser.add_argument("--threads", type=int, default=threads, help="torch CPU threads (0: leave torch's default)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed (torch.Generator + torch.manual_seed)")
+    parser.add_argument("--steps", type=positive_int, default=steps, help="total optimisation steps")
+    parser.add_argument("--batch-size", type=positive_int, default=batch_size)
+    parser.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate (warmup + cosine decay)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=warmup_steps)
+    parser.add_argument("--weight-decay", type=non_negative_float, default=0.0)
+    parser.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max grad norm (0 disables)")
+    parser.add_argument(
+        "--checkpoint-every", type=positive_int, default=checkpoint_every, help="steps between checkpoints"
+    )
+    parser.add_argument("--log-every", type=positive_int, default=100, help="steps between log lines")
+    parser.add_argument(
+        "--threads", type=non_negative_int, default=threads, help="torch CPU threads (0: torch's default)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
         "--fp32-weights",
         dest="fp16_weights",
@@ -231,6 +242,7 @@ def train_loop(
     log_every: int = 100,
     extra_state: Mapping[str, Any] | None = None,
     after_step: Callable[[int, Mapping[str, float]], None] | None = None,
+    progress: bool = False,
 ) -> TrainResult:
     """Run (or resume) `total_steps` optimisation steps, checkpointing to `<out_dir>/checkpoint.pt`.
 
@@ -258,6 +270,8 @@ def train_loop(
         log_every: steps between log lines (and the window of the final running means).
         extra_state: more objects with `state_dict()` / `load_state_dict()` to checkpoint and restore.
         after_step: hook called after each optimizer step with the step's float metrics (e.g. codebook restarts).
+        progress: show a tqdm bar over the steps (postfix: the running means of the last log window); log lines are
+            printed above it.
 
     Returns:
         `TrainResult` (step, final running metrics, log history, wall time, resumed_from).
@@ -303,39 +317,44 @@ def train_loop(
 
     model.train()
     start = time.perf_counter()
-    while step < total_steps:
-        lr = lr_fn(step) if lr_fn is not None else optimizer.param_groups[0]["lr"]
-        if lr_fn is not None:
-            set_lr(optimizer, lr)
-        optimizer.zero_grad(set_to_none=True)
-        out = step_fn(step)
-        loss = out.get("loss")
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss.backward()
-            if grad_clip and grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            optimizer.step()
-        floats = {k: _as_float(v) for k, v in out.items() if v is not None}
-        if after_step is not None:
-            after_step(step, floats)
-        for k, v in floats.items():
-            window.setdefault(k, []).append(v)
-            del window[k][:-log_every]
-        step += 1
-        if step % log_every == 0 or step == total_steps:
-            means = {k: sum(v) / len(v) for k, v in window.items() if v}
-            history.append({"step": step, "lr": lr, **means})
-            elapsed = wall_time + time.perf_counter() - start
-            logger.info(
-                "step %d/%d lr %.2e %s (%.0fs)",
-                step,
-                total_steps,
-                lr,
-                " ".join(f"{k} {v:.4g}" for k, v in means.items()),
-                elapsed,
-            )
-        if step % checkpoint_every == 0 or step == total_steps:
-            checkpoint()
+    bar = tqdm(total=total_steps, initial=step, unit="step", desc=out_dir.name, disable=not progress)
+    redirect = logging_redirect_tqdm() if progress else contextlib.nullcontext()  # log lines above the bar
+    with redirect, bar:
+        while step < total_steps:
+            lr = lr_fn(step) if lr_fn is not None else optimizer.param_groups[0]["lr"]
+            if lr_fn is not None:
+                set_lr(optimizer, lr)
+            optimizer.zero_grad(set_to_none=True)
+            out = step_fn(step)
+            loss = out.get("loss")
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+                if grad_clip and grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+                optimizer.step()
+            floats = {k: _as_float(v) for k, v in out.items() if v is not None}
+            if after_step is not None:
+                after_step(step, floats)
+            for k, v in floats.items():
+                window.setdefault(k, []).append(v)
+                del window[k][:-log_every]
+            step += 1
+            bar.update(1)
+            if step % log_every == 0 or step == total_steps:
+                means = {k: sum(v) / len(v) for k, v in window.items() if v}
+                history.append({"step": step, "lr": lr, **means})
+                bar.set_postfix({k: f"{v:.4g}" for k, v in means.items()}, refresh=False)
+                elapsed = wall_time + time.perf_counter() - start
+                logger.info(
+                    "step %d/%d lr %.2e %s (%.0fs)",
+                    step,
+                    total_steps,
+                    lr,
+                    " ".join(f"{k} {v:.4g}" for k, v in means.items()),
+                    elapsed,
+                )
+            if step % checkpoint_every == 0 or step == total_steps:
+                checkpoint()
     wall_time += time.perf_counter() - start
     metrics = {k: sum(v) / len(v) for k, v in window.items() if v}
     model.eval()
@@ -381,6 +400,7 @@ def train_and_save(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0
         grad_clip=args.grad_clip,
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
+        progress=not getattr(args, "quiet", False),
         **loop_kwargs,
     )
     save_model(model, args.out, dtype=torch.float16 if args.fp16_weights else None)

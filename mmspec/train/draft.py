@@ -13,6 +13,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from mmspec.cli import non_negative_float, positive_int, probability
 from mmspec.models.llamagen import LlamaGenGPT
 from mmspec.train.common import (
     add_common_arguments,
@@ -42,13 +43,15 @@ def add_arguments(parser):
     parser.set_defaults(weight_decay=0.05)
     parser.add_argument("--target", default="assets/mnist-c2i", help="trained target model folder")
     add_data_arguments(parser)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--multiple-of", type=int, default=128, help="SwiGLU width rounding (dim 128 -> 384)")
-    parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--null-prob", type=float, default=0.1, help="fraction of rows on the null class")
-    parser.add_argument("--hard-weight", type=float, default=0.0, help="weight of the data cross-entropy term")
+    parser.add_argument("--dim", type=positive_int, default=128)
+    parser.add_argument("--n-layer", type=positive_int, default=2)
+    parser.add_argument("--n-head", type=positive_int, default=4)
+    parser.add_argument("--multiple-of", type=positive_int, default=128, help="SwiGLU width rounding (dim 128 -> 384)")
+    parser.add_argument("--dropout", type=probability, default=0.0)
+    parser.add_argument("--null-prob", type=probability, default=0.1, help="fraction of rows on the null class")
+    parser.add_argument(
+        "--hard-weight", type=non_negative_float, default=0.0, help="weight of the data cross-entropy term"
+    )
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from mmspec.cli import non_negative_float, positive_int, probability
 from mmspec.models.eagle import EagleHead
 from mmspec.train.common import (
     add_common_arguments,
@@ -45,16 +46,20 @@ def add_arguments(parser):
     parser.set_defaults(grad_clip=0.5)
     parser.add_argument("--target", default="assets/mnist-c2i", help="trained target model folder")
     add_data_arguments(parser)
-    parser.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy term")
-    parser.add_argument("--noise", type=float, default=0.2, help="uniform input-feature noise half-width")
-    parser.add_argument("--null-prob", type=float, default=0.1, help="fraction of rows on the null class")
+    parser.add_argument(
+        "--p-weight", type=non_negative_float, default=0.1, help="weight of the soft cross-entropy term"
+    )
+    parser.add_argument("--noise", type=non_negative_float, default=0.2, help="uniform input-feature noise half-width")
+    parser.add_argument("--null-prob", type=probability, default=0.1, help="fraction of rows on the null class")
     parser.add_argument(
         "--unroll",
-        type=int,
+        type=positive_int,
         default=1,
         help="training-time-test steps (1 = EAGLE-1; >1 feeds the head its own features)",
     )
-    parser.add_argument("--step-decay", type=float, default=0.8, help="loss weight decay per unrolled step")
+    parser.add_argument(
+        "--step-decay", type=non_negative_float, default=0.8, help="loss weight decay per unrolled step"
+    )
     parser.add_argument("--init", default=None, help="start from this trained head folder (fine-tuning)")
 
 

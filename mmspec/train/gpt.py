@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mmspec.cli import positive_int, probability
 from mmspec.models.llamagen import LlamaGenGPT
 from mmspec.train.common import (
     add_common_arguments,
@@ -34,19 +35,21 @@ def add_data_arguments(parser, **defaults):
     parser.add_argument("--data", default="runs/mnist-codes.pt", help="tokenized MNIST (mmspec.train tokenize)")
     parser.add_argument("--train-split", default="train", help="'+'-joined splits to train on")
     parser.add_argument("--eval-split", default="val", help="split for the held-out metrics")
-    parser.add_argument("--eval-size", type=int, default=2000, help="held-out items evaluated at the end")
+    parser.add_argument("--eval-size", type=positive_int, default=2000, help="held-out items evaluated at the end")
 
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=6000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=500, threads=2)
     parser.set_defaults(weight_decay=0.05)
     add_data_arguments(parser)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--n-layer", type=int, default=8)
-    parser.add_argument("--n-head", type=int, default=8)
-    parser.add_argument("--multiple-of", type=int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
-    parser.add_argument("--dropout", type=float, default=0.1, help="token / residual / FFN dropout (upstream 0.1)")
-    parser.add_argument("--class-dropout", type=float, default=0.1, help="probability of the null class (CFG)")
+    parser.add_argument("--dim", type=positive_int, default=256)
+    parser.add_argument("--n-layer", type=positive_int, default=8)
+    parser.add_argument("--n-head", type=positive_int, default=8)
+    parser.add_argument("--multiple-of", type=positive_int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
+    parser.add_argument(
+        "--dropout", type=probability, default=0.1, help="token / residual / FFN dropout (upstream 0.1)"
+    )
+    parser.add_argument("--class-dropout", type=probability, default=0.1, help="probability of the null class (CFG)")
 
 
 # ----------------------------------------------------------------------------- shared helpers

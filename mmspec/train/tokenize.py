@@ -23,7 +23,9 @@ import logging
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from mmspec.cli import non_negative_int, positive_int
 from mmspec.train.common import configure_threads, save_checkpoint
 from mmspec.train.data import load_mnist
 
@@ -35,10 +37,11 @@ def add_arguments(parser):
     parser.add_argument("--vq", default="assets/mnist-vq", help="VQ model folder")
     parser.add_argument("--out", default="runs/mnist-codes.pt", help="output torch file")
     parser.add_argument("--splits", default="train+val+test", help="'+'-joined MNIST splits to encode")
-    parser.add_argument("--batch-size", type=int, default=500, help="encoding batch size")
+    parser.add_argument("--batch-size", type=positive_int, default=500, help="encoding batch size")
     parser.add_argument("--steps", type=int, default=0, help="unused (tokenizing is deterministic); for CLI symmetry")
     parser.add_argument("--seed", type=int, default=0, help="unused (tokenizing is deterministic); for CLI symmetry")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=non_negative_int, default=2, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _weights_sha256(folder: Path) -> str:
@@ -50,10 +53,16 @@ def _weights_sha256(folder: Path) -> str:
 
 
 @torch.no_grad()
-def encode_images(vq, images: torch.Tensor, batch_size: int = 500) -> torch.Tensor:
-    """Encode images [N, C, H, W] in [-1, 1] with `vq` -> int64 codes [N, h*w] (raster order)."""
+def encode_images(vq, images: torch.Tensor, batch_size: int = 500, progress=None) -> torch.Tensor:
+    """Encode images [N, C, H, W] in [-1, 1] with `vq` -> int64 codes [N, h*w] (raster order); `progress`: an
+    optional tqdm bar advanced by the images encoded."""
     vq.eval()
-    return torch.cat([vq.encode(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
+    codes = []
+    for i in range(0, len(images), batch_size):
+        codes.append(vq.encode(images[i : i + batch_size]))
+        if progress is not None:
+            progress.update(len(codes[-1]))
+    return torch.cat(codes)
 
 
 def load_codes(path, split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,15 +95,19 @@ def run(args):
     vq = load(args.vq)
     names = args.splits.split("+")
     codes, labels, split_ids, ranges, start = [], [], [], {}, 0
+    bar = tqdm(unit="image", disable=getattr(args, "quiet", False))
     for i, name in enumerate(names):
         images, split_labels = load_mnist(name)
-        split_codes = encode_images(vq, images, args.batch_size)
+        bar.set_description(name)
+        bar.total = (bar.total or 0) + len(images)
+        split_codes = encode_images(vq, images, args.batch_size, progress=bar)
         codes.append(split_codes)
         labels.append(split_labels)
         split_ids.append(torch.full((len(split_labels),), i, dtype=torch.long))
         ranges[name] = [start, start + len(split_labels)]
         start += len(split_labels)
         logger.info("encoded %s: %s", name, tuple(split_codes.shape))
+    bar.close()
     codes = torch.cat(codes)
     dtype = torch.int16 if vq.config.codebook_size <= 2**15 else torch.int64
     h, w = vq.token_grid(codes.shape[1])

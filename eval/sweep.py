@@ -1,0 +1,418 @@
+"""`mmspec eval sweep`: every method and knob setting of one model on the same axes — quality (in-domain FID,
+KID, IS, classifier accuracy; optionally Inception FID) against speed (speedup at batch 1, step compression).
+
+One harness over one verifier core: each grid point is a preset of `mmspec.methods.PRESETS` plus knob values,
+sampled with `mmspec.eval.fid_sampling` (resumable shards, per-image seeds) and scored with `mmspec.eval.metrics`.
+Plain AR sampling runs with `--plain-seeds` different seeds: the spread of its metrics is the sampling noise that a
+lossless method's numbers must stay within (`within_plain_noise`: |metric - plain mean| <= 2 * plain std, the
+std over the plain seeds).
+
+Speed protocol: for every grid point, `--speed-images` single images (batch 1, the latency regime speculative
+decoding is for) are drawn by plain AR and by the method alternately, with the same seeds; `speedup` = median
+plain wall time / median method wall time of that pairing, so slow drift of the machine hits both alike.
+`step_compression` = image tokens / target forwards, averaged over those images.
+
+Outputs: one JSON line per grid point (`--table`, appended as points finish: an interrupted sweep resumes, skipping
+finished points and finished shards), a Markdown table (`--markdown`) and a Pareto plot (`--plot`, matplotlib).
+The README's MNIST-zoo table and plot come from:
+
+    mmspec eval sweep --table assets/sweep/mnist-sweep.jsonl --markdown assets/sweep/mnist-sweep.md \\
+        --plot assets/sweep/mnist-sweep.png
+"""
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+# metric key in a row -> (label, lower is better)
+QUALITY = {
+    "fid_in_domain": ("in-domain FID", True),
+    "kid_in_domain": ("in-domain KID", True),
+    "is_in_domain": ("in-domain IS", False),
+    "accuracy": ("classifier accuracy", False),
+    "fid_inception": ("Inception FID", True),
+}
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One run of the sweep: a preset of `mmspec.methods.PRESETS` with knob overrides."""
+
+    name: str
+    preset: str
+    knobs: dict = field(default_factory=dict)
+
+    def call_kwargs(self) -> dict:
+        from mmspec.methods import KNOBS, PRESETS, check_knobs
+
+        unknown = sorted(set(self.knobs) - set(KNOBS))
+        if unknown:
+            raise ValueError(f"sweep point {self.name!r}: unknown knobs {unknown}; known: {sorted(KNOBS)}")
+        return PRESETS[self.preset] | check_knobs(**self.knobs)
+
+
+def default_grid() -> list[SweepPoint]:
+    """Exact (draft model, EAGLE chain), SJD without / with SCD coupling, LANTERN delta / k / lambda, GSD group
+    sizes. (The EAGLE-2 tree and other Jacobi windows are in `mmspec bench ar-image`; add them with `--grid`.)"""
+    return [
+        SweepPoint("exact-draft", "exact-draft"),
+        SweepPoint("exact-eagle", "exact-eagle"),
+        SweepPoint("sjd", "jacobi", {"coupling": False}),
+        SweepPoint("sjd+scd", "jacobi", {"coupling": True}),
+        SweepPoint("lantern d=0.1", "relaxed", {"relaxation_delta": 0.1}),
+        SweepPoint("lantern d=0.2", "relaxed", {"relaxation_delta": 0.2}),
+        SweepPoint("lantern d=0.4", "relaxed", {"relaxation_delta": 0.4}),
+        SweepPoint("lantern d=0.2 k=4", "relaxed", {"relaxation_delta": 0.2, "relaxation_top_k": 4}),
+        SweepPoint("lantern++ l=2", "relaxed", {"relaxation_lambda": 2.0}),
+        SweepPoint("gsd G=3", "grouped", {"group_size": 3}),
+        SweepPoint("gsd G=25", "grouped", {"group_size": 25}),
+    ]
+
+
+def load_grid(path) -> list[SweepPoint]:
+    """A grid from JSON: `[{"name": ..., "preset": ..., "knobs": {...}}, ...]` (validated)."""
+    from mmspec.methods import PRESETS
+
+    try:
+        items = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"grid={str(path)!r} is not a readable JSON file: {err}") from err
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"grid={str(path)!r} must hold a non-empty JSON list of points")
+    points = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or set(item) - {"name", "preset", "knobs"} or "preset" not in item:
+            raise ValueError(f"grid point {i} must be {{'name', 'preset', 'knobs'}}, got {item!r}")
+        if item["preset"] not in PRESETS:
+            raise ValueError(f"grid point {i}: unknown preset {item['preset']!r}; known: {list(PRESETS)}")
+        point = SweepPoint(item.get("name", item["preset"]), item["preset"], dict(item.get("knobs", {})))
+        point.call_kwargs()  # knob names, types and ranges
+        points.append(point)
+    return points
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one grid point
+
+
+def _speed(pipe, call_kwargs: dict, common: dict, num_images: int, seed: int) -> dict:
+    """Batch-1 wall time of the method and of plain AR, alternated on the same seeds (see the module docstring)."""
+    device = pipe._execution_device
+    n_classes = pipe.transformer.config.num_classes
+    tokens = pipe.transformer.config.block_size
+    plain, method, compression, accepted = [], [], [], []
+    for i in range(-1, num_images):  # i = -1: warm-up, not timed
+        label = [max(i, 0) % n_classes]
+        times = {}
+        for name, kw in (("plain", dict(acceptance="none")), ("method", call_kwargs)):
+            gen = torch.Generator(device=device).manual_seed(seed + 7919 * max(i, 0))
+            start = time.perf_counter()
+            out = pipe(class_labels=label, generator=gen, output_type="pt", **common, **kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name] = time.perf_counter() - start
+        if i >= 0:
+            plain.append(times["plain"])
+            method.append(times["method"])
+            compression.append(tokens / out.stats.target_forwards)
+            accepted.append(out.stats.mean_accepted_length)
+    return {
+        "speedup": statistics.median(plain) / statistics.median(method),
+        "latency_s": statistics.median(method),
+        "plain_latency_s": statistics.median(plain),
+        "step_compression": statistics.mean(compression),
+        "mean_accepted_length": statistics.mean(accepted),
+        "speed_images": num_images,
+    }
+
+
+def run_point(pipe, point: SweepPoint, seed: int, args, references: dict) -> dict:
+    """Sample, score and time one grid point; returns its table row."""
+    from mmspec.eval.fid_sampling import load_shards, sample_shards
+    from mmspec.eval.metrics import mnist_metrics
+    from mmspec.methods import ACCEPTANCES
+
+    common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature)
+    kwargs = point.call_kwargs()
+    folder = args.out / f"{point.name.replace(' ', '_').replace('=', '')}-seed{seed}"
+    sample_shards(pipe, folder, num_images=args.num_images, shard_size=args.shard_size, batch_size=args.batch_size,
+                  seed=seed, call_kwargs=kwargs | common, manifest_extra=dict(zoo=str(Path(args.zoo).resolve())),
+                  progress=not args.quiet)  # fmt: skip
+    images, labels = load_shards(folder, args.num_images, args.shard_size)
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()  # [N, C, H, W] uint8
+    ref, real_feats, classifier = references["in_domain"]
+    m = mnist_metrics(x, labels, ref, classifier, reference_name="MNIST test", real_features=real_feats)
+    row = {
+        "name": point.name,
+        "preset": point.preset,
+        "knobs": point.knobs,
+        "call_kwargs": kwargs | common,
+        "lossless": ACCEPTANCES[kwargs["acceptance"]].lossless,
+        "seed": seed,
+        "num_images": args.num_images,
+        "fid_in_domain": m["fid"],
+        "kid_in_domain": m["kid"],
+        "is_in_domain": m["inception_score"],
+        "accuracy": m["accuracy"],
+    }
+    if "inception" in references:
+        from mmspec.eval.fid import inception_metrics
+
+        row["fid_inception"] = inception_metrics(x, references["inception"])["fid"]
+    if kwargs["acceptance"] == "none":  # the baseline itself
+        row |= {"speedup": 1.0, "step_compression": 1.0, "mean_accepted_length": 1.0}
+    elif args.speed_images > 0:
+        row |= _speed(pipe, kwargs, common, args.speed_images, seed)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# summary: plain noise, table, plot
+
+
+def plain_noise(rows: list[dict]) -> dict:
+    """Mean and std (over seeds) of every quality metric of the plain rows."""
+    plain = [r for r in rows if r["preset"] == "plain"]
+    out = {}
+    for key in QUALITY:
+        values = [r[key] for r in plain if r.get(key) is not None]
+        if values:
+            out[key] = {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
+                        "n": len(values)}  # fmt: skip
+    return out
+
+
+def annotate(rows: list[dict]) -> list[dict]:
+    """Add `within_plain_noise` (per metric: |value - plain mean| <= 2 std of the plain seeds) to every row."""
+    noise = plain_noise(rows)
+    for row in rows:
+        row["within_plain_noise"] = {
+            key: abs(row[key] - n["mean"]) <= 2 * n["std"]
+            for key, n in noise.items()
+            if n["std"] is not None and row.get(key) is not None
+        }
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The sweep as a Markdown table (plain seeds first, then the grid in order)."""
+    keys = [k for k in QUALITY if any(r.get(k) is not None for r in rows)]
+    head = ["method", "lossless", "seed", "speedup (b1)", "step compression"] + [QUALITY[k][0] for k in keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["name"], "yes" if r["lossless"] else "no", str(r["seed"]),
+                 _fmt(r.get("speedup"), "{:.2f}x"), _fmt(r.get("step_compression"), "{:.2f}")]  # fmt: skip
+        for k in keys:
+            mark = "" if r.get("within_plain_noise", {}).get(k, True) else " (!)"
+            cells.append(_fmt(r.get(k), "{:.4f}" if k in ("kid_in_domain", "accuracy") else "{:.3f}") + mark)
+        lines.append("| " + " | ".join(cells) + " |")
+    noise = plain_noise(rows)
+    notes = [f"{QUALITY[k][0]} {n['mean']:.4g} ± {n['std']:.2g}" for k, n in noise.items() if n["std"] is not None]
+    if notes:
+        lines.append("")
+        lines.append(f"Plain AR over {max(n['n'] for n in noise.values())} seeds (mean ± std): " + "; ".join(notes)
+                     + ". (!) = more than 2 std from the plain mean.")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value, spec):
+    return "–" if value is None else spec.format(value)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points not dominated for (maximise x, minimise y), in increasing x."""
+    order = sorted(range(len(points)), key=lambda i: (-points[i][0], points[i][1]))
+    front, best = [], float("inf")
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Pareto plot: speedup and step compression against in-domain FID and accuracy (one panel each)."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("the sweep plot needs matplotlib: pip install matplotlib") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    noise = plain_noise(rows)
+    runs = [r for r in rows if r.get("speedup") is not None]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
+    for col, x_key in enumerate(("speedup", "step_compression")):
+        for row_i, (y_key, lower) in enumerate((("fid_in_domain", True), ("accuracy", False))):
+            ax = axes[row_i, col]
+            xs = [r[x_key] for r in runs]
+            ys = [r[y_key] for r in runs]
+            n = noise.get(y_key)
+            if n and n["std"] is not None:
+                ax.axhspan(n["mean"] - 2 * n["std"], n["mean"] + 2 * n["std"], color="0.85", label="plain ± 2 std")
+            for r, x, y in zip(runs, xs, ys):
+                ax.scatter(x, y, marker="o" if r["lossless"] else "^", s=40,
+                           color=_family_color(r["preset"]), edgecolor="k", linewidth=0.5, zorder=3)  # fmt: skip
+                if r["preset"] != "plain" or r["seed"] == min(p["seed"] for p in runs if p["preset"] == "plain"):
+                    ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            front = pareto_front([(x, y if lower else -y) for x, y in zip(xs, ys)])
+            ax.plot([xs[i] for i in front], [ys[i] for i in front], "k--", linewidth=0.8, label="Pareto front")
+            ax.set_xlabel(
+                "speedup vs plain (batch 1)" if x_key == "speedup" else "step compression (tokens / forward)"
+            )
+            ax.set_ylabel(QUALITY[y_key][0] + (" (lower is better)" if lower else " (higher is better)"))
+            ax.grid(alpha=0.3)
+            if row_i == 0 and col == 0:
+                ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle("mmspec sweep: quality vs speed (o lossless, ^ relaxed)", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _family_color(preset: str) -> str:
+    colors = {"plain": "0.3", "exact-draft": "tab:blue", "exact-eagle": "tab:cyan", "exact-eagle-tree": "tab:purple",
+              "jacobi": "tab:green", "relaxed": "tab:orange", "grouped": "tab:red"}  # fmt: skip
+    return colors.get(preset, "tab:gray")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# command
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--table {path}: line {n} is not JSON ({err}); fix or delete it") from err
+    return rows
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["name"], row["seed"], row["num_images"], json.dumps(row["call_kwargs"], sort_keys=True))
+
+
+def add_arguments(parser):
+    parser.add_argument(
+        "--zoo", type=Path, default=ROOT / "assets", help="zoo folder (mnist-c2i, drafters, classifier)"
+    )
+    parser.add_argument("--grid", default="default", help="'default' or a JSON file [{name, preset, knobs}, ...]")
+    parser.add_argument("--num-images", type=int, default=1000, help="images per grid point (quality)")
+    parser.add_argument("--plain-seeds", type=int, default=3, help="plain AR runs (seeds 0..n-1): the noise level")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the grid points")
+    parser.add_argument("--speed-images", type=int, default=20, help="batch-1 images per point for the speedup")
+    parser.add_argument("--batch-size", type=int, default=50, help="images per pipeline call while sampling")
+    parser.add_argument("--shard-size", type=int, default=250, help="images per shard file (the unit of resuming)")
+    parser.add_argument("--guidance-scale", type=float, default=2.0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--metrics", default="in-domain", choices=("in-domain", "in-domain,inception"),
+                        help="add Inception FID (slow on CPU: ~3 min per 1,000 images)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("runs") / "sweep", help="folder of the sample shards")
+    parser.add_argument("--table", type=Path, default=None, help="JSONL, a row per point (default <out>/sweep.jsonl)")
+    parser.add_argument("--markdown", type=Path, default=None, help="Markdown table (default <out>/sweep.md)")
+    parser.add_argument("--plot", type=Path, default=None, help="Pareto plot PNG (default <out>/sweep.png)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def check_arguments(args, parser):
+    """Usage errors (exit 2, naming the flag) before any model loads."""
+    for name in ("num_images", "plain_seeds", "batch_size", "shard_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.speed_images < 0:
+        parser.error(f"--speed-images must be >= 0, got {args.speed_images}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    for name in ("zoo",):
+        if not (getattr(args, name) / "mnist-c2i").is_dir() or not (args.zoo / "mnist-classifier").is_dir():
+            parser.error(f"--zoo {args.zoo} lacks mnist-c2i or mnist-classifier")
+    try:
+        args.points = default_grid() if args.grid == "default" else load_grid(args.grid)
+    except (ValueError, TypeError) as err:
+        parser.error(f"--grid: {err}")
+    args.table = args.table or args.out / "sweep.jsonl"
+    args.markdown = args.markdown or args.out / "sweep.md"
+    args.plot = args.plot or args.out / "sweep.png"
+    for flag in ("table", "markdown", "plot"):
+        path = getattr(args, flag)
+        if path.is_dir() or any(p.exists() and not p.is_dir() for p in path.parents):
+            parser.error(f"--{flag} {path} is not a writable file path")
+
+
+def run(args) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    from mmspec.eval.metrics import mnist_reference
+    from mmspec.models import load
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
+    pipe.set_progress_bar_config(disable=True)
+    classifier = load(args.zoo / "mnist-classifier", device=pipe._execution_device)
+    ref, real_feats = mnist_reference(classifier)
+    references = {"in_domain": (ref, real_feats, classifier)}
+    if "inception" in args.metrics:
+        references["inception"] = None  # the shipped MNIST test statistics (see `inception_metrics`)
+    todo = [(SweepPoint("plain", "plain"), s) for s in range(args.plain_seeds)]
+    todo += [(p, args.seed) for p in args.points]
+    args.table.parent.mkdir(parents=True, exist_ok=True)
+    rows = read_rows(args.table)
+    done = {_row_key(r) for r in rows}
+    common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature)
+    bar = tqdm(todo, desc="sweep", unit="point", disable=args.quiet)
+    for point, seed in bar:
+        bar.set_postfix_str(point.name)
+        key = (point.name, seed, args.num_images, json.dumps(point.call_kwargs() | common, sort_keys=True))
+        if key in done:
+            continue
+        row = run_point(pipe, point, seed, args, references)
+        rows.append(row)
+        with args.table.open("a") as f:  # one line per finished point: a killed sweep loses at most the current one
+            f.write(json.dumps(row) + "\n")
+        logger.info("%s seed %d: FID %.3f acc %.4f speedup %s", point.name, seed, row["fid_in_domain"],
+                    row["accuracy"], row.get("speedup"))  # fmt: skip
+    wanted = {(p.name, s) for p, s in todo}
+    rows = annotate([r for r in rows if (r["name"], r["seed"]) in wanted and r["num_images"] == args.num_images])
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(markdown_table(rows))
+    plot(rows, args.plot)
+    logger.info("wrote %s, %s, %s", args.table, args.markdown, args.plot)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="mmspec eval sweep", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    check_arguments(args, parser)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO)
+    rows = run(args)
+    print(markdown_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

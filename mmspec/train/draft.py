@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import non_negative_float, positive_int, probability
-from mmspec.models.llamagen import LlamaGenGPT
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
@@ -25,6 +24,7 @@ from mmspec.train.common import (
 )
 from mmspec.train.gpt import (
     add_data_arguments,
+    build_gpt,
     build_optimizer,
     evaluate_nll,
     load_data,
@@ -83,21 +83,8 @@ def run(args):
         raise ValueError(
             f"data {args.data!r} does not match the target (block_size {tc.block_size}, vocab {tc.vocab_size})"
         )
-    draft = LlamaGenGPT(
-        vocab_size=tc.vocab_size,
-        dim=args.dim,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        multiple_of=args.multiple_of,
-        token_dropout_p=args.dropout,
-        resid_dropout_p=args.dropout,
-        ffn_dropout_p=args.dropout,
-        num_classes=tc.num_classes,
-        class_dropout_prob=args.null_prob,
-        model_type=tc.model_type,
-        cls_token_num=tc.cls_token_num,
-        block_size=tc.block_size,
-    )
+    draft = build_gpt(args, tc.vocab_size, tc.block_size, args.null_prob, model_type=tc.model_type,
+                      num_classes=tc.num_classes, cls_token_num=tc.cls_token_num)  # fmt: skip
     draft.init_weights(generator=generator)
     optimizer = build_optimizer(draft, args.lr, args.weight_decay)
 

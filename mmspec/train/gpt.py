@@ -65,6 +65,15 @@ def load_data(args):
     return codes, labels, eval_codes[:n], eval_labels[:n], meta
 
 
+def build_gpt(args, vocab_size, block_size, null_prob, **condition):
+    """A `LlamaGenGPT` from a task's `--dim / --n-layer / --n-head / --multiple-of / --dropout` arguments;
+    `condition`: `model_type` and its fields (c2i: `num_classes`; t2i: `caption_dim`, `cls_token_num`)."""
+    return LlamaGenGPT(vocab_size=vocab_size, dim=args.dim, n_layer=args.n_layer, n_head=args.n_head,
+                       multiple_of=args.multiple_of, token_dropout_p=args.dropout, resid_dropout_p=args.dropout,
+                       ffn_dropout_p=args.dropout, class_dropout_prob=null_prob, block_size=block_size,
+                       **condition)  # fmt: skip
+
+
 def build_optimizer(model, lr, weight_decay, betas=(0.9, 0.95)):
     """AdamW with weight decay on matrices / embeddings only (upstream `configure_optimizers`)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -131,21 +140,7 @@ def run(args):
     codes, labels, eval_codes, eval_labels, meta = load_data(args)
     num_classes = int(labels.max()) + 1
     vocab = int(meta.get("codebook_size", int(codes.max()) + 1))
-    model = LlamaGenGPT(
-        vocab_size=vocab,
-        dim=args.dim,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        multiple_of=args.multiple_of,
-        token_dropout_p=args.dropout,
-        resid_dropout_p=args.dropout,
-        ffn_dropout_p=args.dropout,
-        num_classes=num_classes,
-        class_dropout_prob=args.class_dropout,
-        model_type="c2i",
-        cls_token_num=1,
-        block_size=codes.shape[1],
-    )
+    model = build_gpt(args, vocab, codes.shape[1], args.class_dropout, model_type="c2i", num_classes=num_classes)
     model.init_weights(generator=generator)  # upstream init, output layer zeroed
     optimizer = build_optimizer(model, args.lr, args.weight_decay)
 

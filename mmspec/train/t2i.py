@@ -45,7 +45,7 @@ from mmspec.train.common import (
     train_and_save,
     write_model_card,
 )
-from mmspec.train.gpt import add_data_arguments, build_optimizer, evaluate_nll, load_data
+from mmspec.train.gpt import add_data_arguments, build_gpt, build_optimizer, evaluate_nll, load_data
 
 
 logger = logging.getLogger(__name__)
@@ -234,21 +234,8 @@ def run(args):
         raise ValueError(f"captions {args.captions!r} do not match the rows of {args.data!r}")
     vocab = int(meta.get("codebook_size", int(codes.max()) + 1))
     cls_token_num, caption_dim = masks.shape[1], features.shape[2]
-    model = LlamaGenGPT(
-        vocab_size=vocab,
-        dim=args.dim,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        multiple_of=args.multiple_of,
-        token_dropout_p=args.dropout,
-        resid_dropout_p=args.dropout,
-        ffn_dropout_p=args.dropout,
-        caption_dim=caption_dim,
-        class_dropout_prob=args.class_dropout,
-        model_type="t2i",
-        cls_token_num=cls_token_num,
-        block_size=codes.shape[1],
-    )
+    model = build_gpt(args, vocab, codes.shape[1], args.class_dropout, model_type="t2i", caption_dim=caption_dim,
+                      cls_token_num=cls_token_num)  # fmt: skip
     model.init_weights(generator=generator)  # upstream init, output layer zeroed
     if args.init_from:
         logger.info("initialised %d tensors from %s", init_from(model, args.init_from), args.init_from)

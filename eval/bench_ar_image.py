@@ -44,13 +44,23 @@ def _zoo(text):
     return text
 
 
+def _method_list(text):
+    """argparse type of `--methods`: an unknown preset is a usage error (exit 2) before anything loads."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(PRESETS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown names {unknown}; known: {','.join(PRESETS)}")
+    return text
+
+
 def add_arguments(parser):
     parser.add_argument("--zoo", type=_zoo, default=str(Path(__file__).resolve().parent.parent / "assets"))
     parser.add_argument("--batch-size", type=positive_int, default=1)
     parser.add_argument("--num-images", type=positive_int, default=40, help="images per method per repeat")
     parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--methods", default=",".join(PRESETS), help="comma-separated subset of " + ",".join(PRESETS))
+    parser.add_argument("--methods", type=_method_list, default=",".join(PRESETS),
+                        help="comma-separated subset of " + ",".join(PRESETS))  # fmt: skip
     parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0)
     parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
     parser.add_argument("--top-k", type=sampling_type("top_k", int), default=None)

@@ -13,6 +13,8 @@ from the same run; `accuracy` is the zoo classifier's accuracy on all generated 
 `target_forwards_per_image` = sequential target forwards an image needs (its call's forwards: every image of a batched
 call is in each of them; plain = image tokens). `step_compression` = image tokens / target forwards of the batched call (what latency sees: a batch finishes with
 its slowest row); `row_step_compression` = the same per row, averaged (each row's own rounds + the prefill).
+`syncs_per_round` (CUDA only, else null): host-device synchronisations of one call per round (prefill included),
+counted with `torch.cuda.set_sync_debug_mode`.
 """
 
 import argparse
@@ -84,6 +86,25 @@ def _effective_kwargs(pipe, kw):
     return {k: kw.get(k, p.default) for k, p in params.items() if k != "self" and k not in skip}
 
 
+def count_syncs(fn, device):
+    """Run `fn() -> (out, wall)`; on CUDA also count its host-device syncs (`torch.cuda.set_sync_debug_mode`) and
+    return them per decoding round of the call's slowest row (None elsewhere: a CPU has no device syncs)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out, _ = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    count = sum("synchroniz" in str(w.message) for w in caught)
+    return count / max(1, max(out.stats.rounds, default=0) + 1)  # + 1: the prefill
+
+
 @torch.no_grad()
 def run(args):
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -115,8 +136,9 @@ def run(args):
         out = pipe(class_labels=labels[c], generator=gen, output_type="pt", **kw)
         return out, time.perf_counter() - start
 
-    for name in names:  # warm-up
-        call(name, 0, args.seed)
+    syncs = {}
+    for name in names:  # warm-up; on CUDA it also counts the host syncs of one call
+        syncs[name] = count_syncs(lambda name=name: call(name, 0, args.seed), device)
     results = {n: dict(latency=[], forwards=[], accepted_len=[], compression=[], row_compression=[], correct=0, total=0)
                for n in names}  # fmt: skip
     bar = tqdm(total=args.repeats * calls * len(names), unit="call", disable=args.quiet)
@@ -153,6 +175,7 @@ def run(args):
             "speedup": plain_latency / latency,
             "accuracy": r["correct"] / r["total"],
             "images": r["total"],
+            "syncs_per_round": syncs[name],
         }
     report = {
         "config": dict(

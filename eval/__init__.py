@@ -1,6 +1,8 @@
-"""Evaluation: benchmarks (`mmspec bench`), metrics (`metrics.py`, `kid.py`, `inception_score.py`, `inception.py`,
-`clip_score.py`, `reference_stats.py`) and the
-`mmspec eval` scripts, registered one line each in `COMMANDS`."""
+"""Evaluation scripts (`mmspec eval NAME`): FID sampling and scoring, the quality-vs-speed sweep, reference stats.
+
+The package also holds the benchmarks (`mmspec bench`) and the metrics: `metrics.py` (FID, in-domain), `kid.py`,
+`inception_score.py`, `clip_score.py`, `inception.py` (the FID Inception-v3), `reference_stats.py` (.npz). The
+scripts are registered one line each in `COMMANDS`."""
 
 # `mmspec eval NAME` -> ("module:function" called with the remaining arguments, help)
 COMMANDS = {

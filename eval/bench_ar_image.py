@@ -89,7 +89,7 @@ def _effective_kwargs(pipe, kw):
 def count_syncs(fn, device):
     """Run `fn() -> (out, wall)`; on CUDA also count its host-device syncs (`torch.cuda.set_sync_debug_mode`) and
     return them per decoding round of the call's slowest row (None elsewhere: a CPU has no device syncs)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         fn()
         return None
     import warnings

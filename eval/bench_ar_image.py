@@ -46,6 +46,11 @@ def _zoo(text):
     return text
 
 
+# `--model t2i`: digit d is requested as DIGIT_PROMPTS[d]
+DIGIT_PROMPTS = [f"a handwritten {w}" for w in
+                 ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")]  # fmt: skip
+
+
 def _method_list(text):
     """argparse type of `--methods`: an unknown preset is a usage error (exit 2) before anything loads."""
     names = [m.strip() for m in text.split(",") if m.strip()]
@@ -57,6 +62,9 @@ def _method_list(text):
 
 def add_arguments(parser):
     parser.add_argument("--zoo", type=_zoo, default=str(Path(__file__).resolve().parent.parent / "assets"))
+    parser.add_argument("--model", default="c2i", choices=("c2i", "t2i"),
+                        help="the zoo's class-conditional (mnist-c2i) or text-to-image (mnist-t2i, prompts "
+                             "'a handwritten <digit>') target")  # fmt: skip
     parser.add_argument("--batch-size", type=positive_int, default=1)
     parser.add_argument("--num-images", type=positive_int, default=40, help="images per method per repeat")
     parser.add_argument("--repeats", type=positive_int, default=2)
@@ -80,7 +88,8 @@ def _knobs(args):
 
 def _effective_kwargs(pipe, kw):
     """Every `__call__` knob of the pipeline as used (defaults filled in), for the JSON config."""
-    skip = {"class_labels", "generator", "output_type", "return_dict", "callback_on_step_end",
+    skip = {"class_labels", "prompt", "prompt_embeds", "prompt_attention_mask", "generator", "output_type",
+            "return_dict", "callback_on_step_end",
             "callback_on_step_end_tensor_inputs"}  # fmt: skip
     params = inspect.signature(type(pipe).__call__).parameters
     return {k: kw.get(k, p.default) for k, p in params.items() if k != "self" and k not in skip}
@@ -119,11 +128,11 @@ def run(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
+    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo, kind=args.model).to(args.device)
     pipe.set_progress_bar_config(disable=True)  # one bar over all calls instead (below)
     device = pipe._execution_device  # generators and the classifier live where the pipeline runs
     classifier = load(Path(args.zoo) / "mnist-classifier", device=device)
-    n_classes = pipe.transformer.config.num_classes
+    n_classes = pipe.transformer.config.num_classes if args.model == "c2i" else len(DIGIT_PROMPTS)
     knobs = _knobs(args)
     bs = args.batch_size
     calls = -(-args.num_images // bs)
@@ -133,7 +142,11 @@ def run(args):
         kw = knobs | PRESETS[name]
         gen = torch.Generator(device=device).manual_seed(seed)
         start = time.perf_counter()
-        out = pipe(class_labels=labels[c], generator=gen, output_type="pt", **kw)
+        if args.model == "c2i":
+            condition = dict(class_labels=labels[c])
+        else:  # the digit d is asked for by a prompt; accuracy is still judged against d
+            condition = dict(prompt=[DIGIT_PROMPTS[d] for d in labels[c]])
+        out = pipe(generator=gen, output_type="pt", **condition, **kw)
         return out, time.perf_counter() - start
 
     syncs = {}

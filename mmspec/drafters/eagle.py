@@ -64,7 +64,7 @@ def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None, vali
     num_valid = torch.as_tensor(num_valid, dtype=torch.long, device=device)
     if tuple(num_valid.shape) != (rows,) or (validate and bool(((num_valid < 1) | (num_valid > m)).any())):
         raise ValueError(f"num_valid must be [rows={rows}] with values in 1..{m}")
-    feats = head(hidden, input_ids, target, cache)
+    feats = head(hidden, input_ids, target, cache, validate=validate)
     cache.commit(num_valid)
     return feats[torch.arange(rows, device=device), num_valid - 1][:, None]
 
@@ -104,7 +104,7 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
         tokens.append(tok)
         probs.append(q)
         if d + 1 < length:
-            feat = head(feat, guidance.rows(tok)[:, None], target, cache)  # pair (f_hat, x) at the next slot
+            feat = head(feat, guidance.rows(tok)[:, None], target, cache, validate=False)  # (f_hat, x), next slot
             cache.commit(1)
     cache.rollback(cache.lengths - (length - 1))
     return torch.stack(tokens, 1), torch.stack(probs, 1)
@@ -193,11 +193,9 @@ def draft_tree(
         key_slots = base_len[:, None] + torch.arange(n_fed + top_k, device=device)[None]
         write_slots = key_slots[:, n_fed:]
         input_pos = (base_len + d - 2)[:, None].expand(rows, top_k)
-        cache.check_slots(write_slots)
         cache_mask = cache.visibility(key_slots, per_row(new_rows))
-        out = head(
-            frontier_feat, per_row(frontier_tokens), target, cache, input_pos, write_slots, cache_mask=cache_mask
-        )  # [rows, k, dim]
+        out = head(frontier_feat, per_row(frontier_tokens), target, cache, input_pos, write_slots,
+                   cache_mask=cache_mask, validate=False)  # fmt: skip  # [rows, k, dim]
         lp = log_probs(out)  # [B, k, V]
         child_lp, child_tok = lp.topk(top_k, dim=-1)  # [B, k, k]
         cum = (frontier_scores[:, :, None] + child_lp).reshape(batch, top_k * top_k)

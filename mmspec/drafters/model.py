@@ -83,7 +83,7 @@ class ModelDrafter:
         counted = num_rows(state.generator) is not None  # per-row generators: draw only the drafts a row uses
         tokens, probs = [], []
         for d in range(length):
-            logits = self.model(feed, self.cache).logits[:, -1]  # [rows, V]
+            logits = self.model(feed, self.cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
             self.cache.commit(feed.shape[1])
             q = g.probs(logits, "draft")  # [B, V] exactly what the draft is drawn from
             tok = sample(q, state.generator, counts=(num_draft > d).long() if counted else None)

@@ -141,14 +141,14 @@ class EagleHead(ModelMixin, ConfigMixin):
         cache.lengths = torch.full((cache.rows,), t, dtype=torch.long, device=cache.device)
         return cache
 
-    def _inputs(self, hidden, input_ids, target):
+    def _inputs(self, hidden, input_ids, target, validate=True):
         if hidden.dim() != 3 or hidden.shape[-1] != self.config.dim:
             raise ValueError(f"hidden must be [rows, M, dim={self.config.dim}], got {tuple(hidden.shape)}")
         if input_ids.dim() != 2 or tuple(input_ids.shape) != tuple(hidden.shape[:2]):
             raise ValueError(f"input_ids must be [rows, M] = {tuple(hidden.shape[:2])}, got {tuple(input_ids.shape)}")
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
-        if not torch.compiler.is_compiling() and input_ids.numel():
+        if validate and not torch.compiler.is_compiling() and input_ids.numel():
             if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
                 raise ValueError(f"input_ids must be in [0, {self.config.vocab_size})")
         self.check_target(target)
@@ -156,7 +156,16 @@ class EagleHead(ModelMixin, ConfigMixin):
         return self.fc(torch.cat([emb, hidden.to(self.fc.weight.dtype)], dim=-1))
 
     def forward(
-        self, hidden, input_ids, target, cache, input_pos=None, write_slots=None, attention_mask=None, cache_mask=None
+        self,
+        hidden,
+        input_ids,
+        target,
+        cache,
+        input_pos=None,
+        write_slots=None,
+        attention_mask=None,
+        cache_mask=None,
+        validate=True,
     ):
         """Draft features for `M` pairs per row (chain by default, or a tree via positions/slots/mask).
 
@@ -164,7 +173,8 @@ class EagleHead(ModelMixin, ConfigMixin):
             hidden: `[rows, M, dim]` target final-norm features h[t] (or the head's own f_hat inside a tree).
             input_ids: `[rows, M]` the next tokens x[t+1].
             target: the `LlamaGenGPT` whose `tok_embeddings` are used.
-            cache, input_pos, write_slots, attention_mask, cache_mask: as `LlamaGenGPT.forward` (head cache).
+            cache, input_pos, write_slots, attention_mask, cache_mask, validate: as `LlamaGenGPT.forward` (head
+                cache; `validate=False` skips the id / slot range checks, the drafters' per-round setting).
 
         Returns:
             `f_hat [rows, M, dim]`; `self.compute_logits(target, f_hat)` gives the draft logits.
@@ -186,13 +196,13 @@ class EagleHead(ModelMixin, ConfigMixin):
                 attention_mask = torch.ones(m, m, dtype=torch.bool, device=input_ids.device).tril().expand(rows, m, m)
             if attention_mask.shape != (rows, m, m) or attention_mask.dtype != torch.bool:
                 raise ValueError(f"attention_mask must be bool [rows={rows}, M={m}, M={m}]")
-            cache.check_slots(write_slots)
+            cache.check_slots(write_slots, values=validate)
             cache_mask = cache.visibility(write_slots, attention_mask)
         else:
-            cache.check_slots(write_slots)
+            cache.check_slots(write_slots, values=validate)
         if tuple(input_pos.shape) != (rows, m):
             raise ValueError(f"input_pos must be [rows={rows}, M={m}], got {tuple(input_pos.shape)}")
-        x = self._inputs(hidden, input_ids, target)
+        x = self._inputs(hidden, input_ids, target, validate)
         return self.layers[0](x, self.rope(input_pos), cache_mask[:, None], cache, 0, write_slots)
 
     def forward_train(self, hidden, input_ids, target):

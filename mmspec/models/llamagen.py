@@ -438,7 +438,8 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         cache.lengths = torch.full((rows,), t, dtype=torch.long, device=cache.device)
         return self._head(h[:, -1:], return_hidden)
 
-    def check_inputs(self, input_ids, cache, input_pos, write_slots, attention_mask, cache_mask):
+    def check_inputs(self, input_ids, cache, input_pos, write_slots, attention_mask, cache_mask, values=True):
+        """Shapes and types always; with `values`, also the id and slot ranges (two host syncs)."""
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a [rows, M] tensor, got {getattr(input_ids, 'shape', input_ids)}")
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
@@ -450,7 +451,7 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         rows, m = input_ids.shape
         if rows != cache.rows:
             raise ValueError(f"input_ids has {rows} rows but the cache has {cache.rows}")
-        if not torch.compiler.is_compiling() and input_ids.numel():
+        if values and not torch.compiler.is_compiling() and input_ids.numel():
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
@@ -469,7 +470,7 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
                 f"cache_mask must be bool [rows={rows}, M={m}, max_seq={cache.max_seq}], got "
                 f"{cache_mask.dtype} {tuple(cache_mask.shape)}"
             )
-        cache.check_slots(write_slots)
+        cache.check_slots(write_slots, values=values)
 
     def forward(
         self,
@@ -480,6 +481,7 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         attention_mask=None,
         cache_mask=None,
         return_hidden=False,
+        validate=True,
     ):
         """Score `M` new tokens per row against the cache in one forward (chain or tree).
 
@@ -494,6 +496,9 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
             cache_mask: alternatively the full bool visibility `[rows, M, max_seq]` over cache slots (after the
                 write), e.g. to attend to uncommitted slots of earlier forwards (incremental tree drafting).
             return_hidden: also return the final-norm hidden states.
+            validate: check token ids and slots against the vocabulary / cache size (two host syncs); the
+                decoding engine passes False in its per-round forwards, whose ids come from its own sampler and
+                whose slots from the cache lengths (shapes and types are always checked).
 
         Returns:
             `GPTOutput(logits [rows, M, V] float32, hidden [rows, M, dim] | None)`.
@@ -512,7 +517,7 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
             write_slots = input_pos
         if attention_mask is None and cache_mask is None:
             attention_mask = torch.ones(m, m, dtype=torch.bool, device=input_ids.device).tril().expand(rows, m, m)
-        self.check_inputs(input_ids, cache, input_pos, write_slots, attention_mask, cache_mask)
+        self.check_inputs(input_ids, cache, input_pos, write_slots, attention_mask, cache_mask, values=validate)
         if cache_mask is None:
             cache_mask = cache.visibility(write_slots, attention_mask)
         h = self.tok_dropout(self.tok_embeddings(input_ids))

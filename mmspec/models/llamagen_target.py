@@ -56,7 +56,8 @@ class LlamaGenTarget:
     def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
         rows = self.guidance.rows(tokens)  # [rows, M]
         inputs = () if parents is None else tree_inputs(self.guidance.rows(parents), self.cache.lengths)
-        out = self.model(rows, self.cache, *inputs, return_hidden=return_hidden)
+        # ids come from the engine's sampler, slots from the cache lengths: no per-round range checks (host syncs)
+        out = self.model(rows, self.cache, *inputs, return_hidden=return_hidden, validate=False)
         return TargetOutput(self.guidance.probs(out.logits, "target"), out.hidden)
 
     def commit(self, num_tokens: Tensor, path: Tensor | None = None) -> None:

@@ -369,3 +369,30 @@ def test_relaxed_tv_bound_through_the_pipeline(parts, drafter):
     # noise: E|p_hat - p| ~ sqrt(2 p (1 - p) / (pi n)) per cell; the margin is ~2x the expected TV of two equal laws
     noise = 0.8 * float((plain_law * (1 - plain_law) / n).sqrt().sum())
     assert tv <= bound + noise, (tv, bound, noise)
+
+
+@pytest.mark.parametrize("method", LOSSLESS[:5], ids=["draft", "eagle-chain", "eagle-tree", "eagle-chain-4", "jacobi"])
+def test_engine_forwards_skip_the_syncing_range_checks(pipe, method, monkeypatch):
+    """The per-round forwards of target, draft model and EAGLE head run with validate=False (no host syncs for the
+    id / slot range checks); only the tree path commit checks its slots."""
+    from mmspec.cache import StaticKVCache
+    from mmspec.models.eagle import EagleHead
+
+    calls = []
+    for cls, name in ((LlamaGenGPT, "check_inputs"), (StaticKVCache, "check_slots"), (EagleHead, "_inputs")):
+        original = getattr(cls, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            flag = kwargs.get("values", kwargs.get("validate", True))
+            position = {"check_inputs": 7, "check_slots": 2, "_inputs": 4}[_name]  # the flag's positional index
+            if len(args) > position:
+                flag = args[position]
+            calls.append((_name, flag))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, spy)
+    run(pipe, **method)
+    checked = [c for c in calls if c[1] is not False]
+    assert calls and all(name == "check_slots" for name, _ in checked), checked
+    if method.get("tree_top_k", 1) == 1:
+        assert not checked  # chains and Jacobi windows: no value check at all

@@ -306,8 +306,9 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _row_key(row: dict) -> tuple:
-    return (row["name"], row["seed"], row["num_images"], json.dumps(row["call_kwargs"], sort_keys=True))
+def _run_key(name: str, seed: int, num_images: int, call_kwargs: dict) -> tuple:
+    """What identifies a finished run in the table (a rerun skips it)."""
+    return (name, seed, num_images, json.dumps(call_kwargs, sort_keys=True))
 
 
 def add_arguments(parser):
@@ -378,13 +379,12 @@ def run(args) -> list[dict]:
     todo += [(p, args.seed) for p in args.points]
     args.table.parent.mkdir(parents=True, exist_ok=True)
     rows = read_rows(args.table)
-    done = {_row_key(r) for r in rows}
+    done = {_run_key(r["name"], r["seed"], r["num_images"], r["call_kwargs"]) for r in rows}
     common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature)
     bar = tqdm(todo, desc="sweep", unit="point", disable=args.quiet)
     for point, seed in bar:
         bar.set_postfix_str(point.name)
-        key = (point.name, seed, args.num_images, json.dumps(point.call_kwargs() | common, sort_keys=True))
-        if key in done:
+        if _run_key(point.name, seed, args.num_images, point.call_kwargs() | common) in done:
             continue
         row = run_point(pipe, point, seed, args, references)
         rows.append(row)

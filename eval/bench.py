@@ -25,7 +25,7 @@ __all__ = ["SUBCOMMANDS", "main"]
 SUBCOMMANDS = {
     "ar-image": ("mmspec.eval.bench_ar_image", "AR-image methods side by side on the MNIST zoo (speed + accuracy)"),
     "verify": ("mmspec.eval.bench_verify", "per-call cost of the verification rules (mmspec.verify)"),
-    # "continuous": ("mmspec.eval.bench_continuous", "MAR + CSpD continuous-token pipeline"),
+    "continuous": ("mmspec.eval.bench_continuous", "MAR + CSpD side by side on the MNIST zoo (speed, accuracy, FID)"),
     # "vlm": ("mmspec.eval.bench_vlm", "VLM speculative decoding"),
 }
 

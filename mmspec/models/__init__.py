@@ -1,4 +1,4 @@
-"""Model code: LlamaGen-family GPT, VQ tokenizer, MNIST classifier, EAGLE head, and the model loader.
+"""Model code: LlamaGen-family GPT, VQ tokenizer, KL autoencoder (MAR), MNIST classifier, EAGLE head, and the loader.
 
 Every zoo model is a diffusers `ModelMixin, ConfigMixin`, so a zoo folder is a plain diffusers model folder
 (`config.json` with `_class_name` + `diffusion_pytorch_model.safetensors`) and pipelines can register it.
@@ -36,8 +36,10 @@ logging.getLogger("diffusers.models.modeling_utils").addFilter(_NoEmptyFloat32Wa
 MODEL_CLASSES = {
     "LlamaGenGPT": "mmspec.models.llamagen",
     "LlamaGenVQ": "mmspec.models.vq",
+    "AutoencoderKL": "mmspec.models.kl_vae",
     "MNISTClassifier": "mmspec.models.classifier",
     "EagleHead": "mmspec.models.eagle",
+    "MAR": "mmspec.models.mar",
 }
 # where a class lived before it moved: used only while its `MODEL_CLASSES` module does not exist
 _FORMER_MODULES = {"EagleHead": "mmspec.drafters.eagle"}

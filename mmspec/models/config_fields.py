@@ -112,6 +112,18 @@ class Optional:
         return value is None or self.rule.ok(value)
 
 
+class Sections:
+    """Diffusion respacing: a positive int or IDDPM's comma-separated section counts (``"100"``, ``"10,20"``)."""
+
+    def ok(self, value):
+        if _is_int(value):
+            return value >= 1
+        return isinstance(value, str) and all(p.strip().isdigit() and int(p) >= 1 for p in value.split(","))
+
+    def describe(self):
+        return "a positive int or comma-separated positive ints (e.g. '100')"
+
+
 _PROB = Float(0.0, 1.0)
 _POS_INT = Int(1)
 _GPT_COMMON = {
@@ -165,6 +177,31 @@ CONFIG_FIELDS = {
         "feature_dim": _POS_INT,
         "dropout": _PROB,
         "image_size": Int(4),
+    },
+    "MAR": {
+        **{
+            k: _POS_INT
+            for k in (
+                "seq_h",
+                "seq_w",
+                "token_embed_dim",
+                "encoder_embed_dim",
+                "encoder_depth",
+                "encoder_num_heads",
+                "decoder_embed_dim",
+                "decoder_depth",
+                "decoder_num_heads",
+                "class_num",
+                "diffloss_d",
+                "diffloss_w",
+                "diffusion_batch_mul",
+            )
+        },  # fmt: skip
+        "buffer_size": Int(0),
+        "mlp_ratio": Float(0.0, low_open=True),
+        "num_sampling_steps": Sections(),
+        "label_drop_prob": _PROB,
+        "mask_ratio_min": _PROB,
     },
 }
 

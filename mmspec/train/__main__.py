@@ -14,10 +14,12 @@ import sys
 TASKS = {
     "vq": ("mmspec.train.vq", "VQ tokenizer on MNIST (28x28 padded to 32x32)"),
     "classifier": ("mmspec.train.classifier", "MNIST digit classifier (accuracy + in-domain features)"),
+    "kl": ("mmspec.train.kl", "KL autoencoder (continuous tokens) on MNIST"),
     "tokenize": ("mmspec.train.tokenize", "encode MNIST with a trained VQ into token grids"),
     "c2i": ("mmspec.train.gpt", "class-conditional LlamaGen GPT target on VQ tokens"),
     "draft": ("mmspec.train.draft", "small GPT draft distilled on the target's outputs"),
     "eagle": ("mmspec.train.eagle", "EAGLE-style feature head on the target's hidden states"),
+    "mar": ("mmspec.train.mar", "class-conditional MAR (target or --preset draft) on KL tokens (mnist-mar)"),
     "t2i": ("mmspec.train.t2i", "text-to-image LlamaGen GPT on VQ tokens + MiniLM caption features (mnist-t2i)"),
 }
 

@@ -1,0 +1,176 @@
+"""`mmspec bench continuous`: MAR and CSpD side by side, in one process, on the same labels and seeds.
+
+Methods (names fixed for the JSON): ``plain`` (MAR at ``--num-ar-steps``), ``fewer-steps-N`` (MAR with N AR steps,
+one per ``--fewer-steps`` entry: the honest competitor, since CSpD's ``"block"`` mode is itself a coarser target
+schedule), ``cspd-block`` and ``cspd-exact`` (CSpD, one per ``--verify-modes`` entry).
+
+Protocol: every image ``i`` has its own generator (seed ``--seed + i``) and label ``i % 10``, so an image is the same
+whatever batch it is in. Speed: ``--timing-batches`` batches of ``--batch-size`` images, every method on each batch
+in turn (interleaved, so load drift hits all alike), after one warm-up call per method; ``latency_s`` is the median
+wall time of a batch, ``speedup`` = plain's / the method's. Quality: ``--num-images`` images per method (generated in
+batches of ``--quality-batch-size``; with per-image generators they are the images any batch size would give),
+scored by the zoo classifier: ``accuracy`` on the requested digit and ``fid_in_domain`` (Frechet distance of its
+features against the shipped MNIST-test statistics, `assets/reference-stats/mnist-test-classifier.npz`).
+``target_calls`` / ``draft_calls``: target / draft transformer passes per batch (a CFG pass of both branches is
+one); ``acceptance_rate``: accepted / drafted tokens.
+"""
+
+import argparse
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mmspec.cli import non_negative_int, positive_int
+
+
+logger = logging.getLogger(__name__)
+
+
+def _int_list(text):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
+def _modes(text):
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = sorted(set(modes) - {"block", "exact"})
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown verify modes {bad}; known: block,exact")
+    return modes
+
+
+def add_arguments(parser):
+    parser.add_argument("--zoo", default="assets", help="folder with mnist-mar, mnist-kl, mnist-mar-draft")
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="images per timed call")
+    parser.add_argument("--timing-batches", type=positive_int, default=8, help="timed calls per method")
+    parser.add_argument("--num-images", type=non_negative_int, default=1000, help="images per method for quality")
+    parser.add_argument("--quality-batch-size", type=positive_int, default=100)
+    parser.add_argument("--num-ar-steps", type=positive_int, default=64)
+    parser.add_argument("--fewer-steps", type=_int_list, default=[32, 16], help="AR steps of the fewer-steps runs")
+    parser.add_argument("--verify-modes", type=_modes, default=["block", "exact"])
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="AR steps per CSpD block")
+    parser.add_argument("--prefill-ratio", type=float, default=0.15)
+    parser.add_argument("--num-inference-steps", type=positive_int, default=None, help="head steps (config default)")
+    parser.add_argument("--guidance-scale", type=float, default=3.0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def methods(args) -> dict[str, dict]:
+    """Method name -> pipeline keywords."""
+    out = {"plain": dict(num_ar_steps=args.num_ar_steps)}
+    for n in args.fewer_steps:
+        out[f"fewer-steps-{n}"] = dict(num_ar_steps=n)
+    for mode in args.verify_modes:
+        out[f"cspd-{mode}"] = dict(num_ar_steps=args.num_ar_steps, acceptance="continuous", verify_mode=mode,
+                                   num_draft_tokens=args.num_draft_tokens, prefill_ratio=args.prefill_ratio)  # fmt: skip
+    return out
+
+
+def run(args):
+    from mmspec.eval.metrics import MNISTClassifierFeatures, fid_and_features
+    from mmspec.eval.reference_stats import load_reference_stats
+    from mmspec.models import load
+    from mmspec.pipelines import SpeculativeContinuousARPipeline
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    pipe = SpeculativeContinuousARPipeline.from_zoo(args.zoo).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    classifier = load(Path(args.zoo) / "mnist-classifier").to(device).eval()
+    common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature,
+                  num_inference_steps=args.num_inference_steps, output_type="pt")  # fmt: skip
+    table = methods(args)
+
+    def call(kw, start, n):
+        gens = [torch.Generator(device).manual_seed(args.seed + i) for i in range(start, start + n)]
+        labels = [i % 10 for i in range(start, start + n)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = pipe(labels, generator=gens, **common, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    # speed: interleaved timed batches
+    times = {name: [] for name in table}
+    calls = {name: [] for name in table}
+    for kw in table.values():  # warm-up
+        call(kw, 0, args.batch_size)
+    for b in tqdm(range(args.timing_batches), desc="timing", disable=None):
+        for name, kw in table.items():
+            out, dt = call(kw, b * args.batch_size, args.batch_size)
+            times[name].append(dt)
+            calls[name].append(out.stats)
+    # quality: per-image generators, large batches
+    reference = load_reference_stats(Path(args.zoo) / "reference-stats" / "mnist-test-classifier.npz")
+    extractor = MNISTClassifierFeatures(classifier)
+    report = {}
+    for name, kw in table.items():
+        images, labels, acc_stats = [], [], []
+        for start in tqdm(range(0, args.num_images, args.quality_batch_size), desc=name, disable=None):
+            n = min(args.quality_batch_size, args.num_images - start)
+            out, _ = call(kw, start, n)
+            images.append(out.images.cpu())
+            labels += [i % 10 for i in range(start, start + n)]
+            acc_stats.append(out.stats)
+        entry = {"knobs": {**common, **kw, "output_type": None}}
+        lat = times[name]
+        entry["latency_s"] = statistics.median(lat)
+        entry["latency_p10_s"], entry["latency_p90_s"] = _quantiles(lat)
+        stats = calls[name] + acc_stats
+        drafted = sum(sum(s.drafted_tokens) for s in stats)
+        accepted = sum(sum(s.accepted_tokens) for s in stats)
+        entry["acceptance_rate"] = accepted / drafted if drafted else None
+        entry["target_calls"] = statistics.mean(s.target_forwards for s in calls[name])
+        entry["draft_calls"] = statistics.mean(s.draft_forwards for s in calls[name])
+        entry["residual_fallbacks"] = sum(s.extra.get("residual_fallbacks", 0) for s in stats)
+        if images:
+            x = torch.cat(images)
+            with torch.no_grad():
+                pred = torch.cat([classifier(b.to(device) * 2 - 1).argmax(-1).cpu() for b in x.split(500)])
+            entry["accuracy"] = float((pred == torch.tensor(labels)).float().mean())
+            result, _, _ = fid_and_features(x, reference, extractor, batch_size=500)
+            entry["fid_in_domain"] = result.fid
+            entry["num_images"] = len(x)
+        report[name] = entry
+    base = report["plain"]["latency_s"]
+    for entry in report.values():
+        entry["speedup"] = base / entry["latency_s"]
+    for name, entry in report.items():
+        logger.info("%-16s latency %.3fs speedup %.2fx acc %s fid %s accept %s", name, entry["latency_s"],
+                    entry["speedup"], entry.get("accuracy"), entry.get("fid_in_domain"), entry["acceptance_rate"])  # fmt: skip
+    return {
+        "bench": "continuous",
+        "zoo": str(args.zoo),
+        "batch_size": args.batch_size,
+        "timing_batches": args.timing_batches,
+        "num_images": args.num_images,
+        "seed": args.seed,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "methods": report,
+    }
+
+
+def _quantiles(values):
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return q[0], q[-1]

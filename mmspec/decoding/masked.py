@@ -1,0 +1,492 @@
+"""The masked-AR loop for continuous tokens (MAR), plain and with CSpD continuous speculative decoding.
+
+MAR reveals tokens in a random order per image; step ``s`` of ``num_ar_steps`` reveals ``counts[s]`` of them
+(MaskGIT's cosine schedule, `mar_schedule`) and samples each with the diffusion head, conditioned on the canvas of
+every earlier step (tokens of one step are conditionally independent). All randomness of an image is drawn once,
+up front, from its generator and indexed by token position (`ImageNoise`: order, ``x_T``, per-step head noise), so
+the draft and the target follow aligned denoising trajectories (CSpD's trajectory alignment) and an image does not
+depend on its batch.
+
+    plain:  for each step: z = target(canvas); tokens = head(z[step's positions], noise)
+    CSpD:   target-only pre-fill steps, then blocks of K steps:
+              draft runs the K steps (its own canvas, its own head, the same noise)
+              target verifies the block's tokens (`verify_mode`) at the last *stochastic* denoising step
+              every emitted value gets the target's deterministic final step (one batched head call)
+
+The rule (derived in `mmspec.verify.continuous`): given the shared earlier noise, the last stochastic step of a head
+is Gaussian, ``p_target = N(mu_p, sigma_p^2)`` and ``q_draft = N(mu_q, sigma_q^2)``; speculative sampling on that
+step (accept ``y ~ q`` w.p. ``min(1, p(y)/q(y))``, else draw from ``norm([p - q]_+)``) returns ``y ~ p`` exactly, given
+the earlier noise, which is distributed as in the target's own sampler; finishing ``y`` with the target's noise-free
+final step gives exactly the target's token law. The CSpD release instead verifies the final, noise-free step (a
+point, whose "density" needs its inner temperature of 42 to accept anything), multiplies the ratio by
+``prod sigma_p / sigma_q`` over the earlier steps (a correction with no counterpart in the exact ratio, which is
+1 given shared noise), and leaves a token at zero when residual sampling fails 100 times (here: a plain draw from
+``p_target``, counted as a fallback).
+
+`verify_mode`:
+
+* ``"block"`` (the release's schedule): the target scores the whole block in ONE pass on the canvas at the block's
+  start, verifying at the last stochastic step as above. Each emitted token is then distributed exactly as the
+  target's token given that canvas, independently of the block's other tokens: the output law is that of the target
+  alone on the *merged* schedule where each block's steps reveal their tokens together (same order, each token its
+  own step's CFG scale). It is not the plain schedule's law -- the target conditions on fewer tokens than it would
+  step by step -- and the draft does not change the law at all (it only decides how often the residual is sampled):
+  block mode is a coarser target schedule plus the draft's cost (`tests/test_pipeline_continuous.py` checks both).
+* ``"exact"``: lossless w.r.t. the plain schedule. The target scores step ``j`` of the block on its own nested canvas
+  (the committed tokens plus the drafts of the block's steps ``< j``; ``K`` canvases per image in one batched pass)
+  and steps are accepted in order. A nested canvas holds the draft's *finished* values, so what is verified must be
+  the finished value itself (verifying ``y`` and finishing it with the target's final step would emit a value that
+  differs from the one later canvases were conditioned on). The rule is therefore the exact one on finished values:
+  accept ``x_q = f_q(y_q)`` with ``min(1, p_x(x_q) / q_x(x_q))``, both densities by change of variables through the
+  final step (`mmspec.decoding.final_step`: Newton inverse of the target's ``f_p``, ``D x D`` Jacobians), residual
+  ``norm([p_x - q_x]_+)`` by acceptance-rejection with proposal ``p_x``. An image keeps its fully accepted leading
+  steps plus the first step with a rejection (its rejected tokens redrawn); later steps are discarded. Images
+  advance by different amounts (ragged), each at its own step.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mmspec.decoding.final_step import FinalStep, gaussian_logpdf
+from mmspec.decoding.trace import ACCEPTED, BONUS, PREFILL, RESAMPLED, DecodeTrace
+from mmspec.random import num_rows, rand, randn
+from mmspec.verify.continuous import verify_continuous
+
+
+__all__ = [
+    "ImageNoise",
+    "MARRunner",
+    "cfg_schedule",
+    "decode_masked",
+    "finished_accept_prob",
+    "mar_schedule",
+    "residual_finished",
+]
+
+
+def mar_schedule(seq_len: int, num_steps: int) -> tuple[list[int], list[int]]:
+    """MAR's cosine schedule: tokens revealed per step and the masked count after each step (``mask_len``).
+
+    ``mask_len_s = max(1, min(masked - 1, floor(L cos(pi/2 (s+1)/N))))``; the last step reveals every remaining token
+    (upstream ``sample_tokens``)."""
+    if not 1 <= num_steps <= seq_len:
+        raise ValueError(f"num_ar_steps must be in [1, {seq_len}] (tokens per image), got {num_steps}")
+    counts, mask_lens, masked = [], [], seq_len
+    for s in range(num_steps):
+        mask_len = max(1, min(masked - 1, math.floor(seq_len * math.cos(math.pi / 2 * (s + 1) / num_steps))))
+        reveal = masked if s == num_steps - 1 else masked - mask_len
+        counts.append(reveal)
+        mask_lens.append(mask_len)
+        masked -= reveal
+    return counts, mask_lens
+
+
+def cfg_schedule(guidance_scale: float, seq_len: int, mask_lens: list[int], schedule: str = "linear") -> list[float]:
+    """Per-step CFG scale: ``"linear"`` (MAR's default: ``1 + (cfg - 1)(L - mask_len)/L``) or ``"constant"``."""
+    if schedule == "constant":
+        return [float(guidance_scale)] * len(mask_lens)
+    if schedule != "linear":
+        raise ValueError(f"cfg_schedule must be 'linear' or 'constant', got {schedule!r}")
+    return [1 + (guidance_scale - 1) * (seq_len - m) / seq_len for m in mask_lens]
+
+
+@dataclass
+class ImageNoise:
+    """Everything random about a batch of images, drawn once: generation ``order [B, L]``, the head's initial noise
+    ``x_T [B, L, D]`` and per-step noise ``eps [B, L, S-1, D]`` (indexed by token position)."""
+
+    order: Tensor
+    x_T: Tensor
+    eps: Tensor
+
+    @staticmethod
+    def draw(batch, seq_len, dim, steps, generator, device, dtype=torch.float32) -> "ImageNoise":
+        order = rand((batch, seq_len), generator, device=device).argsort(1)
+        x_T = randn((batch, seq_len, dim), generator, device=device, dtype=dtype)
+        eps = randn((batch, seq_len, steps - 1, dim), generator, device=device, dtype=dtype)
+        return ImageNoise(order, x_T, eps)
+
+
+class MARRunner:
+    """A MAR model with its condition and CFG: features of canvases, and its head on selected tokens.
+
+    Rows: ``features`` takes ``[R, L, D]`` canvases and ``rows [R]`` (the image each canvas belongs to) and returns the
+    conditional and unconditional ``z`` (the latter None without guidance)."""
+
+    def __init__(self, model, labels: Tensor, guided: bool):
+        self.model, self.labels, self.guided = model, labels, guided
+        self.forwards = 0
+
+    @property
+    def head(self):
+        return self.model.diffloss
+
+    def features(self, tokens: Tensor, visible: Tensor, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        r = tokens.shape[0]
+        cond = self.model.class_embedding(self.labels[rows])
+        self.forwards += 1
+        if not self.guided:
+            return self.model.features(tokens, visible, cond), None
+        uncond = self.model.class_embedding(None, r)
+        z = self.model.features(torch.cat([tokens, tokens]), torch.cat([visible, visible]), torch.cat([cond, uncond]))
+        return z[:r], z[r:]
+
+
+def _gather(t: Tensor, rows: Tensor, pos: Tensor) -> Tensor:
+    """``t[rows, pos]`` for flat index lists (``[N, ...]``)."""
+    return t[rows, pos]
+
+
+@dataclass
+class MaskedState:
+    """The canvas of every image and what produced each token."""
+
+    tokens: Tensor  # [B, L, D]
+    visible: Tensor  # [B, L] bool
+    trace: DecodeTrace  # [B, L] by token position
+    num_fallbacks: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def _positions(noise: ImageNoise, starts: list[int], counts: list[int], step: int):
+    """Flat ``(rows, positions)`` of step ``step``'s tokens for every image (all images share the schedule)."""
+    b = noise.order.shape[0]
+    pos = noise.order[:, starts[step] : starts[step] + counts[step]]  # [B, n]
+    rows = torch.arange(b, device=pos.device)[:, None].expand_as(pos)
+    return rows.reshape(-1), pos.reshape(-1)
+
+
+def _head_last(runner, z_c, z_u, noise, rows, pos, cfg, temperature, aligned_noise=None):
+    """The head's last stochastic step for tokens ``(rows, pos)`` with their image's noise."""
+    src = noise if aligned_noise is None else aligned_noise
+    return runner.head.sample_last_step(
+        z_c, _gather(src.x_T, rows, pos), _gather(src.eps, rows, pos), z_uncond=z_u, cfg=cfg, temperature=temperature
+    )
+
+
+def decode_masked(
+    target: MARRunner,
+    draft: MARRunner | None,
+    noise: ImageNoise,
+    *,
+    counts: list[int],
+    cfg_scales: list[float],
+    temperature: float,
+    num_draft_steps: int = 4,
+    num_prefill_steps: int = 0,
+    verify_mode: str = "block",
+    draft_noise: ImageNoise | None = None,
+    generator=None,
+    stats=None,
+    progress=None,
+    callback=None,
+    max_residual_tries: int = 100,
+) -> MaskedState:
+    """Run MAR's schedule for every image: plain (``draft=None``) or CSpD (module docstring).
+
+    Args:
+        target, draft: `MARRunner` s (same token grid and dim).
+        noise: the images' `ImageNoise` (the target's; the draft's too unless ``draft_noise`` is given, i.e. without
+            trajectory alignment).
+        counts, cfg_scales: the schedule (`mar_schedule`, `cfg_schedule`).
+        num_draft_steps: AR steps per CSpD block (K).
+        num_prefill_steps: leading steps done by the target alone.
+        verify_mode: ``"block"`` | ``"exact"``.
+        generator: verification / residual randomness (one generator or one per image).
+        stats: a `mmspec.stats.SpecStats` to fill (target/draft forwards, drafted/accepted tokens, fallbacks).
+        progress: a tqdm-like bar updated by tokens revealed; callback: ``fn(step, state)`` after every step/block.
+    """
+    b, length, dim = noise.x_T.shape
+    dev = noise.x_T.device
+    state = MaskedState(
+        torch.zeros(b, length, dim, device=dev, dtype=noise.x_T.dtype),
+        torch.zeros(b, length, dtype=torch.bool, device=dev),
+        DecodeTrace.empty(b, length, dev),
+    )
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    all_rows = torch.arange(b, device=dev)
+    step, round_index = 0, 0
+    num_steps = len(counts)
+    if draft is None:
+        num_prefill_steps = num_steps
+
+    def emit(rows, pos, values, origin, round_override=None):
+        state.tokens[rows, pos] = values.to(state.tokens.dtype)
+        state.visible[rows, pos] = True
+        state.trace.round[rows, pos] = round_index if round_override is None else round_override
+        state.trace.origin[rows, pos] = origin
+
+    while step < num_steps:
+        if step >= num_prefill_steps and verify_mode == "exact":
+            _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, step,
+                          num_draft_steps, temperature, generator, emit_fn=emit, stats=stats,
+                          max_residual_tries=max_residual_tries, progress=progress, callback=callback)  # fmt: skip
+            break
+        if step < num_prefill_steps:  # the target alone: one step
+            rows, pos = _positions(noise, starts, counts, step)
+            z_c, z_u = target.features(state.tokens, state.visible, all_rows)
+            zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
+            last = _head_last(target, zc, zu, noise, rows, pos, cfg_scales[step], temperature)
+            values = target.head.finish(zc, last.value, z_uncond=zu, cfg=cfg_scales[step])
+            emit(rows, pos, values, PREFILL if draft is not None else BONUS)
+            if stats is not None:
+                stats.target_forwards += 1
+            done = 1
+        else:
+            k = min(num_draft_steps, num_steps - step)
+            if verify_mode == "block":
+                _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, step, k,
+                             temperature, generator, emit, stats, max_residual_tries)  # fmt: skip
+            else:
+                raise ValueError(f"verify_mode must be 'block' or 'exact', got {verify_mode!r}")
+            done = k
+        if progress is not None:
+            progress.update(b * (starts[step + done] - starts[step]))
+        step += done
+        round_index += 1
+        if callback is not None:
+            callback(step, state)
+    return state
+
+
+def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, step, k, temperature,
+                 generator, emit, stats, max_residual_tries):  # fmt: skip
+    """One CSpD block in ``"block"`` mode: the draft runs steps ``step .. step+k-1``; the target verifies all of them
+    against the canvas at the block's start in one pass (module docstring)."""
+    b, length, _ = state.tokens.shape
+    all_rows = torch.arange(b, device=state.tokens.device)
+    committed_tokens, committed_visible = state.tokens.clone(), state.visible.clone()
+    canvas, visible = state.tokens.clone(), state.visible.clone()
+    d_noise = noise if draft_noise is None else draft_noise
+    rows_list, pos_list, cfg_list, y_q, mu_q, sd_q = [], [], [], [], [], []
+    for j in range(k):
+        rows, pos = _positions(noise, starts, counts, step + j)
+        z_c, z_u = draft.features(canvas, visible, all_rows)
+        zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
+        cfg = cfg_scales[step + j]
+        last = _head_last(draft, zc, zu, d_noise, rows, pos, cfg, temperature)
+        canvas[rows, pos] = draft.head.finish(zc, last.value, z_uncond=zu, cfg=cfg).to(canvas.dtype)
+        visible[rows, pos] = True
+        rows_list.append(rows)
+        pos_list.append(pos)
+        cfg_list.append(torch.full((rows.numel(),), cfg, device=rows.device))
+        y_q.append(last.value)
+        mu_q.append(last.mean)
+        sd_q.append(last.std)
+    rows, pos, cfg = torch.cat(rows_list), torch.cat(pos_list), torch.cat(cfg_list)
+    # One target pass on the committed canvas; the block's tokens with the same (aligned) noise.
+    z_c, z_u = target.features(committed_tokens, committed_visible, all_rows)
+    zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
+    last_p = _head_last(target, zc, zu, noise, rows, pos, cfg, temperature)
+    # Per image: its block tokens in order (every image has the same count n).
+    n = rows.numel() // b
+    order = torch.argsort(rows, stable=True)
+
+    def per_image(t):
+        return t[order].reshape(b, n, -1)
+
+    result = verify_continuous(
+        per_image(torch.cat(y_q)), per_image(last_p.mean), per_image(last_p.std), per_image(torch.cat(mu_q)),
+        per_image(torch.cat(sd_q)), generator=generator, prefix=False, validate=False,
+        max_residual_tries=max_residual_tries,
+    )  # fmt: skip
+    y = result.values.reshape(b * n, -1)  # emitted last-step values, image-major
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    y = y[inv]  # back to (step, image) order
+    values = target.head.finish(zc, y, z_uncond=zu, cfg=cfg)
+    accepted = result.accept_mask.reshape(-1)[inv]
+    emit(rows[accepted], pos[accepted], values[accepted], ACCEPTED)
+    emit(rows[~accepted], pos[~accepted], values[~accepted], RESAMPLED)
+    state.num_fallbacks += int(result.num_fallbacks.sum())
+    state.drafted += rows.numel()
+    state.accepted += int(accepted.sum())
+    if stats is not None:
+        stats.target_forwards += 1
+        stats.draft_forwards += k
+
+
+def _row_draw(fn, generator, rows: Tensor, slots: Tensor, per_row: list[int], trailing=(), device=None):
+    """One draw per flat item ``(rows[i], slots[i])`` (``[N, *trailing]``): a single generator draws ``N`` items;
+    per-row generators draw ``per_row[b]`` items for row ``b`` (so a row's draws do not depend on other rows)."""
+    n = rows.numel()
+    if num_rows(generator) is None:
+        return fn((n, *trailing), generator, device=device)
+    batch = len(per_row)
+    width = max(max(per_row), 1)
+    table = fn((batch, width, *trailing), generator, device=device, counts=torch.tensor(per_row))
+    return table[rows, slots]
+
+
+def _flat_steps(noise, starts, counts, row_steps: dict[int, int], cfg_scales, device):
+    """Flat ``(rows, pos, cfg)`` of the given step of each row (rows: image ids)."""
+    rows, pos, cfg = [], [], []
+    for b, s in row_steps.items():
+        p = noise.order[b, starts[s] : starts[s] + counts[s]]
+        rows.append(torch.full((p.numel(),), b, device=device))
+        pos.append(p)
+        cfg.append(torch.full((p.numel(),), cfg_scales[s], device=device))
+    return torch.cat(rows), torch.cat(pos), torch.cat(cfg)
+
+
+def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, first_step, k_max,
+                  temperature, generator, *, emit_fn, stats, max_residual_tries, progress, callback):  # fmt: skip
+    """``verify_mode="exact"``: rounds until every image is complete; each image keeps its own step (ragged).
+
+    A round: the draft runs up to ``k_max`` steps of every unfinished image (canvas = committed + its drafts,
+    finished by the draft's own final step); the target scores step ``j`` of image ``b`` on the nested canvas
+    (committed + the drafts of steps ``< j``), all ``(b, j)`` in one batched pass; each drafted token ``x_q`` is
+    accepted with ``min(1, p(x_q) / q(x_q))`` where both are densities of the *emitted* (finished) value
+    (`mmspec.decoding.final_step`); the image keeps its fully accepted leading steps, plus the first step with a
+    rejection, whose rejected tokens are redrawn from ``norm([p - q]_+)`` by acceptance-rejection with proposal ``p``
+    (a plain ``p`` draw after ``max_residual_tries``). Later steps are discarded (they saw a draft that was replaced).
+    """
+    b_total, length, dim = state.tokens.shape
+    dev = state.tokens.device
+    num_steps = len(counts)
+    row_step = {b: first_step for b in range(b_total)}
+    all_rows = torch.arange(b_total, device=dev)
+    d_noise = noise if draft_noise is None else draft_noise
+    round_index = first_step
+    while row_step:
+        round_index += 1
+        ks = {b: min(k_max, num_steps - s) for b, s in row_step.items()}
+        canvas, visible = state.tokens.clone(), state.visible.clone()
+        step_of = torch.full((b_total, length), k_max, dtype=torch.long, device=dev)
+        items = []  # per draft step j: (rows, pos, cfg, y_q, mu_q, sd_q, x_q, logdet_q, zq_c, zq_u)
+        for j in range(k_max):
+            steps_j = {b: s + j for b, s in row_step.items() if j < ks[b]}
+            if not steps_j:
+                break
+            rows, pos, cfg = _flat_steps(noise, starts, counts, steps_j, cfg_scales, dev)
+            z_c, z_u = draft.features(canvas, visible, all_rows)
+            zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
+            last = _head_last(draft, zc, zu, d_noise, rows, pos, cfg, temperature)
+            x_q, logdet_q = FinalStep(draft.head, zc, zu, cfg).forward_logdet(last.value)
+            canvas[rows, pos] = x_q.to(canvas.dtype)
+            visible[rows, pos] = True
+            step_of[rows, pos] = j
+            items.append((rows, pos, cfg, last.value, last.mean, last.std, x_q, logdet_q, zc, zu,
+                          torch.full_like(rows, j)))  # fmt: skip
+        cat = [torch.cat(t) if t[0] is not None else None for t in zip(*items, strict=True)]
+        rows, pos, cfg, y_q, mu_q, sd_q, x_q, logdet_q, zq_c, zq_u, jj = cat
+        # Nested canvases: one per (image, draft step); canvas (b, j) sees the drafts of steps < j.
+        nest = sorted({(int(b), int(j)) for b, j in zip(rows.tolist(), jj.tolist(), strict=True)})
+        nest_id = {key: r for r, key in enumerate(nest)}
+        nest_img = torch.tensor([b for b, _ in nest], device=dev)
+        nest_j = torch.tensor([j for _, j in nest], device=dev)
+        nest_visible = state.visible[nest_img] | (step_of[nest_img] < nest_j[:, None])
+        z_c, z_u = target.features(canvas[nest_img], nest_visible, nest_img)
+        r = torch.tensor([nest_id[(b, j)] for b, j in zip(rows.tolist(), jj.tolist(), strict=True)], device=dev)
+        zc, zu = z_c[r, pos], None if z_u is None else z_u[r, pos]
+        last_p = _head_last(target, zc, zu, noise, rows, pos, cfg, temperature)
+        f_p = FinalStep(target.head, zc, zu, cfg)
+        accept_prob = finished_accept_prob(f_p, x_q, y_q, last_p.mean, last_p.std, mu_q, sd_q, logdet_q)
+        # Uniforms per image, in the image's own token order.
+        per_row = {b: 0 for b in row_step}
+        slots = torch.empty_like(rows)
+        for i, b in enumerate(rows.tolist()):
+            slots[i] = per_row[b]
+            per_row[b] += 1
+        per_row_list = [per_row.get(b, 0) for b in range(b_total)]
+        u = _row_draw(rand, generator, rows, slots, per_row_list, device=dev)
+        accepted = u < accept_prob
+        # Leading fully accepted steps per image; the first step with a rejection is kept (residual draws).
+        keep = torch.zeros_like(accepted)
+        need = torch.zeros_like(accepted)
+        advance = {}
+        for b in list(row_step):
+            mine = rows == b
+            n_ok = 0
+            while n_ok < ks[b] and bool(accepted[mine & (jj == n_ok)].all()):
+                n_ok += 1
+            keep |= mine & (jj <= n_ok)
+            need |= mine & (jj == n_ok) & ~accepted
+            advance[b] = min(n_ok + 1, ks[b])
+        values = x_q.clone()
+        if bool(need.any()):
+            idx = need.nonzero()[:, 0]
+            values[idx], fallbacks = residual_finished(f_p.select(idx), FinalStep(draft.head, zq_c[idx],
+                                                 None if zq_u is None else zq_u[idx], cfg[idx]),
+                                                 last_p.mean[idx], last_p.std[idx], mu_q[idx], sd_q[idx],
+                                                 rows[idx], generator, b_total, max_residual_tries)  # fmt: skip
+            state.num_fallbacks += fallbacks
+        acc_keep, res_keep = keep & accepted, keep & ~accepted
+        emit_fn(rows[acc_keep], pos[acc_keep], values[acc_keep], ACCEPTED, round_index)
+        emit_fn(rows[res_keep], pos[res_keep], values[res_keep], RESAMPLED, round_index)
+        state.drafted += int(keep.sum())
+        state.accepted += int(acc_keep.sum())
+        if stats is not None:
+            stats.target_forwards += 1
+            stats.draft_forwards += len(items)
+        revealed = 0
+        for b, a in advance.items():
+            revealed += starts[row_step[b] + a] - starts[row_step[b]]
+            row_step[b] += a
+            if row_step[b] >= num_steps:
+                del row_step[b]
+        if progress is not None:
+            progress.update(revealed)
+        if callback is not None:
+            callback(min(row_step.values(), default=num_steps), state)
+
+
+def finished_accept_prob(f_p, x_q, y_q, mu_p, sd_p, mu_q, sd_q, logdet_q) -> Tensor:
+    """CSpD's acceptance ``min(1, p_x(x_q) / q_x(x_q))`` on *finished* values ``x_q = f_q(y_q)`` ``[N]``: ``q_x`` by
+    change of variables at the draft's own ``y_q`` (``logdet_q = log |det J_{f_q}(y_q)|``), ``p_x`` through the
+    target's inverse final step (`FinalStep.log_density`); a token whose inverse did not converge gets 0 (rejected,
+    then redrawn from the residual, whose proposal is ``p_x`` itself)."""
+    log_p, ok = f_p.log_density(x_q, mu_p, sd_p, y0=y_q)
+    log_q = gaussian_logpdf(y_q, mu_q, sd_q) - logdet_q
+    return torch.where(ok, (log_p - log_q).clamp_max(0).exp(), 0.0)
+
+
+def residual_finished(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, batch, max_tries, chunk=8):
+    """Draw each token ``[M]`` from ``norm([p_x - q_x]_+)`` (densities of finished values) by acceptance-rejection
+    with proposal ``p_x``: ``x = f_p(y), y ~ N(mu_p, sd_p^2)`` is kept with probability ``[1 - q_x(x)/p_x(x)]_+``.
+    Tokens never kept get a plain ``p_x`` draw. Returns ``(values [M, D], fallbacks)``."""
+    m, d = mu_p.shape
+    dev = mu_p.device
+    out = torch.zeros_like(mu_p)
+    filled = torch.zeros(m, dtype=torch.bool, device=dev)
+    tries = 0
+    while tries < max_tries and not bool(filled.all()):
+        c = min(chunk, max_tries - tries)
+        todo = (~filled).nonzero()[:, 0]
+        eps = _tries(torch.randn, generator, rows[todo], c, (d,), dev)  # [c, T, D]
+        u = _tries(torch.rand, generator, rows[todo], c, (), dev)  # [c, T]
+        y = (mu_p[todo] + sd_p[todo] * eps).reshape(-1, d)
+        fp, fq = f_p.select(todo).repeat(c), f_q.select(todo).repeat(c)
+        x, logdet_p = fp.forward_logdet(y)
+        log_p = gaussian_logpdf(y, mu_p[todo].repeat(c, 1), sd_p[todo].repeat(c, 1)) - logdet_p
+        log_q, ok = fq.log_density(x, mu_q[todo].repeat(c, 1), sd_q[todo].repeat(c, 1), y0=y)
+        ratio = torch.where(ok, (log_q - log_p).clamp_max(0).exp(), 0.0).reshape(c, -1)
+        take = u < 1 - ratio  # [c, T]
+        first, any_take = take.long().argmax(0), take.any(0)
+        chosen = x.reshape(c, -1, d)[first, torch.arange(todo.numel(), device=dev)]
+        out[todo[any_take]] = chosen[any_take]
+        filled[todo[any_take]] = True
+        tries += c
+    fallback = (~filled).nonzero()[:, 0]
+    if fallback.numel():
+        eps = _tries(torch.randn, generator, rows[fallback], 1, (d,), dev)[0]
+        out[fallback] = f_p.select(fallback)(mu_p[fallback] + sd_p[fallback] * eps)
+    return out, int(fallback.numel())
+
+
+def _tries(fn, generator, rows, c, trailing, device):
+    """``[c, T, *trailing]`` draws (``fn``: ``torch.rand`` / ``torch.randn``) for tokens of images ``rows [T]``: from
+    the one generator, or each image's tokens from its own generator (token-major)."""
+    if num_rows(generator) is None:
+        return fn((c, rows.numel(), *trailing), generator=generator, device=device)
+    out = torch.empty((c, rows.numel(), *trailing), device=device)
+    for b in sorted(set(rows.tolist())):
+        idx = (rows == b).nonzero()[:, 0]
+        out[:, idx] = fn((idx.numel(), c, *trailing), generator=generator[b], device=device).transpose(0, 1)
+    return out

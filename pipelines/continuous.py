@@ -1,0 +1,278 @@
+"""Continuous-token AR image generation (MAR + diffusion head) with CSpD continuous speculative decoding:
+`SpeculativeContinuousARPipeline`.
+
+Components: ``transformer`` (the target `MAR`), ``vae`` (`AutoencoderKL`: tokens <-> images) and an optional
+``draft_transformer`` (a smaller `MAR` on the same tokens). ``acceptance="none"`` is MAR's own sampler;
+``acceptance="continuous"`` is CSpD (Wang et al., arXiv 2411.11925): target-only pre-fill, then blocks of
+``num_draft_tokens`` AR steps drafted by the draft MAR and verified by the target (`mmspec.decoding.masked` has the
+rule, what each ``verify_mode`` preserves, and where it differs from the release).
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from mmspec.decoding.masked import ImageNoise, MARRunner, cfg_schedule, decode_masked, mar_schedule
+from mmspec.decoding.trace import DecodeTrace
+from mmspec.models.kl_vae import AutoencoderKL
+from mmspec.models.mar import MAR
+from mmspec.random import check_generator
+from mmspec.stats import SpecStats
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SpeculativeContinuousARPipeline", "SpeculativeContinuousOutput"]
+
+ACCEPTANCES = ("none", "continuous")
+VERIFY_MODES = ("block", "exact")
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+@dataclass
+class SpeculativeContinuousOutput(BaseOutput):
+    """Images (or ``[B, L, D]`` latent tokens), the call's `SpecStats` and the per-token `DecodeTrace` (by token
+    position: prefill = target-only step, accepted / resampled = CSpD block tokens, bonus = plain MAR)."""
+
+    images: object
+    stats: SpecStats
+    trace: DecodeTrace
+
+
+class SpeculativeContinuousARPipeline(DiffusionPipeline):
+    """MAR sampling, plain or with CSpD (module docstring)."""
+
+    model_cpu_offload_seq = "transformer->vae"
+    _optional_components = ["draft_transformer"]
+
+    def __init__(self, transformer: MAR, vae: AutoencoderKL, draft_transformer: MAR | None = None):
+        super().__init__()
+        if transformer.seq_len != vae.tokens_per_image or transformer.token_embed_dim != vae.token_dim:
+            raise ValueError(
+                f"transformer tokens ({transformer.seq_len} x {transformer.token_embed_dim}) do not match the vae "
+                f"({vae.tokens_per_image} x {vae.token_dim})"
+            )
+        if draft_transformer is not None and (
+            draft_transformer.seq_len != transformer.seq_len
+            or draft_transformer.token_embed_dim != transformer.token_embed_dim
+        ):
+            raise ValueError("draft_transformer must generate the transformer's token grid and dim")
+        self.register_modules(transformer=transformer, vae=vae, draft_transformer=draft_transformer)
+
+    # ------------------------------------------------------------------ loading
+    ZOO_PARTS = {"transformer": "mar", "vae": "kl", "draft_transformer": "mar-draft"}
+
+    @classmethod
+    def from_zoo(cls, root="assets", prefix="mnist", **kwargs):
+        """The pipeline from zoo folders ``<root>/<prefix>-{mar,kl,mar-draft}`` (the draft optional), each loaded
+        strictly (`mmspec.models.load`); components given as keywords are used as they are."""
+        from pathlib import Path
+
+        from mmspec.models import load
+
+        components = {}
+        for name, suffix in cls.ZOO_PARTS.items():
+            folder = Path(root) / f"{prefix}-{suffix}"
+            if name in kwargs:
+                continue
+            if folder.is_dir():
+                components[name] = load(folder)
+            elif name != "draft_transformer":
+                raise ValueError(f"root={str(root)!r}: missing zoo folder {folder}")
+        components.update(kwargs)
+        try:
+            return cls(**components)
+        except ValueError as err:
+            raise ValueError(f"root={str(root)!r}: the zoo's models do not fit together: {err}") from err
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """`DiffusionPipeline.from_pretrained`, with a local pipeline folder's components loaded strictly through
+        `mmspec.models.load` (components passed as keywords are used as given)."""
+        from pathlib import Path
+
+        folder = Path(pretrained_model_name_or_path)
+        if (folder / "model_index.json").is_file():
+            from mmspec.models import load
+
+            for name in cls.ZOO_PARTS:
+                if name not in kwargs and (folder / name / "config.json").is_file():
+                    kwargs[name] = load(folder / name)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    # ------------------------------------------------------------------ checks
+    def check_inputs(self, class_labels, guidance_scale, temperature, num_ar_steps, acceptance, num_draft_tokens,
+                     prefill_ratio, verify_mode, output_type):  # fmt: skip
+        if acceptance not in ACCEPTANCES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCES}, got {acceptance!r}")
+        if acceptance == "continuous" and self.draft_transformer is None:
+            raise ValueError("acceptance='continuous' needs a draft_transformer component")
+        if verify_mode not in VERIFY_MODES:
+            raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+        if not 0.0 <= prefill_ratio <= 1.0:
+            raise ValueError(f"prefill_ratio must be in [0, 1], got {prefill_ratio!r}")
+        if not guidance_scale >= 1.0:
+            raise ValueError(f"guidance_scale must be >= 1, got {guidance_scale!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        mar_schedule(self.transformer.seq_len, num_ar_steps)  # raises on a bad num_ar_steps
+        labels = torch.as_tensor(class_labels).reshape(-1)
+        if labels.numel() == 0 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+            raise ValueError(f"class_labels must be one or more int class ids, got {class_labels!r}")
+        n = self.transformer.config.class_num
+        if bool(((labels < 0) | (labels >= n)).any()):
+            raise ValueError(f"class_labels must be in [0, {n}), got {labels.tolist()}")
+        return labels
+
+    # ------------------------------------------------------------------ call
+    @torch.no_grad()
+    def __call__(
+        self,
+        class_labels,
+        guidance_scale: float = 3.0,
+        temperature: float = 1.0,
+        num_ar_steps: int = 64,
+        num_inference_steps: int | None = None,
+        acceptance: str = "none",
+        num_draft_tokens: int = 4,
+        prefill_ratio: float = 0.15,
+        trajectory_alignment: bool = True,
+        verify_mode: str = "block",
+        cfg_schedule_type: str = "linear",
+        max_residual_tries: int = 100,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end=None,
+    ):
+        """Generate one image per class label.
+
+        Args:
+            class_labels: class id(s) in ``[0, class_num)``.
+            guidance_scale: CFG scale on the head's epsilon (1 = conditional branch only), scheduled by
+                ``cfg_schedule_type`` (``"linear"``, MAR's default: weak early, full at the end; or ``"constant"``).
+            temperature: the head's noise scale at every stochastic denoising step (MAR's diffusion temperature).
+            num_ar_steps: MAR's AR steps (cosine schedule; ``seq_len`` = one token per step at the end).
+            num_inference_steps: the head's respaced diffusion steps (default: the transformer's config); the draft
+                uses the same (trajectory alignment needs the same steps).
+            acceptance: ``"none"`` (MAR) | ``"continuous"`` (CSpD; needs ``draft_transformer``).
+            num_draft_tokens: AR steps per CSpD block (the release's ``num_draft``).
+            prefill_ratio: the leading fraction of AR steps the target does alone (at least one step).
+            trajectory_alignment: the draft uses the target's ``x_T`` and per-step noise (CSpD §3.2); False draws
+                its own (lower acceptance; same output law).
+            verify_mode: ``"block"`` | ``"exact"`` (`mmspec.decoding.masked`).
+            max_residual_tries: acceptance-rejection proposals per rejected token before the fallback to a plain
+                target sample (counted in ``stats.extra["residual_fallbacks"]``).
+            generator: one ``torch.Generator`` on the model's device, or one per image (an image then does not
+                depend on its batch).
+            output_type: ``"pil"`` | ``"np"`` | ``"pt"`` (``[B, C, H, W]`` in [0, 1]) | ``"latent"`` (tokens).
+            return_dict: return a `SpeculativeContinuousOutput` (else ``(images, stats)``).
+            callback_on_step_end: ``fn(pipe, step, num_steps, {"tokens": [B, L, D], "visible": [B, L]})`` after
+                every plain step or CSpD block (read-only).
+        """
+        # 1. check
+        labels = self.check_inputs(class_labels, guidance_scale, temperature, num_ar_steps, acceptance,
+                                   num_draft_tokens, prefill_ratio, verify_mode, output_type)  # fmt: skip
+        device = self._execution_device
+        labels = labels.to(device)
+        batch = labels.numel()
+        check_generator(generator, batch, device)
+        speculative = acceptance == "continuous"
+        models = [self.transformer] + ([self.draft_transformer] if speculative else [])
+        saved_steps = [m.diffloss.gen_diffusion for m in models]
+        try:
+            if num_inference_steps is not None:
+                for m in models:
+                    m.diffloss.set_sampling_steps(num_inference_steps)
+            elif (
+                speculative
+                and self.draft_transformer.diffloss.num_sampling_steps != self.transformer.diffloss.num_sampling_steps
+            ):
+                self.draft_transformer.diffloss.gen_diffusion = self.transformer.diffloss.gen_diffusion
+            return self._generate(labels, guidance_scale, temperature, num_ar_steps, speculative, num_draft_tokens,
+                                  prefill_ratio, trajectory_alignment, verify_mode, cfg_schedule_type,
+                                  max_residual_tries, generator, output_type, return_dict, callback_on_step_end,
+                                  device)  # fmt: skip
+        finally:
+            for m, diffusion in zip(models, saved_steps, strict=True):
+                m.diffloss.gen_diffusion = diffusion
+
+    def _generate(self, labels, guidance_scale, temperature, num_ar_steps, speculative, num_draft_tokens,
+                  prefill_ratio, trajectory_alignment, verify_mode, cfg_schedule_type, max_residual_tries, generator,
+                  output_type, return_dict, callback_on_step_end, device):  # fmt: skip
+        # 2. prepare: schedule, noise (once per image), model runners
+        batch, seq_len = labels.numel(), self.transformer.seq_len
+        counts, mask_lens = mar_schedule(seq_len, num_ar_steps)
+        cfgs = cfg_schedule(guidance_scale, seq_len, mask_lens, cfg_schedule_type)
+        guided = guidance_scale != 1.0
+        steps = self.transformer.diffloss.num_sampling_steps
+        dim = self.transformer.token_embed_dim
+        noise = ImageNoise.draw(batch, seq_len, dim, steps, generator, device)
+        draft_noise = None
+        if speculative and not trajectory_alignment:
+            draft_noise = ImageNoise.draw(batch, seq_len, dim, steps, generator, device)
+            draft_noise.order = noise.order
+        target = MARRunner(self.transformer, labels, guided)
+        draft = MARRunner(self.draft_transformer, labels, guided) if speculative else None
+        num_prefill = max(1, round(prefill_ratio * num_ar_steps)) if speculative else num_ar_steps
+        stats = SpecStats(batch, num_draft_tokens if speculative else 0)
+        callback = None
+        if callback_on_step_end is not None:
+
+            def callback(step, state):
+                callback_on_step_end(self, step, num_ar_steps, {"tokens": state.tokens, "visible": state.visible})
+
+        # 3-4. pre-fill + loop (plain: every step by the target)
+        with stats.timer("total", device), stats.timer("decode", device):
+            with self.progress_bar(total=batch * seq_len) as progress:
+                state = decode_masked(target, draft, noise, counts=counts, cfg_scales=cfgs, temperature=temperature,
+                                      num_draft_steps=num_draft_tokens, num_prefill_steps=num_prefill,
+                                      verify_mode=verify_mode, draft_noise=draft_noise, generator=generator,
+                                      stats=stats, progress=progress, callback=callback,
+                                      max_residual_tries=max_residual_tries)  # fmt: skip
+        # 5. postprocess
+        with stats.timer("total", device):
+            images = self.postprocess(state.tokens, output_type)
+        self._fill_stats(stats, state, speculative, num_ar_steps)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return images, stats
+        return SpeculativeContinuousOutput(images=images, stats=stats, trace=state.trace)
+
+    @staticmethod
+    def _fill_stats(stats, state, speculative, num_ar_steps):
+        counts = state.trace.counts()
+        stats.generated_tokens = [int(c) for c in sum(counts.values())]
+        stats.prefill_tokens = [int(c) for c in counts["prefill"]]
+        stats.accepted_tokens = [int(c) for c in counts["accepted"]]
+        stats.drafted_tokens = [int(a + r) for a, r in zip(counts["accepted"], counts["resampled"], strict=True)]
+        rounds = (state.trace.round.max(1).values + 1).tolist()
+        stats.rounds = [int(r) for r in rounds]
+        drafted = sum(stats.drafted_tokens)
+        stats.extra.update(
+            acceptance_rate=(sum(stats.accepted_tokens) / drafted) if drafted else None,
+            residual_fallbacks=state.num_fallbacks,
+            num_ar_steps=num_ar_steps,
+            speculative=speculative,
+        )
+        stats.finalize()
+
+    def postprocess(self, tokens, output_type):
+        """Tokens ``[B, L, D]`` -> the requested output type (images in [0, 1])."""
+        if output_type == "latent":
+            return tokens
+        images = ((self.vae.decode_tokens(tokens.to(self.vae.dtype)).float() + 1) / 2).clamp(0, 1)
+        if output_type == "pt":
+            return images
+        if output_type == "np":
+            return images.permute(0, 2, 3, 1).cpu().numpy()
+        from mmspec.pipelines.ar_image import to_pil
+
+        return to_pil(images)

@@ -89,6 +89,22 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
             raise ValueError(f"root={str(root)!r}: the zoo's models do not fit together: {err}") from err
 
     @classmethod
+    def from_official(cls, mar_ckpt, vae_ckpt, model="mar_large", draft_ckpt=None, draft_model="mar_base", **kwargs):
+        """The pipeline from official LTH14/mar files (``checkpoint-last.pth`` of ``mar_base/large/huge``, EMA
+        weights by default, and ``kl16.ckpt``), read with ``torch.load(weights_only=True)`` and every key and shape
+        checked (`mmspec.models.mar_checkpoints.official_continuous_pipeline` has the options).
+
+        Examples:
+            >>> pipe = SpeculativeContinuousARPipeline.from_official(
+            ...     "mar_huge/checkpoint-last.pth", "kl16.ckpt", "mar_huge",
+            ...     draft_ckpt="mar_base/checkpoint-last.pth", draft_model="mar_base", device="cuda")
+            >>> out = pipe([207], acceptance="continuous", num_ar_steps=256, guidance_scale=3.2)
+        """
+        from mmspec.models.mar_checkpoints import official_continuous_pipeline
+
+        return official_continuous_pipeline(mar_ckpt, vae_ckpt, model, draft_ckpt, draft_model, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """`DiffusionPipeline.from_pretrained`, with a local pipeline folder's components loaded strictly through
         `mmspec.models.load` (components passed as keywords are used as given)."""

@@ -83,16 +83,16 @@ class Choice:
 class IntList:
     """A list/tuple of ints `>= low` with `length` entries (or at least one when `length` is None)."""
 
-    def __init__(self, low=1, length=None):
-        self.low, self.length = low, length
+    def __init__(self, low=1, length=None, allow_empty=False):
+        self.low, self.length, self.allow_empty = low, length, allow_empty
 
     def describe(self):
         if self.length is None:
-            return f"a non-empty list of ints >= {self.low}"
+            return f"a {'' if self.allow_empty else 'non-empty '}list of ints >= {self.low}"
         return f"a list of {self.length} ints >= {self.low}"
 
     def ok(self, value):
-        if not isinstance(value, (list, tuple)) or not value:
+        if not isinstance(value, (list, tuple)) or not (value or self.allow_empty):
             return False
         if self.length is not None and len(value) != self.length:
             return False
@@ -177,6 +177,17 @@ CONFIG_FIELDS = {
         "feature_dim": _POS_INT,
         "dropout": _PROB,
         "image_size": Int(4),
+    },
+    "AutoencoderKL": {
+        **{
+            k: _POS_INT
+            for k in ("in_channels", "out_channels", "ch", "num_res_blocks", "resolution", "embed_dim", "num_groups")
+        },  # fmt: skip
+        "ch_mult": IntList(1),
+        "attn_resolutions": IntList(1, allow_empty=True),
+        "decoder_attn_resolutions": IntList(1, allow_empty=True),
+        "use_variational": Bool(),
+        "scale_factor": Float(0.0, low_open=True),
     },
     "MAR": {
         **{

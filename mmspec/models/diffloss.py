@@ -172,14 +172,18 @@ class DiffLossHead(nn.Module):
         """Condition embeddings of both CFG branches ``[N or 2N, W]`` (computed once per sampling call)."""
         return self.net.cond_embed(z if z_uncond is None else torch.cat([z, z_uncond]))
 
-    def _eps_var(self, x: Tensor, i: int, c_emb: Tensor, cfg: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Guided epsilon and the conditional branch's variance output at respaced step ``i`` (``[N, D]`` each).
+    def _time_embeddings(self, device) -> Tensor:
+        """``[S, W]``: the time embedding of every respaced step, one batched call per sampling call."""
+        steps = torch.arange(self.gen_diffusion.num_steps, device=device)
+        return self.net.time_embed(self.gen_diffusion.model_timesteps(steps))
+
+    def _eps_var(self, x: Tensor, y: Tensor, cfg: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Guided epsilon and the conditional branch's variance output (``[N, D]`` each) given the summed
+        embedding ``y`` of both branches.
 
         CFG as MAR's ``forward_with_cfg``: both branches see the same ``x``; ``eps = eps_u + cfg (eps_c - eps_u)``;
         the variance interpolation comes from the conditional branch."""
         n, d = x.shape
-        t_model = self.gen_diffusion.model_timesteps(torch.tensor([i], device=x.device))
-        y = c_emb + self.net.time_embed(t_model)  # [N or 2N, W]
         if cfg is None:
             out = self.net.forward_embedded(x, y)
             return out[:, :d], out[:, d:]
@@ -188,10 +192,15 @@ class DiffLossHead(nn.Module):
         eps = uncond[:, :d] + cfg[:, None] * (cond[:, :d] - uncond[:, :d])
         return eps, cond[:, d:]
 
-    def _step(self, x, i, c_emb, cfg):
-        eps, var_values = self._eps_var(x, i, c_emb, cfg)
-        t = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
-        return self.gen_diffusion.p_mean_logvar(eps, var_values, x, t)
+    def _step(self, x, i, c_emb, t_emb, cfg):
+        """Mean and log-variance of respaced step ``i`` (scalar coefficients: no per-step gathers)."""
+        eps, var_values = self._eps_var(x, c_emb + t_emb[i], cfg)
+        c = self.gen_diffusion.step_coefficients(i)
+        x_start = c["sqrt_recip_alphas_cumprod"] * x - c["sqrt_recipm1_alphas_cumprod"] * eps
+        mean = c["posterior_mean_coef1"] * x_start + c["posterior_mean_coef2"] * x
+        frac = (var_values + 1) / 2
+        logvar = frac * c["log_betas"] + (1 - frac) * c["posterior_log_variance_clipped"]
+        return mean, logvar
 
     @staticmethod
     def _cfg(cfg, n: int, like: Tensor) -> Tensor:
@@ -221,10 +230,10 @@ class DiffLossHead(nn.Module):
         if noise.shape != (*x_T.shape[:1], steps - 1, x_T.shape[1]):
             raise ValueError(f"noise must be [N, {steps - 1}, D] for {steps} sampling steps, got {tuple(noise.shape)}")
         cfg = None if z_uncond is None else self._cfg(cfg, x_T.shape[0], x_T)
-        c_emb = self._embed(z, z_uncond)
+        c_emb, t_emb = self._embed(z, z_uncond), self._time_embeddings(x_T.device)
         x, log_std_sum = x_T, torch.zeros(x_T.shape[0], dtype=x_T.dtype, device=x_T.device)
         for j, i in enumerate(range(steps - 1, 0, -1)):
-            mean, logvar = self._step(x, i, c_emb, cfg)
+            mean, logvar = self._step(x, i, c_emb, t_emb, cfg)
             std = (0.5 * logvar).exp() * temperature
             if i == 1:
                 return HeadSample(mean + std * noise[:, j], mean, std.expand_as(mean), log_std_sum)
@@ -235,7 +244,10 @@ class DiffLossHead(nn.Module):
     def finish(self, z: Tensor, y: Tensor, *, z_uncond: Tensor | None = None, cfg: float | Tensor = 1.0) -> Tensor:
         """The noise-free final step ``x_0 = mean_0(y)`` (``[N, D]``)."""
         cfg = None if z_uncond is None else self._cfg(cfg, y.shape[0], y)
-        mean, _ = self._step(y, 0, self._embed(z, z_uncond), cfg)
+        t_emb = self.net.time_embed(
+            self.gen_diffusion.model_timesteps(torch.zeros(1, dtype=torch.long, device=y.device))
+        )
+        mean, _ = self._step(y, 0, self._embed(z, z_uncond), t_emb, cfg)
         return mean
 
     def sample(self, z, x_T, noise, *, z_uncond=None, cfg=1.0, temperature=1.0) -> Tensor:

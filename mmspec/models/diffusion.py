@@ -95,6 +95,12 @@ class GaussianDiffusion:
         }
         self._arrays = {k: torch.from_numpy(v) for k, v in arrays.items()}
 
+    def step_coefficients(self, i: int) -> dict[str, float]:
+        """Every schedule array at step ``i`` as Python floats (samplers at one step for all tokens)."""
+        if not hasattr(self, "_floats"):
+            self._floats = [{k: float(v[j]) for k, v in self._arrays.items()} for j in range(self.num_steps)]
+        return self._floats[i]
+
     def coef(self, name: str, t: Tensor, like: Tensor) -> Tensor:
         """``name[t]`` as ``like``'s dtype/device, broadcast over the last dim: ``[N, 1]`` for ``t [N]``."""
         return self._arrays[name].to(like.device)[t.to(like.device)].to(like.dtype)[:, None]

@@ -268,7 +268,7 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         stats.generated_tokens = [int(c) for c in sum(counts.values())]
         stats.prefill_tokens = [int(c) for c in counts["prefill"]]
         stats.accepted_tokens = [int(c) for c in counts["accepted"]]
-        stats.drafted_tokens = [int(a + r) for a, r in zip(counts["accepted"], counts["resampled"], strict=True)]
+        stats.drafted_tokens = [int(n) for n in state.drafted]  # verified drafts (exact: incl. discarded steps)
         rounds = (state.trace.round.max(1).values + 1).tolist()
         stats.rounds = [int(r) for r in rounds]
         drafted = sum(stats.drafted_tokens)

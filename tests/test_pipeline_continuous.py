@@ -296,3 +296,22 @@ def test_continuous_needs_a_draft():
     p = SpeculativeContinuousARPipeline(toy_mar(0), toy_vae())
     with pytest.raises(ValueError, match="draft_transformer"):
         p([0], acceptance="continuous")
+
+
+def test_trajectory_alignment_raises_acceptance(pipe):
+    kw = dict(acceptance="continuous", verify_mode="exact", num_draft_tokens=3, prefill_ratio=0.25)
+    _, aligned = sample(pipe, 600, 11, **kw)
+    _, free = sample(pipe, 600, 11, trajectory_alignment=False, **kw)
+    assert aligned.stats.extra["acceptance_rate"] > free.stats.extra["acceptance_rate"] + 0.05
+
+
+def test_exact_mode_is_ragged_and_traced(pipe):
+    """Images advance by their own accepted steps: rounds differ across images; every token is emitted once."""
+    _, out = sample(pipe, 64, 12, acceptance="continuous", verify_mode="exact", num_draft_tokens=3, prefill_ratio=0.25)
+    rounds = out.trace.round.max(1).values
+    assert rounds.min() < rounds.max()  # ragged
+    counts = out.trace.counts()
+    assert (counts["prefill"] == 1).all() and (counts["prefill"] + counts["accepted"] + counts["resampled"] == 4).all()
+    drafted = sum(out.stats.drafted_tokens)  # every verified draft, those of discarded steps too
+    assert drafted >= (counts["accepted"] + counts["resampled"]).sum().item()
+    assert out.stats.extra["acceptance_rate"] == counts["accepted"].sum().item() / drafted

@@ -148,8 +148,7 @@ class MaskedState:
     visible: Tensor  # [B, L] bool
     trace: DecodeTrace  # [B, L] by token position
     num_fallbacks: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    drafted: Tensor | None = None  # [B] draft tokens verified (exact mode: also those of discarded steps)
 
 
 def _positions(noise: ImageNoise, starts: list[int], counts: list[int], step: int):
@@ -206,6 +205,7 @@ def decode_masked(
         torch.zeros(b, length, dim, device=dev, dtype=noise.x_T.dtype),
         torch.zeros(b, length, dtype=torch.bool, device=dev),
         DecodeTrace.empty(b, length, dev),
+        drafted=torch.zeros(b, dtype=torch.long, device=dev),
     )
     starts = [0]
     for c in counts:
@@ -305,8 +305,7 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
     emit(rows[accepted], pos[accepted], values[accepted], ACCEPTED)
     emit(rows[~accepted], pos[~accepted], values[~accepted], RESAMPLED)
     state.num_fallbacks += int(result.num_fallbacks.sum())
-    state.drafted += rows.numel()
-    state.accepted += int(accepted.sum())
+    state.drafted += torch.bincount(rows, minlength=b)
     if stats is not None:
         stats.target_forwards += 1
         stats.draft_forwards += k
@@ -420,8 +419,7 @@ def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_
         acc_keep, res_keep = keep & accepted, keep & ~accepted
         emit_fn(rows[acc_keep], pos[acc_keep], values[acc_keep], ACCEPTED, round_index)
         emit_fn(rows[res_keep], pos[res_keep], values[res_keep], RESAMPLED, round_index)
-        state.drafted += int(keep.sum())
-        state.accepted += int(acc_keep.sum())
+        state.drafted += torch.bincount(rows, minlength=b_total)
         if stats is not None:
             stats.target_forwards += 1
             stats.draft_forwards += len(items)

@@ -315,3 +315,35 @@ def test_exact_mode_is_ragged_and_traced(pipe):
     drafted = sum(out.stats.drafted_tokens)  # every verified draft, those of discarded steps too
     assert drafted >= (counts["accepted"] + counts["resampled"]).sum().item()
     assert out.stats.extra["acceptance_rate"] == counts["accepted"].sum().item() / drafted
+
+
+def test_save_and_load_round_trip_and_callback(tmp_path):
+    """A pipeline of real (tiny) models saves, loads strictly through from_pretrained / from_zoo, and calls back."""
+    torch.manual_seed(0)
+    kw = dict(seq_h=2, seq_w=2, token_embed_dim=2, encoder_depth=1, encoder_num_heads=2, decoder_depth=1,
+              decoder_num_heads=2, class_num=3, buffer_size=2, diffloss_d=1, diffloss_w=8, num_sampling_steps="3")  # fmt: skip
+    target = MAR(encoder_embed_dim=16, decoder_embed_dim=16, **kw).eval()
+    draft = MAR(encoder_embed_dim=8, decoder_embed_dim=8, **kw).eval()
+    pipe = SpeculativeContinuousARPipeline(target, toy_vae(), draft)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(tmp_path / "pipe")
+    loaded = SpeculativeContinuousARPipeline.from_pretrained(tmp_path / "pipe")
+    loaded.set_progress_bar_config(disable=True)
+    seen = []
+
+    def callback(p, step, num_steps, tensors):
+        seen.append((step, int(tensors["visible"].sum())))
+
+    args = dict(num_ar_steps=4, acceptance="continuous", num_draft_tokens=2, prefill_ratio=0.25, output_type="latent")
+    a = pipe([0, 2], generator=torch.Generator().manual_seed(0), **args).images
+    b = loaded([0, 2], generator=torch.Generator().manual_seed(0), callback_on_step_end=callback, **args).images
+    torch.testing.assert_close(a, b)
+    assert seen == [(1, 2), (3, 6), (4, 8)]  # pre-fill step, then blocks of 2 steps and 1 step
+    for name, folder in (("mar", "transformer"), ("kl", "vae"), ("mar-draft", "draft_transformer")):
+        (tmp_path / "pipe" / folder).rename(tmp_path / f"mnist-{name}")
+    zoo = SpeculativeContinuousARPipeline.from_zoo(tmp_path)
+    zoo.set_progress_bar_config(disable=True)
+    torch.testing.assert_close(zoo([0, 2], generator=torch.Generator().manual_seed(0), **args).images, a)
+    (tmp_path / "mnist-mar" / "config.json").write_text('{"_class_name": "MAR", "seq_h": "x"}')
+    with pytest.raises(ValueError, match="seq_h"):
+        SpeculativeContinuousARPipeline.from_zoo(tmp_path)

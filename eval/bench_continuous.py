@@ -5,9 +5,10 @@ one per ``--fewer-steps`` entry: the honest competitor, since CSpD's ``"block"``
 schedule), ``cspd-block`` and ``cspd-exact`` (CSpD, one per ``--verify-modes`` entry).
 
 Protocol: every image ``i`` has its own generator (seed ``--seed + i``) and label ``i % 10``, so an image is the same
-whatever batch it is in. Speed: ``--timing-batches`` batches of ``--batch-size`` images, every method on each batch
-in turn (interleaved, so load drift hits all alike), after one warm-up call per method; ``latency_s`` is the median
-wall time of a batch, ``speedup`` = plain's / the method's. Quality: ``--num-images`` images per method (generated in
+whatever batch it is in. Speed, for each ``--batch-size`` (a comma list): ``--timing-batches`` batches, every method
+on each batch in turn (interleaved, so load drift hits all alike), after one warm-up call per method; ``latency_s``
+is the median wall time of a batch, ``speedup`` = plain's / the method's (per batch size under ``by_batch_size``;
+the first batch size's also at the top level of each method). Quality: ``--num-images`` images per method (generated in
 batches of ``--quality-batch-size``; with per-image generators they are the images any batch size would give),
 scored by the zoo classifier: ``accuracy`` on the requested digit and ``fid_in_domain`` (Frechet distance of its
 features against the shipped MNIST-test statistics, `assets/reference-stats/mnist-test-classifier.npz`).
@@ -51,7 +52,7 @@ def _modes(text):
 
 def add_arguments(parser):
     parser.add_argument("--zoo", default="assets", help="folder with mnist-mar, mnist-kl, mnist-mar-draft")
-    parser.add_argument("--batch-size", type=positive_int, default=1, help="images per timed call")
+    parser.add_argument("--batch-size", type=_int_list, default=[1], help="images per timed call (comma list)")
     parser.add_argument("--timing-batches", type=positive_int, default=8, help="timed calls per method")
     parser.add_argument("--num-images", type=non_negative_int, default=1000, help="images per method for quality")
     parser.add_argument("--quality-batch-size", type=positive_int, default=100)
@@ -106,16 +107,35 @@ def run(args):
             torch.cuda.synchronize()
         return out, time.perf_counter() - t0
 
-    # speed: interleaved timed batches
-    times = {name: [] for name in table}
-    calls = {name: [] for name in table}
-    for kw in table.values():  # warm-up
-        call(kw, 0, args.batch_size)
-    for b in tqdm(range(args.timing_batches), desc="timing", disable=None):
-        for name, kw in table.items():
-            out, dt = call(kw, b * args.batch_size, args.batch_size)
-            times[name].append(dt)
-            calls[name].append(out.stats)
+    # speed: interleaved timed batches, per batch size
+    timing = {}
+    for bs in args.batch_size:
+        times = {name: [] for name in table}
+        calls = {name: [] for name in table}
+        for kw in table.values():  # warm-up
+            call(kw, 0, bs)
+        for b in tqdm(range(args.timing_batches), desc=f"timing b{bs}", disable=None):
+            for name, kw in table.items():
+                out, dt = call(kw, b * bs, bs)
+                times[name].append(dt)
+                calls[name].append(out.stats)
+        timing[bs] = {}
+        for name in table:
+            lat = times[name]
+            drafted = sum(sum(s.drafted_tokens) for s in calls[name])
+            accepted = sum(sum(s.accepted_tokens) for s in calls[name])
+            p10, p90 = _quantiles(lat)
+            timing[bs][name] = {
+                "latency_s": statistics.median(lat),
+                "latency_p10_s": p10,
+                "latency_p90_s": p90,
+                "target_calls": statistics.mean(s.target_forwards for s in calls[name]),
+                "draft_calls": statistics.mean(s.draft_forwards for s in calls[name]),
+                "acceptance_rate": accepted / drafted if drafted else None,
+            }
+        base = timing[bs]["plain"]["latency_s"]
+        for entry in timing[bs].values():
+            entry["speedup"] = base / entry["latency_s"]
     # quality: per-image generators, large batches
     reference = load_reference_stats(Path(args.zoo) / "reference-stats" / "mnist-test-classifier.npz")
     extractor = MNISTClassifierFeatures(classifier)
@@ -129,16 +149,13 @@ def run(args):
             labels += [i % 10 for i in range(start, start + n)]
             acc_stats.append(out.stats)
         entry = {"knobs": {**common, **kw, "output_type": None}}
-        lat = times[name]
-        entry["latency_s"] = statistics.median(lat)
-        entry["latency_p10_s"], entry["latency_p90_s"] = _quantiles(lat)
-        stats = calls[name] + acc_stats
-        drafted = sum(sum(s.drafted_tokens) for s in stats)
-        accepted = sum(sum(s.accepted_tokens) for s in stats)
-        entry["acceptance_rate"] = accepted / drafted if drafted else None
-        entry["target_calls"] = statistics.mean(s.target_forwards for s in calls[name])
-        entry["draft_calls"] = statistics.mean(s.draft_forwards for s in calls[name])
-        entry["residual_fallbacks"] = sum(s.extra.get("residual_fallbacks", 0) for s in stats)
+        first = timing[args.batch_size[0]][name]
+        entry.update(first)  # the first batch size's speed at the top level
+        entry["by_batch_size"] = {str(bs): timing[bs][name] for bs in args.batch_size}
+        drafted = sum(sum(s.drafted_tokens) for s in acc_stats)
+        accepted = sum(sum(s.accepted_tokens) for s in acc_stats)
+        entry["acceptance_rate_quality_run"] = accepted / drafted if drafted else None
+        entry["residual_fallbacks"] = sum(s.extra.get("residual_fallbacks", 0) for s in acc_stats)
         if images:
             x = torch.cat(images)
             with torch.no_grad():
@@ -148,16 +165,13 @@ def run(args):
             entry["fid_in_domain"] = result.fid
             entry["num_images"] = len(x)
         report[name] = entry
-    base = report["plain"]["latency_s"]
-    for entry in report.values():
-        entry["speedup"] = base / entry["latency_s"]
     for name, entry in report.items():
         logger.info("%-16s latency %.3fs speedup %.2fx acc %s fid %s accept %s", name, entry["latency_s"],
                     entry["speedup"], entry.get("accuracy"), entry.get("fid_in_domain"), entry["acceptance_rate"])  # fmt: skip
     return {
         "bench": "continuous",
         "zoo": str(args.zoo),
-        "batch_size": args.batch_size,
+        "batch_sizes": args.batch_size,
         "timing_batches": args.timing_batches,
         "num_images": args.num_images,
         "seed": args.seed,

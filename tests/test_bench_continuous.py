@@ -38,7 +38,7 @@ def zoo(tmp_path_factory):
 
 def test_bench_continuous_writes_every_method(zoo, tmp_path):
     out = tmp_path / "bench.json"
-    args = ["continuous", "--zoo", str(zoo), "--json", str(out), "--batch-size", "2", "--timing-batches", "1",
+    args = ["continuous", "--zoo", str(zoo), "--json", str(out), "--batch-size", "2,1", "--timing-batches", "1",
             "--num-images", "20", "--quality-batch-size", "10", "--num-ar-steps", "4", "--fewer-steps", "2",
             "--num-draft-tokens", "2", "--prefill-ratio", "0.25", "--threads", "1"]  # fmt: skip
     assert bench_main(args) == 0
@@ -51,7 +51,9 @@ def test_bench_continuous_writes_every_method(zoo, tmp_path):
         assert m["knobs"]["acceptance"] == "continuous" and m["knobs"]["num_draft_tokens"] == 2
         assert 0.0 <= m["acceptance_rate"] <= 1.0 and m["draft_calls"] > 0
     assert report["methods"]["cspd-block"]["target_calls"] == 3  # 1 pre-fill step + blocks of steps 1-2 and 3
+    assert report["batch_sizes"] == [2, 1]
     for m in report["methods"].values():
+        assert set(m["by_batch_size"]) == {"2", "1"} and m["latency_s"] == m["by_batch_size"]["2"]["latency_s"]
         assert m["num_images"] == 20 and 0.0 <= m["accuracy"] <= 1.0 and m["fid_in_domain"] > 0
         assert m["latency_s"] > 0
 

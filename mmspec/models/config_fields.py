@@ -213,6 +213,7 @@ CONFIG_FIELDS = {
         "num_sampling_steps": Sections(),
         "label_drop_prob": _PROB,
         "mask_ratio_min": _PROB,
+        "clip_denoised": Optional(Float(0.0, low_open=True)),
     },
 }
 

@@ -93,6 +93,7 @@ class MAR(ModelMixin, ConfigMixin):
         diffloss_d, diffloss_w: the head's residual blocks and width; num_sampling_steps: its respaced steps.
         label_drop_prob, mask_ratio_min, diffusion_batch_mul: training (class dropout for CFG, mask ratio range,
             head repeats per token).
+        clip_denoised: the head's ``x_start`` clamp while sampling (None = upstream; `DiffLossHead`).
     """
 
     @register_to_config
@@ -116,6 +117,7 @@ class MAR(ModelMixin, ConfigMixin):
         label_drop_prob: float = 0.1,
         mask_ratio_min: float = 0.7,
         diffusion_batch_mul: int = 4,
+        clip_denoised: float | None = None,
     ):
         super().__init__()
         self.seq_len = seq_h * seq_w
@@ -139,7 +141,9 @@ class MAR(ModelMixin, ConfigMixin):
         self.decoder_norm = nn.LayerNorm(decoder_embed_dim, eps=1e-6)
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len, decoder_embed_dim))
         self._init_weights()
-        self.diffloss = DiffLossHead(token_embed_dim, decoder_embed_dim, diffloss_d, diffloss_w, num_sampling_steps)
+        self.diffloss = DiffLossHead(
+            token_embed_dim, decoder_embed_dim, diffloss_d, diffloss_w, num_sampling_steps, clip_denoised
+        )
 
     def _init_weights(self):
         for p in [self.class_emb.weight, self.fake_latent, self.mask_token, self.encoder_pos_embed_learned,

@@ -49,6 +49,8 @@ def add_arguments(parser):
     parser.add_argument("--buffer-size", type=positive_int, default=4, help="class buffer tokens (upstream 64)")
     parser.add_argument("--sampling-steps", default="50", help="respaced diffusion steps saved in the config")
     parser.add_argument("--diffusion-batch-mul", type=positive_int, default=2)
+    parser.add_argument("--clip-denoised", type=positive_float, default=6.0,
+                        help="x_start clamp while sampling (tokens have unit std; see DiffLossHead)")  # fmt: skip
     parser.add_argument("--ema", type=positive_float, default=0.999, help="EMA rate of the saved weights")
     parser.add_argument("--eval-samples", type=non_negative_int, default=500, help="samples for the card's accuracy")
     parser.add_argument("--eval-cfg", type=positive_float, default=3.0)
@@ -129,7 +131,8 @@ def run(args):
                 encoder_depth=size["depth"], encoder_num_heads=size["heads"], decoder_embed_dim=size["dim"],
                 decoder_depth=size["depth"], decoder_num_heads=size["heads"], class_num=int(labels.max()) + 1,
                 buffer_size=args.buffer_size, diffloss_d=size["head_depth"], diffloss_w=size["head_width"],
-                num_sampling_steps=str(args.sampling_steps), diffusion_batch_mul=args.diffusion_batch_mul)  # fmt: skip
+                num_sampling_steps=str(args.sampling_steps), diffusion_batch_mul=args.diffusion_batch_mul,
+                clip_denoised=args.clip_denoised)  # fmt: skip
     ema = EMA(model, args.ema)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -164,7 +167,8 @@ def run(args):
             "`mmspec.models.mar.MAR` (official MAR parameter names) trained from scratch on KL-autoencoder tokens of "
             f"MNIST ({h}x{w} tokens of {mean.shape[2]} dims, posterior samples) with MAR's masked diffusion loss; "
             f"class dropout 0.1 to `fake_latent` (the CFG branch); EMA {args.ema} weights. Sampling defaults: "
-            f"{args.sampling_steps} respaced diffusion steps. `classifier_accuracy`: the zoo classifier on "
+            f"{args.sampling_steps} respaced diffusion steps, predicted x_start clamped to +-{args.clip_denoised} (the "
+            "cosine schedule's first reverse step amplifies epsilon errors ~2e4x). `classifier_accuracy`: the zoo classifier on "
             f"{args.eval_samples} samples (labels cycling 0-9, CFG {args.eval_cfg} linear, {args.eval_num_iter} AR "
             "steps, temperature 1)."
         ),

@@ -67,6 +67,7 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--plot", type=Path, default=None, help="speed-vs-FID plot (PNG) of every batch size")
 
 
 def methods(args) -> dict[str, dict]:
@@ -168,8 +169,12 @@ def run(args):
     for name, entry in report.items():
         logger.info("%-16s latency %.3fs speedup %.2fx acc %s fid %s accept %s", name, entry["latency_s"],
                     entry["speedup"], entry.get("accuracy"), entry.get("fid_in_domain"), entry["acceptance_rate"])  # fmt: skip
+    pareto = {str(bs): pareto_report(report, bs) for bs in args.batch_size} if args.num_images else {}
+    if args.plot is not None and args.num_images:
+        plot(report, args.batch_size, args.plot)
     return {
         "bench": "continuous",
+        "pareto": pareto,
         "zoo": str(args.zoo),
         "batch_sizes": args.batch_size,
         "timing_batches": args.timing_batches,
@@ -188,3 +193,54 @@ def _quantiles(values):
         return values[0], values[0]
     q = statistics.quantiles(values, n=10, method="inclusive")
     return q[0], q[-1]
+
+
+def pareto_report(report, batch_size) -> dict:
+    """Per CSpD method at one batch size: is it on the speed / in-domain-FID Pareto front of plain MAR at its step
+    counts (plain + fewer-steps), and how far: ``fid_gap`` = its FID minus the front's FID at its speedup (linear
+    interpolation between the neighbouring MAR points; negative = better than MAR at that speed), or None outside the
+    front's speed range (faster than every MAR point: compare ``dominates``)."""
+    key = str(batch_size)
+    points = {n: (m["by_batch_size"][key]["speedup"], m["fid_in_domain"]) for n, m in report.items()}
+    mar = sorted((v for n, v in points.items() if not n.startswith("cspd")), key=lambda p: p[0])
+    front = [p for p in mar if not any(q[0] >= p[0] and q[1] <= p[1] and q != p for q in mar)]
+    out = {}
+    for name, (speed, fid) in points.items():
+        if not name.startswith("cspd"):
+            continue
+        dominated_by = [n for n, (s2, f2) in points.items() if n != name and s2 >= speed and f2 <= fid]
+        gap = None
+        for (s0, f0), (s1, f1) in zip(front, front[1:], strict=False):
+            if s0 <= speed <= s1:
+                gap = fid - (f0 + (f1 - f0) * (speed - s0) / (s1 - s0))
+        out[name] = {"speedup": speed, "fid_in_domain": fid, "on_front": not dominated_by,
+                     "dominated_by": dominated_by, "fid_gap": gap}  # fmt: skip
+    return out
+
+
+def plot(report, batch_sizes, path):
+    """Speedup (x) vs in-domain FID (y) per batch size: MAR at its step counts as a line, CSpD as points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(batch_sizes), figsize=(5 * len(batch_sizes), 4), squeeze=False)
+    for ax, bs in zip(axes[0], batch_sizes, strict=True):
+        key = str(bs)
+        mar = sorted((m["by_batch_size"][key]["speedup"], m["fid_in_domain"], n) for n, m in report.items()
+                     if not n.startswith("cspd"))  # fmt: skip
+        ax.plot([p[0] for p in mar], [p[1] for p in mar], "o-", color="tab:blue", label="MAR (plain / fewer steps)")
+        for s, f, n in mar:
+            ax.annotate(n.replace("fewer-steps-", "") if n != "plain" else "plain", (s, f), fontsize=8)
+        for n, m in report.items():
+            if n.startswith("cspd"):
+                ax.plot(m["by_batch_size"][key]["speedup"], m["fid_in_domain"], "s", label=n)
+        ax.set_xlabel(f"speedup vs plain (batch {bs})")
+        ax.set_ylabel("in-domain FID (lower is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -40,7 +40,8 @@ def test_bench_continuous_writes_every_method(zoo, tmp_path):
     out = tmp_path / "bench.json"
     args = ["continuous", "--zoo", str(zoo), "--json", str(out), "--batch-size", "2,1", "--timing-batches", "1",
             "--num-images", "20", "--quality-batch-size", "10", "--num-ar-steps", "4", "--fewer-steps", "2",
-            "--num-draft-tokens", "2", "--prefill-ratio", "0.25", "--threads", "1"]  # fmt: skip
+            "--num-draft-tokens", "2", "--prefill-ratio", "0.25", "--threads", "1",
+            "--plot", str(tmp_path / "pareto.png")]  # fmt: skip
     assert bench_main(args) == 0
     report = json.loads(out.read_text())
     assert set(report["methods"]) == {"plain", "fewer-steps-2", "cspd-block", "cspd-exact"}
@@ -51,7 +52,11 @@ def test_bench_continuous_writes_every_method(zoo, tmp_path):
         assert m["knobs"]["acceptance"] == "continuous" and m["knobs"]["num_draft_tokens"] == 2
         assert 0.0 <= m["acceptance_rate"] <= 1.0 and m["draft_calls"] > 0
     assert report["methods"]["cspd-block"]["target_calls"] == 3  # 1 pre-fill step + blocks of steps 1-2 and 3
-    assert report["batch_sizes"] == [2, 1]
+    assert report["batch_sizes"] == [2, 1] and (tmp_path / "pareto.png").stat().st_size > 0
+    for bs in ("2", "1"):
+        for name in ("cspd-block", "cspd-exact"):
+            entry = report["pareto"][bs][name]
+            assert entry["on_front"] == (not entry["dominated_by"])
     for m in report["methods"].values():
         assert set(m["by_batch_size"]) == {"2", "1"} and m["latency_s"] == m["by_batch_size"]["2"]["latency_s"]
         assert m["num_images"] == 20 and 0.0 <= m["accuracy"] <= 1.0 and m["fid_in_domain"] > 0
@@ -62,3 +67,17 @@ def test_bench_continuous_usage_errors(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_main(["continuous", "--verify-modes", "fast"])
     assert exc.value.code == 2 and "verify modes" in capsys.readouterr().err
+
+
+def test_pareto_report_interpolates_the_mar_front():
+    from mmspec.eval.bench_continuous import pareto_report
+
+    def m(speed, fid):
+        return {"by_batch_size": {"1": {"speedup": speed}}, "fid_in_domain": fid}
+
+    report = {"plain": m(1.0, 2.0), "fewer-steps-32": m(2.0, 3.0), "fewer-steps-16": m(4.0, 5.0),
+              "cspd-block": m(1.5, 3.0), "cspd-exact": m(3.0, 3.5)}  # fmt: skip
+    out = pareto_report(report, 1)
+    assert out["cspd-block"]["dominated_by"] == ["fewer-steps-32"] and not out["cspd-block"]["on_front"]
+    assert out["cspd-block"]["fid_gap"] == pytest.approx(0.5)  # front at 1.5x: FID 2.5
+    assert out["cspd-exact"]["on_front"] and out["cspd-exact"]["fid_gap"] == pytest.approx(-0.5)  # front at 3x: 4.0

@@ -56,6 +56,8 @@ def add_arguments(parser):
     parser.add_argument("--timing-batches", type=positive_int, default=8, help="timed calls per method")
     parser.add_argument("--num-images", type=non_negative_int, default=1000, help="images per method for quality")
     parser.add_argument("--quality-batch-size", type=positive_int, default=100)
+    parser.add_argument("--skip-quality", default="", help="comma list of methods timed but not scored (e.g. "
+                        "cspd-exact: lossless, so its expected FID is plain's, and slow on a CPU)")  # fmt: skip
     parser.add_argument("--num-ar-steps", type=positive_int, default=64)
     parser.add_argument("--fewer-steps", type=_int_list, default=[32, 16], help="AR steps of the fewer-steps runs")
     parser.add_argument("--verify-modes", type=_modes, default=["block", "exact"])
@@ -141,10 +143,12 @@ def run(args):
     reference = load_reference_stats(Path(args.zoo) / "reference-stats" / "mnist-test-classifier.npz")
     extractor = MNISTClassifierFeatures(classifier)
     report = {}
+    skip = {m.strip() for m in args.skip_quality.split(",") if m.strip()}
     for name, kw in table.items():
         images, labels, acc_stats = [], [], []
-        for start in tqdm(range(0, args.num_images, args.quality_batch_size), desc=name, disable=None):
-            n = min(args.quality_batch_size, args.num_images - start)
+        num = 0 if name in skip else args.num_images
+        for start in tqdm(range(0, num, args.quality_batch_size), desc=name, disable=None):
+            n = min(args.quality_batch_size, num - start)
             out, _ = call(kw, start, n)
             images.append(out.images.cpu())
             labels += [i % 10 for i in range(start, start + n)]
@@ -165,6 +169,8 @@ def run(args):
             result, _, _ = fid_and_features(x, reference, extractor, batch_size=500)
             entry["fid_in_domain"] = result.fid
             entry["num_images"] = len(x)
+        else:
+            entry.update(accuracy=None, fid_in_domain=None, num_images=0)
         report[name] = entry
     for name, entry in report.items():
         logger.info("%-16s latency %.3fs speedup %.2fx acc %s fid %s accept %s", name, entry["latency_s"],
@@ -201,7 +207,8 @@ def pareto_report(report, batch_size) -> dict:
     interpolation between the neighbouring MAR points; negative = better than MAR at that speed), or None outside the
     front's speed range (faster than every MAR point: compare ``dominates``)."""
     key = str(batch_size)
-    points = {n: (m["by_batch_size"][key]["speedup"], m["fid_in_domain"]) for n, m in report.items()}
+    points = {n: (m["by_batch_size"][key]["speedup"], m["fid_in_domain"]) for n, m in report.items()
+              if m.get("fid_in_domain") is not None}  # fmt: skip
     mar = sorted((v for n, v in points.items() if not n.startswith("cspd")), key=lambda p: p[0])
     front = [p for p in mar if not any(q[0] >= p[0] and q[1] <= p[1] and q != p for q in mar)]
     out = {}
@@ -229,12 +236,12 @@ def plot(report, batch_sizes, path):
     for ax, bs in zip(axes[0], batch_sizes, strict=True):
         key = str(bs)
         mar = sorted((m["by_batch_size"][key]["speedup"], m["fid_in_domain"], n) for n, m in report.items()
-                     if not n.startswith("cspd"))  # fmt: skip
+                     if not n.startswith("cspd") and m.get("fid_in_domain") is not None)  # fmt: skip
         ax.plot([p[0] for p in mar], [p[1] for p in mar], "o-", color="tab:blue", label="MAR (plain / fewer steps)")
         for s, f, n in mar:
             ax.annotate(n.replace("fewer-steps-", "") if n != "plain" else "plain", (s, f), fontsize=8)
         for n, m in report.items():
-            if n.startswith("cspd"):
+            if n.startswith("cspd") and m.get("fid_in_domain") is not None:
                 ax.plot(m["by_batch_size"][key]["speedup"], m["fid_in_domain"], "s", label=n)
         ax.set_xlabel(f"speedup vs plain (batch {bs})")
         ax.set_ylabel("in-domain FID (lower is better)")

@@ -41,7 +41,7 @@ def test_bench_continuous_writes_every_method(zoo, tmp_path):
     args = ["continuous", "--zoo", str(zoo), "--json", str(out), "--batch-size", "2,1", "--timing-batches", "1",
             "--num-images", "20", "--quality-batch-size", "10", "--num-ar-steps", "4", "--fewer-steps", "2",
             "--num-draft-tokens", "2", "--prefill-ratio", "0.25", "--threads", "1",
-            "--plot", str(tmp_path / "pareto.png")]  # fmt: skip
+            "--plot", str(tmp_path / "pareto.png"), "--skip-quality", "cspd-exact"]  # fmt: skip
     assert bench_main(args) == 0
     report = json.loads(out.read_text())
     assert set(report["methods"]) == {"plain", "fewer-steps-2", "cspd-block", "cspd-exact"}
@@ -54,9 +54,12 @@ def test_bench_continuous_writes_every_method(zoo, tmp_path):
     assert report["methods"]["cspd-block"]["target_calls"] == 3  # 1 pre-fill step + blocks of steps 1-2 and 3
     assert report["batch_sizes"] == [2, 1] and (tmp_path / "pareto.png").stat().st_size > 0
     for bs in ("2", "1"):
-        for name in ("cspd-block", "cspd-exact"):
+        assert "cspd-exact" not in report["pareto"][bs]  # not scored
+        for name in ("cspd-block",):
             entry = report["pareto"][bs][name]
             assert entry["on_front"] == (not entry["dominated_by"])
+    exact = report["methods"].pop("cspd-exact")
+    assert exact["num_images"] == 0 and exact["fid_in_domain"] is None and exact["latency_s"] > 0
     for m in report["methods"].values():
         assert set(m["by_batch_size"]) == {"2", "1"} and m["latency_s"] == m["by_batch_size"]["2"]["latency_s"]
         assert m["num_images"] == 20 and 0.0 <= m["accuracy"] <= 1.0 and m["fid_in_domain"] > 0

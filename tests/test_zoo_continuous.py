@@ -47,7 +47,7 @@ def test_target_draws_the_requested_digits(pipe):
     classifier = load(ZOO / "mnist-classifier")
     labels = [i % 10 for i in range(40)]
     gens = [torch.Generator().manual_seed(1000 + i) for i in range(40)]
-    images = pipe(labels, guidance_scale=3.0, generator=gens, output_type="pt").images
+    images = pipe(labels, guidance_scale=4.0, generator=gens, output_type="pt").images
     with torch.no_grad():
         accuracy = (classifier(images * 2 - 1).argmax(-1) == torch.tensor(labels)).float().mean()
     assert accuracy >= 0.9
@@ -60,7 +60,7 @@ def test_cspd_on_the_zoo_draws_the_requested_digits(pipe, mode):
     classifier = load(ZOO / "mnist-classifier")
     labels = [i % 10 for i in range(20)]
     gens = [torch.Generator().manual_seed(2000 + i) for i in range(20)]
-    out = pipe(labels, guidance_scale=3.0, acceptance="continuous", verify_mode=mode, generator=gens,
+    out = pipe(labels, guidance_scale=4.0, acceptance="continuous", verify_mode=mode, generator=gens,
                output_type="pt")  # fmt: skip
     with torch.no_grad():
         accuracy = (classifier(out.images * 2 - 1).argmax(-1) == torch.tensor(labels)).float().mean()

@@ -9,8 +9,8 @@ near-identity bijection). By change of variables
 
 with ``J_f = c1 I - c2 d eps_hat / d y`` (``D x D`` per token: ``D`` forward-mode JVPs) and ``f^{-1}`` by Newton's method
 (``y <- y - J_f^{-1} (f(y) - x)``, started at a nearby ``y``). `FinalStep` gives both for one model, its conditions and
-its CFG scales; ``converged`` flags tokens whose inverse did not reach the tolerance (their density is unusable and
-the caller treats them as rejected, which is always safe for the residual's support).
+its CFG scales; ``converged`` flags tokens whose inverse did not reach the tolerance or whose Jacobian is singular
+(where a head's ``clip_denoised`` clamp is active ``f`` is flat: no density); the caller treats them as rejected.
 """
 
 import math
@@ -73,8 +73,10 @@ class FinalStep:
             converged = ((fx - x).abs() <= tol * (1 + x.abs())).all(-1) & torch.isfinite(y).all(-1)
             if bool(converged.all()):  # one host sync per Newton step
                 break
-            y = y - torch.linalg.solve(jac.double(), (fx - x).double()[..., None])[..., 0].to(y.dtype)
-        return y, torch.linalg.slogdet(jac.double())[1].to(y.dtype), converged
+            step, info = torch.linalg.solve_ex(jac.double(), (fx - x).double()[..., None])
+            y = y - torch.where(info[:, None] == 0, step[..., 0], 0.0).to(y.dtype)  # singular J: stays put
+        logdet = torch.linalg.slogdet(jac.double())[1].to(y.dtype)
+        return y, logdet, converged & torch.isfinite(logdet)
 
     def log_density(self, x: Tensor, mean: Tensor, std: Tensor, y0: Tensor) -> tuple[Tensor, Tensor]:
         """``log density_x(x) [N]`` of ``x = f(y), y ~ N(mean, std^2)``, and ``converged [N]``."""

@@ -442,6 +442,7 @@ def finished_accept_prob(f_p, x_q, y_q, mu_p, sd_p, mu_q, sd_q, logdet_q) -> Ten
     then redrawn from the residual, whose proposal is ``p_x`` itself)."""
     log_p, ok = f_p.log_density(x_q, mu_p, sd_p, y0=y_q)
     log_q = gaussian_logpdf(y_q, mu_q, sd_q) - logdet_q
+    ok = ok & torch.isfinite(logdet_q)  # a flat (clamped) draft final step has no density: reject
     return torch.where(ok, (log_p - log_q).clamp_max(0).exp(), 0.0)
 
 

@@ -382,3 +382,19 @@ def test_clip_denoised_bounds_samples_of_an_inaccurate_head():
         head.clip_denoised = 3.0
         clipped = head.sample(z, x_T, eps)
     assert free.abs().max() > 30 and clipped.abs().max() <= 3.0 + 1e-6
+
+
+def test_final_step_inverse_survives_a_flat_clamped_head():
+    """Where `clip_denoised` clamps, the final step is flat (singular Jacobian): no density, no crash, not converged."""
+    from mmspec.decoding.final_step import FinalStep
+
+    torch.manual_seed(0)
+    head = DiffLossHead(2, 8, depth=1, width=16, num_sampling_steps="5", clip_denoised=1.0)
+    z = torch.randn(6, 8)
+    y = torch.tensor([[0.1, -0.2], [5.0, 0.3], [-4.0, -6.0], [0.0, 0.0], [9.0, 9.0], [0.5, 0.4]])
+    with torch.no_grad():
+        f = FinalStep(head, z, None, torch.ones(6))
+        x = f(y)
+        _, logdet, converged = f.inverse_logdet(x, y + 0.01)
+    assert converged.tolist() == [True, False, False, True, False, True]
+    assert torch.isfinite(logdet[converged]).all() and not torch.isfinite(logdet[~converged]).any()

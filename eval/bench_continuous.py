@@ -205,7 +205,8 @@ def pareto_report(report, batch_size) -> dict:
     """Per CSpD method at one batch size: is it on the speed / in-domain-FID Pareto front of plain MAR at its step
     counts (plain + fewer-steps), and how far: ``fid_gap`` = its FID minus the front's FID at its speedup (linear
     interpolation between the neighbouring MAR points; negative = better than MAR at that speed), or None outside the
-    front's speed range (faster than every MAR point: compare ``dominates``)."""
+    front's speed range; ``dominator_speed_ratio``: how much faster the fastest MAR point that is at least as fast and
+    at least as good is (None when on the front)."""
     key = str(batch_size)
     points = {n: (m["by_batch_size"][key]["speedup"], m["fid_in_domain"]) for n, m in report.items()
               if m.get("fid_in_domain") is not None}  # fmt: skip
@@ -220,8 +221,10 @@ def pareto_report(report, batch_size) -> dict:
         for (s0, f0), (s1, f1) in zip(front, front[1:], strict=False):
             if s0 <= speed <= s1:
                 gap = fid - (f0 + (f1 - f0) * (speed - s0) / (s1 - s0))
+        faster = max((points[n][0] for n in dominated_by), default=None)
         out[name] = {"speedup": speed, "fid_in_domain": fid, "on_front": not dominated_by,
-                     "dominated_by": dominated_by, "fid_gap": gap}  # fmt: skip
+                     "dominated_by": dominated_by, "fid_gap": gap,
+                     "dominator_speed_ratio": None if faster is None else faster / speed}  # fmt: skip
     return out
 
 

@@ -83,4 +83,6 @@ def test_pareto_report_interpolates_the_mar_front():
     out = pareto_report(report, 1)
     assert out["cspd-block"]["dominated_by"] == ["fewer-steps-32"] and not out["cspd-block"]["on_front"]
     assert out["cspd-block"]["fid_gap"] == pytest.approx(0.5)  # front at 1.5x: FID 2.5
+    assert out["cspd-block"]["dominator_speed_ratio"] == pytest.approx(2.0 / 1.5)
     assert out["cspd-exact"]["on_front"] and out["cspd-exact"]["fid_gap"] == pytest.approx(-0.5)  # front at 3x: 4.0
+    assert out["cspd-exact"]["dominator_speed_ratio"] is None

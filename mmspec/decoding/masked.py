@@ -261,7 +261,6 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
     against the canvas at the block's start in one pass (module docstring)."""
     b, length, _ = state.tokens.shape
     all_rows = torch.arange(b, device=state.tokens.device)
-    committed_tokens, committed_visible = state.tokens.clone(), state.visible.clone()
     canvas, visible = state.tokens.clone(), state.visible.clone()
     d_noise = noise if draft_noise is None else draft_noise
     rows_list, pos_list, cfg_list, y_q, mu_q, sd_q = [], [], [], [], [], []
@@ -281,7 +280,7 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
         sd_q.append(last.std)
     rows, pos, cfg = torch.cat(rows_list), torch.cat(pos_list), torch.cat(cfg_list)
     # One target pass on the committed canvas; the block's tokens with the same (aligned) noise.
-    z_c, z_u = target.features(committed_tokens, committed_visible, all_rows)
+    z_c, z_u = target.features(state.tokens, state.visible, all_rows)  # nothing is emitted before this pass
     zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
     last_p = _head_last(target, zc, zu, noise, rows, pos, cfg, temperature)
     # Per image: its block tokens in order (every image has the same count n).
@@ -309,18 +308,6 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
     if stats is not None:
         stats.target_forwards += 1
         stats.draft_forwards += k
-
-
-def _row_draw(fn, generator, rows: Tensor, slots: Tensor, per_row: list[int], trailing=(), device=None):
-    """One draw per flat item ``(rows[i], slots[i])`` (``[N, *trailing]``): a single generator draws ``N`` items;
-    per-row generators draw ``per_row[b]`` items for row ``b`` (so a row's draws do not depend on other rows)."""
-    n = rows.numel()
-    if num_rows(generator) is None:
-        return fn((n, *trailing), generator, device=device)
-    batch = len(per_row)
-    width = max(max(per_row), 1)
-    table = fn((batch, width, *trailing), generator, device=device, counts=torch.tensor(per_row))
-    return table[rows, slots]
 
 
 def _flat_steps(noise, starts, counts, row_steps: dict[int, int], cfg_scales, device):
@@ -387,14 +374,7 @@ def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_
         last_p = _head_last(target, zc, zu, noise, rows, pos, cfg, temperature)
         f_p = FinalStep(target.head, zc, zu, cfg)
         accept_prob = finished_accept_prob(f_p, x_q, y_q, last_p.mean, last_p.std, mu_q, sd_q, logdet_q)
-        # Uniforms per image, in the image's own token order.
-        per_row = {b: 0 for b in row_step}
-        slots = torch.empty_like(rows)
-        for i, b in enumerate(rows.tolist()):
-            slots[i] = per_row[b]
-            per_row[b] += 1
-        per_row_list = [per_row.get(b, 0) for b in range(b_total)]
-        u = _row_draw(rand, generator, rows, slots, per_row_list, device=dev)
+        u = _tries(torch.rand, generator, rows, 1, (), dev)[0]  # per image, in the image's own token order
         accepted = u < accept_prob
         # Leading fully accepted steps per image; the first step with a rejection is kept (residual draws).
         keep = torch.zeros_like(accepted)

@@ -26,7 +26,7 @@ SUBCOMMANDS = {
     "ar-image": ("mmspec.eval.bench_ar_image", "AR-image methods side by side on the MNIST zoo (speed + accuracy)"),
     "verify": ("mmspec.eval.bench_verify", "per-call cost of the verification rules (mmspec.verify)"),
     "continuous": ("mmspec.eval.bench_continuous", "MAR + CSpD side by side on the MNIST zoo (speed, accuracy, FID)"),
-    # "vlm": ("mmspec.eval.bench_vlm", "VLM speculative decoding"),
+    "vlm": ("mmspec.eval.bench_vlm", "VLM: plain, transformers (assisted), draft LM, EAGLE side by side (speed)"),
 }
 
 

@@ -57,7 +57,10 @@ class Guidance:
         `validate=True` checks now (one host sync, e.g. at prefill); otherwise a device-side flag per `source` is
         updated and `check()` raises later.
         """
-        p = self.sampling.probs(*logits.chunk(self.streams), validate=validate)
+        try:
+            p = self.sampling.probs(*logits.chunk(self.streams), validate=validate)
+        except ValueError as err:  # name the model the logits came from
+            raise ValueError(f"{source} model: {err}") from err
         if not validate:  # a sum of probabilities is finite iff every one is: one reduction, one add
             total = p.sum()
             self._sums[source] = total if source not in self._sums else self._sums[source] + total

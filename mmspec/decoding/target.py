@@ -28,10 +28,14 @@ class TargetOutput:
     Attributes:
         p_target: `[B, M, V]` processed distributions (CFG, temperature, top-k/p; float32) at each scored token.
         hidden: `[rows, M, dim]` final hidden states of every model row (all CFG streams), when asked for.
+        input_ids, lengths: prefill of a text target only: the right-padded prompt `[rows, L]` and its lengths
+            `[rows]` (with `hidden [rows, L, dim]`, EAGLE's pairs over the whole prompt).
     """
 
     p_target: Tensor
     hidden: Tensor | None = None
+    input_ids: Tensor | None = None
+    lengths: Tensor | None = None
 
 
 @runtime_checkable

@@ -258,12 +258,22 @@ class EagleDrafter:
         self.draft_forwards = 0
 
     def prefill(self, state, target_out):
-        """Start from the target's prefill: pair (hidden at the last prefix slot, first token)."""
+        """Start from the target's prefill. Image targets: one pair (hidden at the last prefix slot, first token).
+        Text targets (`target_out.input_ids` set): the pairs `(h[t], x[t+1])` of the whole prompt, the last one
+        `(h[L_r - 1], first token)` -- `num_valid = L_r` per row (right-padded prompts)."""
         rows = target_out.hidden.shape[0]
         scratch = self.depth * self.top_k + 2  # drafted pairs: the chain, or the tree's frontiers
-        self.cache = self.head.setup_cache(rows, self.target.config.cls_token_num + state.max_length + scratch)
-        self.hidden, self.ids = target_out.hidden, self.guidance.rows(state.pending[:, None])
-        self.num_valid = torch.ones(rows, dtype=torch.long, device=self.ids.device)
+        if target_out.input_ids is None:
+            prefix = self.target.config.cls_token_num
+            self.hidden, self.ids = target_out.hidden, self.guidance.rows(state.pending[:, None])
+            self.num_valid = torch.ones(rows, dtype=torch.long, device=self.ids.device)
+        else:
+            ids, lengths = target_out.input_ids, target_out.lengths
+            prefix = ids.shape[1]
+            nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # x[t+1] (the last column is overwritten or padding)
+            nxt.scatter_(1, (lengths - 1)[:, None], self.guidance.rows(state.pending[:, None]))
+            self.hidden, self.ids, self.num_valid = target_out.hidden, nxt, lengths
+        self.cache = self.head.setup_cache(rows, prefix + state.max_length + scratch)
 
     def propose(self, state):
         g = self.guidance

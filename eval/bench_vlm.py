@@ -1,0 +1,250 @@
+"""`mmspec bench vlm`: speculative VLM decoding side by side with plain decoding and transformers' assisted
+generation, in one process, on the same images and prompts (greedy).
+
+Methods (names fixed for the JSON): ``plain`` (mmspec's loop, no drafter), ``hf-plain`` (transformers
+``generate``), ``hf-assisted`` (``generate(assistant_model=draft)``, the same draft LM; batch 1 only: transformers
+has no batched assisted generation), ``draft-model`` (mmspec, the same draft LM, chain of ``--num-draft-tokens``) and
+``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
+``--num-draft-tokens`` nodes).
+
+Protocol: ``--num-prompts`` held-out canvases (MNIST *test* digits, 3-4 per canvas so answers are long) with
+``--prompt``; for each batch size of ``--batch-size`` (a comma list), the prompts are cut into batches and every
+method runs on each batch in turn (interleaved, so load drift hits all alike), after one warm-up call per method.
+Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (plain's latency / the method's),
+``prefill_s`` and ``decode_s`` (mmspec methods time the two apart), ``decode_speedup`` (plain's decode time / the
+method's), ``tokens_per_s`` (generated tokens / decode time; transformers methods: / latency), ``tau`` (tokens per
+verification round, bonus included) and ``tau_without_bonus`` (accepted drafts per round), ``step_compression``
+(tokens per target forward, prefill included; counted with a forward hook for transformers' methods too),
+``matches_plain`` (every greedy answer identical to plain's), ``mean_new_tokens``.
+"""
+
+import argparse
+import logging
+import platform
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from mmspec.cli import non_negative_int, positive_int
+
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("plain", "hf-plain", "hf-assisted", "draft-model", "eagle")
+
+
+def _int_list(text):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
+def _methods(text):
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = sorted(set(names) - set(METHODS))
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown methods {bad}; known: {','.join(METHODS)}")
+    return names
+
+
+def add_arguments(parser):
+    parser.add_argument("--zoo", default="assets", help="folder with mnist-vlm, mnist-vlm-draft, mnist-vlm-eagle")
+    parser.add_argument("--batch-size", type=_int_list, default=[1], help="answers per timed call (comma list)")
+    parser.add_argument("--num-prompts", type=positive_int, default=8, help="canvases (one answer each)")
+    parser.add_argument("--prompt", default="Describe the image.")
+    parser.add_argument("--methods", type=_methods, default=list(METHODS))
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft-model chain length")
+    parser.add_argument("--tree-depth", type=positive_int, default=6, help="EAGLE chain length / tree depth")
+    parser.add_argument("--tree-top-k", type=positive_int, default=1, help="1: EAGLE chain; > 1: EAGLE-2 tree")
+    parser.add_argument("--tree-nodes", type=positive_int, default=24, help="EAGLE-2 tree nodes (tree-top-k > 1)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="canvas seed")
+    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def held_out_canvases(num, seed, min_digits=3):
+    """`num` PIL canvases of MNIST test digits with at least `min_digits` digits (long descriptions)."""
+    from mmspec.train.vlm_data import mnist_digits, render, sample_layout, to_pil
+
+    images, labels = mnist_digits("test")
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < num:
+        layout = sample_layout(labels, generator)
+        if len(layout.filled) >= min_digits:
+            out.append(to_pil(render(layout, images)))
+    return out
+
+
+class _Counter:
+    """Counts forward calls of a module (target / assistant passes of transformers' `generate`)."""
+
+    def __init__(self, module):
+        self.calls = 0
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.calls += 1
+
+
+def hf_assisted_knobs(pipe):
+    """transformers' assisted-generation settings (read off the draft's generation config; its defaults)."""
+    if pipe.draft_model is None:
+        return None
+    from transformers import GenerationConfig
+
+    config, defaults = pipe.draft_model.generation_config, GenerationConfig._get_default_generation_params()
+    names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    return {
+        name: defaults.get(name) if getattr(config, name, None) is None else getattr(config, name) for name in names
+    }
+
+
+def build_pipeline(args):
+    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+    return SpeculativeVLMPipeline.from_zoo(args.zoo)
+
+
+def run(args, pipe=None, canvases=None):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    pipe = (pipe or build_pipeline(args)).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    canvases = canvases or held_out_canvases(args.num_prompts, args.seed)
+    prompts = [args.prompt] * len(canvases)
+    eos = pipe.eos_token_ids()
+    counters = {"target": _Counter(pipe.model)}
+    if pipe.draft_model is not None:
+        counters["draft"] = _Counter(pipe.draft_model)
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    ours = {
+        "plain": dict(acceptance="none"),
+        "draft-model": dict(acceptance="greedy", drafter="model", num_draft_tokens=args.num_draft_tokens),
+        "eagle": dict(
+            acceptance="greedy",
+            drafter="eagle",
+            tree_depth=args.tree_depth,
+            tree_top_k=args.tree_top_k,
+            num_draft_tokens=args.tree_nodes,
+        ),  # fmt: skip
+    }
+    methods = [m for m in args.methods if not (m == "draft-model" and pipe.draft_model is None)
+               and not (m == "hf-assisted" and pipe.draft_model is None) and not (m == "eagle" and pipe.eagle_head is None)]  # fmt: skip
+    if "plain" not in methods:
+        methods.insert(0, "plain")
+
+    def call(name, ims, texts):
+        """One timed call: (answers as token lists up to EOS, stats dict)."""
+        for c in counters.values():
+            c.calls = 0
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if name in ours:
+            out = pipe(images=ims, prompt=texts, output_type="ids", **common, **ours[name])
+            dt = time.perf_counter() - t0
+            s = out.stats
+            answers = [[t for t in row if t >= 0] for row in out.sequences.tolist()]
+            info = dict(prefill_s=s.time_prefill_s, decode_s=dt - s.time_prefill_s, tau=s.mean_accepted_length,
+                        tau_without_bonus=s.mean_accepted_drafts, step_compression=s.step_compression,
+                        target_calls=s.target_forwards, draft_calls=s.draft_forwards)  # fmt: skip
+        else:
+            ids, lengths, extra = pipe.encode(ims, texts, None, device)
+            if ids.shape[0] != 1:
+                raise ValueError("transformers' methods run at batch 1")
+            kw = dict(assistant_model=pipe.draft_model) if name == "hf-assisted" else {}
+            gen = pipe.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, **common, **kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            answer = gen[0, ids.shape[1] :].tolist()
+            for i, t in enumerate(answer):
+                if eos and t in eos:
+                    answer = answer[: i + 1]
+                    break
+            answers = [answer]
+            calls = counters["target"].calls
+            info = dict(prefill_s=None, decode_s=None, tau=None, tau_without_bonus=None,
+                        step_compression=len(answer) / calls if calls else None, target_calls=calls,
+                        draft_calls=counters["draft"].calls if "draft" in counters else 0)  # fmt: skip
+        return answers, dict(latency_s=dt, new_tokens=sum(len(a) for a in answers), **info)
+
+    report = {}
+    for bs in args.batch_size:
+        names = [m for m in methods if bs == 1 or not m.startswith("hf-")]
+        batches = [(canvases[i : i + bs], prompts[i : i + bs]) for i in range(0, len(canvases), bs)]
+        for name in names:  # warm-up
+            call(name, *batches[0])
+        runs = {name: [] for name in names}
+        answers = {name: [] for name in names}
+        for ims, texts in tqdm(batches, desc=f"vlm b{bs}", disable=None):
+            for name in names:
+                a, info = call(name, ims, texts)
+                runs[name].append(info)
+                answers[name] += a
+        table = {}
+        for name in names:
+            r = runs[name]
+            med = lambda key, r=r: statistics.median(x[key] for x in r) if r[0][key] is not None else None  # noqa: E731
+            decode = sum(x["decode_s"] for x in r) if r[0]["decode_s"] is not None else None
+            tokens = sum(x["new_tokens"] for x in r)
+            rounds_tau = [x["tau"] for x in r if x["tau"] is not None]
+            table[name] = {
+                "latency_s": med("latency_s"),
+                "prefill_s": med("prefill_s"),
+                "decode_s": med("decode_s"),
+                "tokens_per_s": tokens / (decode if decode is not None else sum(x["latency_s"] for x in r)),
+                "tau": statistics.mean(rounds_tau) if rounds_tau else None,
+                "tau_without_bonus": statistics.mean(x["tau_without_bonus"] for x in r) if rounds_tau else None,
+                "step_compression": statistics.mean(x["step_compression"] for x in r if x["step_compression"]),
+                "target_calls": statistics.mean(x["target_calls"] for x in r),
+                "draft_calls": statistics.mean(x["draft_calls"] for x in r),
+                "mean_new_tokens": tokens / len(canvases),
+                "min_new_tokens": min(len(a) for a in answers[name]),
+                "matches_plain": answers[name] == answers["plain"],
+            }
+        base = table["plain"]
+        for entry in table.values():
+            entry["speedup"] = base["latency_s"] / entry["latency_s"]
+            entry["decode_speedup"] = base["decode_s"] / entry["decode_s"] if entry["decode_s"] else None
+        if "hf-assisted" in table:
+            for name in ("draft-model", "eagle"):
+                if name in table:
+                    table[name]["speedup_vs_hf_assisted"] = (
+                        table["hf-assisted"]["latency_s"] / table[name]["latency_s"]
+                    )
+        report[str(bs)] = table
+        for name, e in table.items():
+            logger.info("b%d %-12s %.3fs speedup %.2fx decode %.2fx tau %s matches %s", bs, name, e["latency_s"],
+                        e["speedup"], e["decode_speedup"] or float("nan"), e["tau"], e["matches_plain"])  # fmt: skip
+    for c in counters.values():
+        c.handle.remove()
+    return {
+        "bench": "vlm",
+        "zoo": str(args.zoo),
+        "prompt": args.prompt,
+        "example_answer": pipe.tokenizer.decode(answers["plain"][0], skip_special_tokens=True),
+        "knobs": {
+            "max_new_tokens": args.max_new_tokens,
+            "do_sample": False,
+            **ours,
+            "hf-assisted": hf_assisted_knobs(pipe),
+        },
+        "batch_sizes": args.batch_size,
+        "num_prompts": len(canvases),
+        "seed": args.seed,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "by_batch_size": report,
+    }

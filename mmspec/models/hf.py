@@ -1,0 +1,213 @@
+"""transformers decoder models on mmspec's `StaticKVCache`: a `Cache` subclass, a position provider and the target
+adapter of the decoding loop (`mmspec.decoding.target.Target`).
+
+Works for `LlavaForConditionalGeneration` (vision tower + projector run once, at prefill) and plain causal LMs
+(`LlamaForCausalLM` and friends): both expose `.model` (the base model) and the output head
+`get_output_embeddings()`; the language model's decoder stack is `model.model.language_model` (LLaVA) or
+`model.model` (causal LM).
+
+How a forward over `M` new tokens is run (`HFForward.__call__`):
+
+    slots [rows, M], positions [rows, M] (or [3, rows, M])   # from mmspec.cache chain_inputs / tree_inputs
+    mask [rows, 1, M, max_seq] = cache.visibility(slots, new-token mask)   # committed prefix + chain / tree
+    base(input_ids, position_ids=positions, attention_mask=mask, past_key_values=StaticCache(kv, slots))
+
+transformers returns an already-built 4-D mask as is, and every attention layer calls `cache.update(k, v, layer)`,
+which writes at `slots` and hands back the layer's whole `[rows, kv_heads, max_seq, head_dim]` K/V; masked slots
+(other rows' scratch, padding, rejected drafts) are never attended to. Rows are right-padded at prefill: row `r`'s
+prompt sits at slots `0 .. L_r - 1` and its committed length is `L_r`, so ragged prompts need no left padding.
+
+Positions go through one provider (`Positions`): the default is position == slot (1-D RoPE). Qwen2-VL-style M-RoPE
+needs `[3, rows, M]` position ids: a provider that (a) at prefill takes the 3-D ids the model's own
+`get_rope_index(input_ids, image_grid_thw, attention_mask)` computes for the prompt, and (b) afterwards returns
+`slot + rope_delta[r]` on all three axes (text after the image advances every axis together), with `rope_delta`
+per row kept through `select_rows`. Nothing in the loop or the cache changes for it.
+"""
+
+import logging
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
+from mmspec.decoding.guidance import Guidance
+from mmspec.decoding.target import TargetOutput
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFTarget", "Positions", "StaticCache", "decoder_of", "right_align"]
+
+
+class StaticCache(Cache):
+    """A transformers `Cache` that writes into an `mmspec.cache.StaticKVCache` at the slots of the current forward.
+
+    `write_slots [rows, M]` is set before every forward; `update` returns the full per-layer K/V (views), and the
+    4-D mask passed to the model decides what each query sees. `get_seq_length` is the longest committed row (only
+    used by transformers when no `position_ids` are given; mmspec always gives them).
+    """
+
+    def __init__(self, kv: StaticKVCache):
+        super().__init__(layers=[])
+        self.kv = kv
+        self.write_slots: Tensor | None = None
+
+    def __len__(self):
+        return self.kv.k.shape[0]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.kv.update(layer_idx, self.write_slots, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.kv.lengths.max())
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.kv.max_seq, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self)
+
+
+class Positions:
+    """Position ids of the new tokens: `position = slot - offset[r]` (default offset 0: position == slot).
+
+    Subclass for other schemes (M-RoPE, see the module docstring); `select_rows` keeps the per-row state in step
+    with the cache.
+    """
+
+    def __init__(self, offset: Tensor | None = None):
+        self.offset = offset
+
+    def __call__(self, logical: Tensor) -> Tensor:
+        """`logical [rows, M]` (the token's index along its row: slot for chains, `length + depth` in a tree)."""
+        return logical if self.offset is None else logical - self.offset[:, None]
+
+    def select_rows(self, index: Tensor) -> None:
+        if self.offset is not None:
+            self.offset = self.offset[index]
+
+
+def decoder_of(model):
+    """The decoder stack of a causal LM / LLaVA (`model.model.language_model` or `model.model`)."""
+    base = model.model
+    return getattr(base, "language_model", base)
+
+
+def right_align(input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: int = 0):
+    """Any-side padded `input_ids [B, L]` (`attention_mask` 1 = token) -> right-padded ids and `lengths [B]`."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return input_ids, torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    keep = attention_mask.bool()
+    lengths = keep.sum(1)
+    if bool((lengths == 0).any()):
+        raise ValueError("every row of attention_mask needs at least one token")
+    order = torch.sort((~keep).long(), dim=1, stable=True).indices  # tokens first, order kept
+    ids = input_ids.gather(1, order)
+    ids = torch.where(torch.arange(ids.shape[1])[None, :] < lengths[:, None], ids, pad_token_id)
+    return ids, lengths
+
+
+class HFTarget:
+    """A transformers causal LM / LLaVA as the target of the decoding loop (see module docstring).
+
+    Args:
+        model: `LlavaForConditionalGeneration` or a `*ForCausalLM` (eval mode).
+        guidance: the call's `Guidance` (one stream: no CFG for text).
+        positions: the position provider (default: position == slot).
+        source: `"target"` or `"draft"` (the adapter also runs draft LMs): names the model in NaN errors.
+    """
+
+    def __init__(self, model, guidance: Guidance, positions: Positions | None = None, source: str = "target"):
+        if guidance.streams != 1:
+            raise ValueError("classifier-free guidance is not supported for text targets (guidance_scale must be 1)")
+        text = model.config.get_text_config()
+        if getattr(text, "final_logit_softcapping", None):
+            raise ValueError(f"{type(model).__name__}: final_logit_softcapping is not supported")
+        self.model, self.guidance, self.source = model, guidance, source
+        self.positions = positions or Positions()
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.text_config = text
+        self.cache: StaticKVCache | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def new_cache(self, rows: int, max_seq: int) -> StaticKVCache:
+        t = self.text_config
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        p = self.model.get_output_embeddings().weight
+        n_kv = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
+        return StaticKVCache(t.num_hidden_layers, rows, n_kv, max_seq, head_dim, dtype=p.dtype, device=p.device)
+
+    def run(self, module, cache: StaticKVCache, slots: Tensor, logical: Tensor, mask: Tensor, **inputs):
+        """One forward of `module` (base model or decoder) over new tokens written at `slots [rows, M]` with the
+        new-token mask `mask [rows, M, M]`; returns the final-norm hidden states `[rows, M, dim]`."""
+        visible = cache.visibility(slots, mask)[:, None]  # [rows, 1, M, max_seq]
+        if self.model.config._attn_implementation not in ("sdpa", "flex_attention"):  # eager: additive float mask
+            dtype = cache.dtype
+            visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+                ~visible, torch.finfo(dtype).min
+            )
+        hf_cache = StaticCache(cache)
+        hf_cache.write_slots = slots
+        out = module(position_ids=self.positions(logical), attention_mask=visible, past_key_values=hf_cache,
+                     use_cache=True, **inputs)  # fmt: skip
+        return out.last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    # ------------------------------------------------------------------ Target protocol
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, lengths: Tensor, num_tokens: int, scratch: int, return_hidden=False,
+                **model_inputs) -> TargetOutput:  # fmt: skip
+        """Write every row's prompt (right-padded `input_ids [B, L]`, `lengths [B]`) and return the first token's
+        distribution. `model_inputs`: `pixel_values` etc. (the vision tower runs here, once).
+
+        Returns:
+            `TargetOutput(p_target [B, 1, V], hidden [B, L, dim] | None, input_ids, lengths)` -- validated.
+        """
+        rows, width = input_ids.shape
+        device = input_ids.device
+        self.cache = self.new_cache(rows, width + int(num_tokens) + int(scratch) + 1)
+        slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
+        valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
+        mask = causal & valid[:, None, :]
+        hidden = self.run(self.model.model, self.cache, slots, slots, mask, input_ids=input_ids, **model_inputs)
+        self.cache.commit(lengths)
+        last = hidden[torch.arange(rows, device=device), lengths - 1][:, None]  # [B, 1, dim]
+        p = self.guidance.probs(self.logits(last), self.source, validate=True)
+        return TargetOutput(p, hidden if return_hidden else None, input_ids=input_ids, lengths=lengths)
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
+        lengths = self.cache.lengths
+        if parents is None:
+            logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
+        else:
+            logical, slots, mask = tree_inputs(parents, lengths)
+        hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, input_ids=tokens)
+        p = self.guidance.probs(self.logits(hidden), self.source)
+        return TargetOutput(p, hidden if return_hidden else None)
+
+    def commit(self, num_tokens: Tensor, path: Tensor | None = None) -> None:
+        if path is None:
+            self.cache.commit(num_tokens)
+        else:
+            self.cache.commit_path(path, num_tokens)
+
+    def select_rows(self, index: Tensor) -> None:
+        self.cache.select_rows(index)
+        self.positions.select_rows(index)
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.cache.lengths

@@ -1,0 +1,210 @@
+"""EAGLE head for a transformers decoder LM / LLaVA target (Li et al. 2024, EAGLE-1/2, arXiv 2401.15077 /
+2406.16858): the text twin of `mmspec.models.eagle.EagleHead`, with the same call signature, so the engine's
+`mmspec.drafters.eagle` (chains, EAGLE-2 dynamic trees, `EagleDrafter`) drives both.
+
+    f_hat[t+1] = LlamaDecoderLayer(fc([embed(x[t+1]) ; h[t]]))     # one decoder layer, transformers' own class
+    q_draft(x[t+2]) = softmax(lm_head(f_hat[t+1]))                   # the target's output head, reused
+
+`h` are the target's final-norm hidden states. Optional draft vocabulary (`draft_vocab_size > 0`; FR-Spec, Zhao et
+al. 2025, arXiv 2502.14856; EAGLE-3's `d2t`): the head scores only the `draft_vocab` ids (e.g. the 2,048 most
+frequent answer tokens) -- at batch 1 on a CPU the 49,152 x 576 output head is most of a draft step's weight
+traffic -- and every other token gets probability 0 in `q_draft`. Verification is unchanged, so drafting stays
+lossless (a draft outside the subset is simply never proposed). The token embedding and output head are the target's
+(`get_input_embeddings()` / `get_output_embeddings()`, passed in on every call, never stored). Pair `(h[t], x[t+1])`
+sits at the RoPE position of `x[t+1]`; the head cache (`setup_cache`) is a one-layer `StaticKVCache` whose slot is
+the position, slot 0 (no pair ends there) invalid and lengths starting at 1. Image tokens of a LLaVA prompt enter as
+the embedding of the image placeholder id (the head sees the image only through the target's hidden states).
+"""
+
+import logging
+
+import torch
+import torch.nn as nn
+from diffusers import ConfigMixin, ModelMixin
+from diffusers.configuration_utils import register_to_config
+from transformers import LlamaConfig
+from transformers.cache_utils import Cache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.models.hf import StaticCache
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TextEagleHead"]
+
+
+class _ConcatCache(Cache):
+    """Training-time stand-in: `update` appends keys/values out of place (autograd flows through every step)."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+        self.k = self.v = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.k = key_states if self.k is None else torch.cat([self.k, key_states], dim=2)
+        self.v = value_states if self.v is None else torch.cat([self.v, value_states], dim=2)
+        return self.k, self.v
+
+
+class TextEagleHead(ModelMixin, ConfigMixin):
+    """One-layer EAGLE head for a transformers text target (see module docstring)."""
+
+    @register_to_config
+    def __init__(
+        self,
+        vocab_size: int = 49152,
+        hidden_size: int = 576,
+        intermediate_size: int = 1536,
+        num_attention_heads: int = 9,
+        num_key_value_heads: int = 3,
+        head_dim: int = 64,
+        rope_theta: float = 100000.0,
+        rms_norm_eps: float = 1e-5,
+        max_position_embeddings: int = 8192,
+        initializer_range: float = 0.02,
+        draft_vocab_size: int = 0,
+    ):
+        super().__init__()
+        if not 0 <= draft_vocab_size <= vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, vocab_size={vocab_size}], got {draft_vocab_size}")
+        self.register_buffer("draft_vocab", torch.arange(draft_vocab_size, dtype=torch.long))
+        self._sub_weight = None  # (key, the target head's rows at draft_vocab), refreshed when the target changes
+        self.layer_config = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=1,
+            num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+            rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings,
+        )  # fmt: skip
+        self.layer_config._attn_implementation = "sdpa"
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=True)
+        self.layer = LlamaDecoderLayer(self.layer_config, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(self.layer_config)
+        self.init_weights()
+
+    @classmethod
+    def from_target(cls, target, **overrides):
+        """A head whose shapes match the transformers `target` (its text config)."""
+        t = target.config.get_text_config()
+        rope = getattr(t, "rope_parameters", None) or {}
+        kwargs = dict(
+            vocab_size=target.get_output_embeddings().weight.shape[0], hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+            rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))), rms_norm_eps=t.rms_norm_eps,
+            max_position_embeddings=t.max_position_embeddings,
+        )  # fmt: skip
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def init_weights(self, generator=None):
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
+                nn.init.normal_(module.weight, 0.0, self.config.initializer_range, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        return self
+
+    def check_target(self, target):
+        t = target.config.get_text_config()
+        vocab = target.get_output_embeddings().weight.shape[0]
+        for name, theirs in (("hidden_size", t.hidden_size), ("vocab_size", vocab)):
+            if getattr(self.config, name) != theirs:
+                raise ValueError(
+                    f"target {name}={theirs} does not match the EAGLE head's {getattr(self.config, name)}"
+                )
+
+    def setup_cache(self, rows, max_seq, dtype=None, device=None):
+        """One-layer cache, slot == position, slot 0 invalid, lengths 1 (`max_seq`: prompt + new tokens + scratch)."""
+        c, p = self.config, next(self.parameters())
+        cache = StaticKVCache(1, rows, c.num_key_value_heads, int(max_seq) + 1, c.head_dim,
+                              dtype=dtype or p.dtype, device=device or p.device)  # fmt: skip
+        cache.key_valid[:, 0] = False
+        cache.lengths = torch.ones(rows, dtype=torch.long, device=cache.device)
+        return cache
+
+    def _inputs(self, hidden, input_ids, target):
+        if hidden.dim() != 3 or hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden must be [rows, M, {self.config.hidden_size}], got {tuple(hidden.shape)}")
+        if tuple(input_ids.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"input_ids must be [rows, M] = {tuple(hidden.shape[:2])}, got {tuple(input_ids.shape)}")
+        emb = target.get_input_embeddings()(input_ids).to(self.fc.weight.dtype)
+        return self.fc(torch.cat([emb, hidden.to(self.fc.weight.dtype)], dim=-1))
+
+    def _layer(self, x, positions, mask, cache):
+        return self.layer(x, attention_mask=mask, position_embeddings=self.rotary(x, positions),
+                          position_ids=positions, past_key_values=cache, use_cache=cache is not None)  # fmt: skip
+
+    def forward(self, hidden, input_ids, target, cache, input_pos=None, write_slots=None, attention_mask=None,
+                cache_mask=None, validate=True):  # fmt: skip
+        """Draft features for `M` pairs per row, as `EagleHead.forward` (chain by default, or a tree via
+        `input_pos`, `write_slots` and `cache_mask [rows, M, max_seq]`). Returns `f_hat [rows, M, dim]`."""
+        rows, m = input_ids.shape
+        if not isinstance(cache, StaticKVCache) or cache.k.shape[0] != 1 or cache.rows != rows:
+            raise ValueError("cache must be this head's StaticKVCache (setup_cache) with one row per input row")
+        if input_pos is None:
+            input_pos, slots, causal = chain_inputs(cache.lengths, m)
+            write_slots = slots if write_slots is None else write_slots
+            attention_mask = causal if attention_mask is None else attention_mask
+        write_slots = input_pos if write_slots is None else write_slots
+        cache.check_slots(write_slots, values=validate)
+        if cache_mask is None:
+            cache_mask = cache.visibility(write_slots, attention_mask)
+        hf_cache = StaticCache(cache)
+        hf_cache.write_slots = write_slots
+        return self._layer(self._inputs(hidden, input_ids, target), input_pos, cache_mask[:, None], hf_cache)
+
+    def forward_unrolled(self, hidden, input_ids, target, steps, valid=None):
+        """Training-time test (as `EagleHead.forward_unrolled`): step 0 is teacher forcing over pairs
+        `(hidden[:, i], input_ids[:, i])` at positions `i + 1`; step `j` feeds the head its own step `j - 1` output
+        and attends like the depth-`j + 1` node of a drafted chain. `valid [B, N]` (bool, optional) masks padded
+        keys. Returns `steps` tensors `[B, N, dim]`; entry `j` at `i` regresses `hidden[:, i + 1]` (meaningful for
+        `i >= j`)."""
+        b, n = input_ids.shape
+        device = input_ids.device
+        pos = (torch.arange(n, device=device) + 1)[None].expand(b, n)
+        i = torch.arange(n, device=device)
+        cache = _ConcatCache()
+        outputs, feats = [], hidden
+        for j in range(steps):
+            blocks = [i[None, :] <= i[:, None] - j] + [i[None, :] == i[:, None] - j + s for s in range(1, j + 1)]
+            mask = torch.cat(blocks, dim=1)[None, None].expand(b, 1, n, (j + 1) * n)
+            if valid is not None:
+                mask = mask & valid.repeat(1, j + 1)[:, None, None, :]
+            itself = torch.zeros(n, (j + 1) * n, dtype=torch.bool, device=device)
+            itself[i, j * n + i] = True  # a padded query still sees itself (no empty rows, no NaN)
+            mask = mask | itself[None, None]
+            out = self._layer(self._inputs(feats, input_ids, target), pos, mask, cache)
+            outputs.append(out)
+            feats = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # position i now gets f_j[i - 1]
+        return outputs
+
+    def set_draft_vocab(self, ids):
+        """Score only token `ids` (`[draft_vocab_size]`, distinct, in range) when drafting."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if tuple(ids.shape) != (self.config.draft_vocab_size,) or len(set(ids.tolist())) != len(ids):
+            raise ValueError(f"ids must be {self.config.draft_vocab_size} distinct token ids")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"ids must be in [0, {self.config.vocab_size})")
+        self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
+        self._sub_weight = None
+        return self
+
+    def draft_logits(self, target, features):
+        """Logits `[..., N]` (float32) over the draft vocabulary only (the full vocabulary when it is off)."""
+        head = target.get_output_embeddings()
+        if not self.config.draft_vocab_size:
+            return head(features.to(head.weight.dtype)).float()
+        w = head.weight
+        key = (w.data_ptr(), w._version, w.device, self.draft_vocab.data_ptr())
+        if self._sub_weight is None or self._sub_weight[0] != key or torch.is_grad_enabled():
+            self._sub_weight = (key, w[self.draft_vocab])
+        return (features.to(w.dtype) @ self._sub_weight[1].T).float()
+
+    def compute_logits(self, target, features):
+        """Draft logits `[..., V]` (float32) through the target's output head (`-inf` outside the draft vocabulary)."""
+        logits = self.draft_logits(target, features)
+        if not self.config.draft_vocab_size:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, logits)

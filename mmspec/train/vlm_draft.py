@@ -1,0 +1,124 @@
+"""Draft LM for the VLM zoo: `python -m mmspec.train vlm-draft --target assets/mnist-vlm --data runs/vlm-answers.pt
+--out runs/vlm-draft`.
+
+The draft is the target cut to its first `--num-layers` decoder layers (`mmspec.models.hf_draft.truncated_draft`:
+same tokenizer, embedding, output head, vision tower and projector), distilled on the target's own greedy answers
+(`mmspec.train vlm-answers`): cross-entropy to the target's next token at every answer position, training only the
+last `--train-layers` kept layers and the final norm. The folder stores only those tensors (`draft.json` +
+`model.safetensors`); the rest comes from the target at load time (`mmspec.models.hf_draft.load_vlm_draft`).
+"""
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.cli import positive_int
+from mmspec.train.common import add_common_arguments, configure_threads, seed_everything, train_loop, write_model_card
+from mmspec.train.vlm_eagle import answer_mask
+
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser):
+    add_common_arguments(parser, steps=300, batch_size=4, lr=3e-4, warmup_steps=30, checkpoint_every=50, threads=2)
+    parser.add_argument("--target", default="assets/mnist-vlm", help="the VLM zoo folder")
+    parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output")
+    parser.add_argument("--num-layers", type=positive_int, default=4, help="decoder layers the draft keeps")
+    parser.add_argument("--train-layers", type=positive_int, default=1, help="last kept layers that are fine-tuned")
+    parser.add_argument("--eval-items", type=positive_int, default=32, help="held-back answers for the metrics")
+
+
+def pixel_values(processor, canvases, dtype):
+    from mmspec.train.vlm_data import to_pil
+
+    images = [to_pil(c.float() / 255) for c in canvases]
+    return processor.image_processor(images, return_tensors="pt")["pixel_values"].to(dtype)
+
+
+def draft_loss(draft, processor, ids, lengths, weight, canvases):
+    """Mean next-token cross-entropy of `draft` on the answer tokens (`weight [B, T]`) of `ids [B, T]`."""
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    logits = draft(input_ids=ids, pixel_values=pixel_values(processor, canvases, draft.dtype), attention_mask=mask,
+                   use_cache=False).logits[:, :-1]  # fmt: skip
+    w = weight[:, 1:].float()
+    ce = F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
+    agree = ((logits.argmax(-1) == ids[:, 1:]).float() * w).sum() / w.sum()
+    return (ce * w).sum() / w.sum(), agree
+
+
+def run(args):
+    from mmspec.models.hf_draft import save_draft_delta, truncated_draft
+    from mmspec.models.vlm_zoo import load_vlm
+
+    configure_threads(args.threads)
+    generator = seed_everything(args.seed)
+    data = torch.load(args.data, weights_only=True)
+    target, processor = load_vlm(args.target)
+    draft = truncated_draft(target, args.num_layers)
+    del target
+    first = args.num_layers - min(args.train_layers, args.num_layers)
+    final_norm = "model.language_model.norm.weight" if hasattr(draft.model, "language_model") else "model.norm.weight"
+    tuned = tuple(f"layers.{i}." for i in range(first, args.num_layers))
+    trained = [n for n, _ in draft.named_parameters()
+               if n == final_norm or ("vision_tower" not in n and any(t in n for t in tuned))]  # fmt: skip
+    for name, p in draft.named_parameters():
+        p.requires_grad_(name in trained)
+    ids, lengths, prompt_lengths = data["input_ids"], data["lengths"], torch.tensor(data["prompt_lengths"])
+    weight = answer_mask(lengths, prompt_lengths, ids.shape[1])
+    n_eval = min(args.eval_items, len(ids) // 4)
+    train_idx = torch.arange(n_eval, len(ids))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+
+    def step_fn(step):
+        idx = train_idx[torch.randint(len(train_idx), (args.batch_size,), generator=generator)]
+        width = int(lengths[idx].max())
+        loss, agree = draft_loss(draft, processor, ids[idx, :width], lengths[idx], weight[idx, :width],
+                                 data["canvases"][idx])  # fmt: skip
+        return {"loss": loss, "agree": agree.detach()}
+
+    from mmspec.train.common import warmup_cosine_lr
+
+    before = evaluate(draft, processor, data, ids, lengths, weight, n_eval)
+    result = train_loop(draft, optimizer, step_fn, total_steps=args.steps, out_dir=args.out, generator=generator,
+                        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
+                        grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
+                        progress=not args.quiet)  # fmt: skip
+    draft.eval()
+    save_draft_delta(draft, args.out, trained, args.num_layers, {"target": str(args.target)})
+    after = evaluate(draft, processor, data, ids, lengths, weight, n_eval)
+    logger.info("held-out greedy agreement: %.3f before, %.3f after distillation", before["agree"], after["agree"])
+    write_model_card(
+        args.out,
+        title=f"Draft LM for {args.target}: SmolLM2-135M-Instruct cut to {args.num_layers} layers, distilled",
+        description=__doc__.split("\n\n", 1)[1],
+        model=None,
+        data=f"{args.data}: {len(ids)} target answers ({n_eval} held back for the metrics)",
+        args=args,
+        wall_time_s=result.wall_time_s,
+        metrics={
+            **{f"final_train_{k}": v for k, v in result.metrics.items()},
+            "heldout_agree_before": before["agree"],
+            "heldout_agree_after": after["agree"],
+            "heldout_ce_before": before["ce"],
+            "heldout_ce_after": after["ce"],
+        },  # fmt: skip
+        extra={"trained_tensors": len(trained), "trained_parameters": sum(p.numel() for p in params)},
+        history=result.history,
+    )
+    return draft
+
+
+@torch.no_grad()
+def evaluate(draft, processor, data, ids, lengths, weight, n_eval, batch_size=8):
+    """Held-out answer CE and greedy agreement (draft argmax == the target's token) on the first `n_eval` items."""
+    ce = agree = 0.0
+    for lo in range(0, n_eval, batch_size):
+        hi = min(lo + batch_size, n_eval)
+        width = int(lengths[lo:hi].max())
+        c, a = draft_loss(draft, processor, ids[lo:hi, :width], lengths[lo:hi], weight[lo:hi, :width],
+                          data["canvases"][lo:hi])  # fmt: skip
+        ce, agree = ce + float(c) * (hi - lo), agree + float(a) * (hi - lo)
+    return {"ce": ce / n_eval, "agree": agree / n_eval}

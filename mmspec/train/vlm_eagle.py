@@ -1,0 +1,199 @@
+"""EAGLE head for the VLM zoo: `python -m mmspec.train vlm-eagle --target assets/mnist-vlm
+--data runs/vlm-answers.pt --out runs/vlm-eagle`.
+
+EAGLE-1/2 recipe (Li et al. 2024) on the target's own answers (`mmspec.train vlm-answers`): the frozen target's
+final-norm features `h` over prompt (image tokens included) + answer are computed once and cached
+(`<out>/features.pt`, resumable by chunks); the head (`mmspec.models.hf_eagle.TextEagleHead`) sees pairs
+`(h[i], x[i+1])` and regresses `h[i+1]`:
+
+    loss = sum_j decay^j [ SmoothL1(f_j[i], h[i+1]) + p_weight * soft-CE(p_target(x[i+2]), q_draft(f_j[i])) ]
+
+over answer positions, with `--unroll` training-time-test steps `j` (the head fed its own features, attending as
+at inference; EAGLE-3 / HASS) and uniform input-feature noise. The soft cross-entropy goes through the target's
+49,152-way output head, so it is taken at `--ce-positions` random answer positions per row.
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.cli import non_negative_float, positive_int
+from mmspec.train.common import add_common_arguments, configure_threads, seed_everything, train_loop, write_model_card
+
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser):
+    add_common_arguments(parser, steps=600, batch_size=4, lr=5e-4, warmup_steps=50, checkpoint_every=100, threads=2)
+    parser.add_argument("--target", default="assets/mnist-vlm", help="the VLM zoo folder")
+    parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output")
+    parser.add_argument("--eval-items", type=positive_int, default=32, help="held-back answers for the metrics")
+    parser.add_argument("--p-weight", type=non_negative_float, default=0.5)
+    parser.add_argument("--noise", type=non_negative_float, default=0.05, help="uniform input-feature noise")
+    parser.add_argument("--unroll", type=positive_int, default=3, help="training-time-test steps")
+    parser.add_argument("--step-decay", type=non_negative_float, default=0.8)
+    parser.add_argument("--ce-positions", type=positive_int, default=24, help="soft-CE positions per row and step")
+    parser.add_argument("--draft-vocab", type=int, default=2048,
+                        help="tokens the head scores (most frequent in the answers; 0 = the full vocabulary)")  # fmt: skip
+
+
+def draft_vocabulary(ids, weight, size, eos):
+    """The `size` most frequent answer tokens (`ids [N, T]` where `weight`), EOS always in, the remainder by
+    ascending id. Returns `(sorted ids [size], share of the answer tokens they cover)`."""
+    counts = torch.bincount(ids[weight], minlength=int(ids.max()) + 1).double()
+    rank = counts.clone()
+    rank[eos] = counts.max() + 1
+    order = torch.sort(-rank, stable=True).indices[:size]
+    return order.sort().values, float(counts[order].sum() / counts.sum().clamp(min=1))
+
+
+def answer_mask(lengths, prompt_lengths, width):
+    """`[N, width]` True at answer tokens (`prompt_len <= t < length`)."""
+    t = torch.arange(width)[None, :]
+    return (t >= prompt_lengths[:, None]) & (t < lengths[:, None])
+
+
+@torch.no_grad()
+def target_features(model, processor, data, path, batch_size=8, quiet=False):
+    """Final-norm hidden states `[N, T, dim]` (float16) of the target over every answer sequence, cached at `path`
+    (chunks appended; re-running resumes)."""
+    from tqdm.auto import tqdm
+
+    from mmspec.train.vlm_data import to_pil
+
+    path = Path(path)
+    done = torch.load(path, weights_only=True) if path.is_file() else {"features": []}
+    ids, lengths = data["input_ids"], data["lengths"]
+    n = len(ids)
+    start = sum(len(f) for f in done["features"])
+    for lo in tqdm(range(start, n, batch_size), disable=quiet, desc="target features"):
+        hi = min(lo + batch_size, n)
+        pixels = processor.image_processor([to_pil(c.float() / 255) for c in data["canvases"][lo:hi]],
+                                           return_tensors="pt")["pixel_values"]  # fmt: skip
+        mask = torch.arange(ids.shape[1])[None, :] < lengths[lo:hi, None]
+        out = model.model(input_ids=ids[lo:hi], pixel_values=pixels.to(model.dtype), attention_mask=mask.long())
+        done["features"].append(out.last_hidden_state.to(torch.float16))
+        tmp = path.with_suffix(".partial")
+        torch.save(done, tmp)
+        tmp.replace(path)
+    return torch.cat(done["features"])
+
+
+def eagle_text_losses(head, target, hidden, ids, weight, *, unroll=1, step_decay=1.0, noise=0.0, ce_positions=None,
+                      generator=None):  # fmt: skip
+    """Regression and soft-CE losses of `head` on sequences `ids [B, T]` with target features `hidden [B, T, D]`.
+
+    `weight [B, T]` (bool) marks the tokens whose prediction is trained (answer tokens); output `i` of step `j` (pair
+    `(h[i], x[i+1])`) predicts `x[i+2]` from `h[i+1]`, counted where `weight[:, i + 2]` and `i >= j`.
+    Returns `(vloss, ploss)`."""
+    hidden = hidden.float()
+    b, t, _ = hidden.shape
+    inp = hidden[:, :-1]
+    if noise:
+        inp = inp + (torch.rand(inp.shape, generator=generator) * 2 - 1) * noise
+    outs = head.forward_unrolled(inp, ids[:, 1:], target, unroll)
+    goal = hidden[:, 1:]  # [B, T-1, D]
+    w = torch.cat([weight[:, 2:], weight.new_zeros(b, 1)], dim=1).float()  # [B, T-1]
+    vloss = ploss = 0.0
+    norm = 0.0
+    for j, f in enumerate(outs):
+        wj = w.clone()
+        wj[:, :j] = 0
+        denom = wj.sum().clamp(min=1)
+        vloss = vloss + step_decay**j * (F.smooth_l1_loss(f, goal, reduction="none").mean(-1) * wj).sum() / denom
+        # soft CE at a few weighted positions per row (the 49k-way head is the expensive part)
+        scores = torch.rand(wj.shape, generator=generator) + wj * 2  # weighted positions first, random order
+        k = min(ce_positions or t, t - 1)
+        pick = scores.topk(k, dim=1).indices  # [B, k]
+        keep = wj.gather(1, pick)  # [B, k]
+        gather = pick[:, :, None].expand(b, k, f.shape[-1])
+        with torch.no_grad():  # the target's law renormalised on the head's draft vocabulary
+            p = torch.softmax(head.draft_logits(target, goal.gather(1, gather)), -1)
+        logq = torch.log_softmax(head.draft_logits(target, f.gather(1, gather)), -1)
+        ploss = ploss + step_decay**j * (-(p * logq).sum(-1) * keep).sum() / keep.sum().clamp(min=1)
+        norm += step_decay**j
+    return vloss / norm, ploss / norm
+
+
+@torch.no_grad()
+def evaluate_text_head(head, target, hidden, ids, weight, steps=3):
+    """Held-out greedy agreement: `top1_step{j}` = how often the head's argmax after `j` own steps equals the
+    target's argmax (the token greedy decoding emits), over answer positions."""
+    outs = head.forward_unrolled(hidden[:, :-1].float(), ids[:, 1:], target, steps)
+    goal = target.get_output_embeddings()(hidden[:, 1:].float()).argmax(-1)
+    w = torch.cat([weight[:, 2:], weight.new_zeros(hidden.shape[0], 1)], dim=1)
+    metrics = {}
+    for j, f in enumerate(outs):
+        wj = w.clone()
+        wj[:, :j] = False
+        pred = head.compute_logits(target, f).argmax(-1)
+        metrics[f"top1_step{j}"] = float(((pred == goal) & wj).sum() / wj.sum().clamp(min=1))
+    return metrics
+
+
+def run(args):
+    from mmspec.models.hf_eagle import TextEagleHead
+    from mmspec.models.vlm_zoo import load_vlm
+
+    configure_threads(args.threads)
+    generator = seed_everything(args.seed)
+    data = torch.load(args.data, weights_only=True)
+    model, processor = load_vlm(args.target)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    features = target_features(model, processor, data, Path(args.out) / "features.pt", quiet=args.quiet)
+    ids, lengths, prompt_lengths = data["input_ids"], data["lengths"], torch.tensor(data["prompt_lengths"])
+    weight = answer_mask(lengths, prompt_lengths, ids.shape[1])
+    n_eval = min(args.eval_items, len(ids) // 4)
+    train_idx = torch.arange(n_eval, len(ids))
+    size = min(args.draft_vocab, model.get_output_embeddings().weight.shape[0])
+    head = TextEagleHead.from_target(model, draft_vocab_size=size)
+    head.init_weights(generator=generator)
+    covered = None
+    if size:
+        vocab, covered = draft_vocabulary(ids[n_eval:], weight[n_eval:], size, processor.tokenizer.eos_token_id)
+        head.set_draft_vocab(vocab)
+        logger.info("draft vocabulary: %d tokens covering %.4f of the training answer tokens", size, covered)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    def step_fn(step):
+        idx = train_idx[torch.randint(len(train_idx), (args.batch_size,), generator=generator)]
+        width = int(lengths[idx].max())
+        vloss, ploss = eagle_text_losses(head, model, features[idx, :width], ids[idx, :width], weight[idx, :width],
+                                         unroll=args.unroll, step_decay=args.step_decay, noise=args.noise,
+                                         ce_positions=args.ce_positions, generator=generator)  # fmt: skip
+        return {"loss": vloss + args.p_weight * ploss, "vloss": vloss.detach(), "ploss": ploss.detach()}
+
+    from mmspec.train.common import warmup_cosine_lr
+
+    result = train_loop(head, optimizer, step_fn, total_steps=args.steps, out_dir=args.out, generator=generator,
+                        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
+                        grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
+                        progress=not args.quiet)  # fmt: skip
+    head.eval()
+    head.save_pretrained(args.out, safe_serialization=True)
+    if args.fp16_weights:  # ship float16 weights (loaded back as float32 by the pipeline's `.to`)
+        TextEagleHead.from_pretrained(args.out).to(torch.float16).save_pretrained(args.out)
+    width = int(lengths[:n_eval].max())
+    metrics = evaluate_text_head(head, model, features[:n_eval, :width], ids[:n_eval, :width], weight[:n_eval, :width])
+    logger.info("held-out metrics: %s", metrics)
+    write_model_card(
+        args.out,
+        title=f"EAGLE head for {args.target} (SmolLM2-135M-Instruct LLaVA)",
+        description=__doc__.split("\n\n", 1)[1],
+        model=head,
+        data=f"{args.data}: {len(ids)} target answers ({n_eval} held back for the metrics)",
+        args=args,
+        wall_time_s=result.wall_time_s,
+        metrics={
+            **{f"final_train_{k}": v for k, v in result.metrics.items()},
+            **metrics,
+            "draft_vocab_coverage": covered,
+        },  # fmt: skip
+        history=result.history,
+    )
+    return head

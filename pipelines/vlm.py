@@ -1,0 +1,299 @@
+"""Speculative decoding for transformers VLMs (LLaVA family) and causal LMs: `SpeculativeVLMPipeline`.
+
+One Diffusers-style pipeline over the shared decoding engine (`mmspec.decoding.decode`): the target runs on mmspec's
+static KV cache through `mmspec.models.hf.HFTarget` (vision tower + projector once, at prefill), a drafter proposes,
+`mmspec.verify` accepts, one loop.
+
+| `acceptance` | `drafter`          | method                                                         | lossless |
+|--------------|--------------------|----------------------------------------------------------------|----------|
+| `"none"`     | -                  | plain decoding (the baseline)                                   | -        |
+| `"exact"`    | `"eagle"`/`"model"` | speculative sampling (Leviathan et al. 2023; EAGLE-2 trees)    | yes      |
+| `"greedy"`   | `"eagle"`/`"model"` | `"exact"` under greedy decoding: drafts kept while they equal the target's argmax | yes |
+
+Drafters: `"model"` (a small causal LM / LLaVA sharing the tokenizer drafts a chain of `num_draft_tokens`;
+`mmspec.drafters.text_model`) and `"eagle"` (a `TextEagleHead` on the target's hidden states: a sampled chain of
+`tree_depth` tokens with `tree_top_k=1`, or an EAGLE-2 dynamic tree of `num_draft_tokens` nodes; `mmspec.drafters.eagle`).
+
+Batches are ragged: prompts of different lengths are right-aligned into the static cache (no left padding; positions
+stay those of an unpadded prompt), every row accepts its own number of drafts per round and stops at its own EOS;
+finished rows leave the batch. transformers' assisted generation is batch-1 only.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
+from mmspec.drafters.eagle import EagleDrafter
+from mmspec.drafters.text_model import TextModelDrafter
+from mmspec.methods import KNOBS, check_knobs, resolve_drafter
+from mmspec.models.hf import HFTarget, right_align
+from mmspec.random import check_generator
+from mmspec.sampling import SamplingParams, sample
+from mmspec.stats import SpecStats
+from mmspec.verify import Exact
+
+
+logger = logging.getLogger(__name__)
+
+ACCEPTANCES = ("none", "exact", "greedy")
+OUTPUT_TYPES = ("text", "ids")
+
+
+@dataclass
+class SpeculativeVLMOutput(BaseOutput):
+    """Output of `SpeculativeVLMPipeline`.
+
+    Attributes:
+        text: the decoded answers (`output_type="text"`; special tokens skipped), else None.
+        sequences: `[B, N]` generated token ids, -1 after a row's EOS (the EOS itself is kept).
+        stats: `mmspec.stats.SpecStats` (prefill time apart from decoding; `extra`: `decode_s`, `tokens_per_s`).
+        trace: `mmspec.decoding.DecodeTrace`: per output token, the round and whether it was a drafted-and-accepted
+            token, a resampled correction or a bonus token.
+    """
+
+    text: list[str] | None
+    sequences: torch.Tensor
+    stats: SpecStats
+    trace: DecodeTrace | None = None
+
+
+class SpeculativeVLMPipeline(DiffusionPipeline):
+    """Speculative decoding for a transformers VLM / causal LM (see the module docstring).
+
+    Args:
+        model: the target, `LlavaForConditionalGeneration` or a `*ForCausalLM` (Llama-style decoder).
+        processor: its processor (LLaVA: a `LlavaProcessor`; a causal LM: its tokenizer); chat templates come from it.
+        draft_model: optional smaller model sharing the tokenizer, for `drafter="model"` (a LLaVA draft also gets
+            the image).
+        eagle_head: optional `mmspec.models.hf_eagle.TextEagleHead` trained on `model`, for `drafter="eagle"`.
+
+    Examples:
+        >>> pipe = SpeculativeVLMPipeline.from_zoo("assets")
+        >>> out = pipe(images=[image], prompt="Describe the image.", max_new_tokens=96, acceptance="greedy")
+        >>> print(out.text[0], out.stats.mean_accepted_length)
+    """
+
+    _optional_components = ["draft_model", "eagle_head"]
+
+    def __init__(self, model, processor, draft_model=None, eagle_head=None):
+        super().__init__()
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if draft_model is not None and draft_model.get_output_embeddings().weight.shape[0] != vocab:
+            raise ValueError(
+                f"draft_model has a vocabulary of {draft_model.get_output_embeddings().weight.shape[0]} tokens, the "
+                f"target {vocab}: draft and target must share the tokenizer"
+            )
+        if eagle_head is not None:
+            eagle_head.check_target(model)
+        self.register_modules(model=model, processor=processor, draft_model=draft_model, eagle_head=eagle_head)
+
+    @classmethod
+    def from_zoo(cls, root="assets", name="mnist-vlm", drafters=True, **kwargs):
+        """The offline zoo: `<root>/<name>` (SmolLM2-135M-Instruct + the trained vision tower, `mmspec.models.vlm_zoo`)
+        and, when present and `drafters`, `<root>/<name>-draft` and `<root>/<name>-eagle`."""
+        from pathlib import Path
+
+        from mmspec.models.hf_draft import load_vlm_draft
+        from mmspec.models.vlm_zoo import load_vlm
+
+        model, processor = load_vlm(Path(root) / name)
+        parts = {}
+        if drafters and (Path(root) / f"{name}-draft").is_dir():
+            parts["draft_model"] = load_vlm_draft(Path(root) / f"{name}-draft", target=model)
+        if drafters and (Path(root) / f"{name}-eagle").is_dir():
+            from mmspec.models.hf_eagle import TextEagleHead
+
+            parts["eagle_head"] = TextEagleHead.from_pretrained(
+                Path(root) / f"{name}-eagle", torch_dtype=model.dtype
+            ).eval()
+        parts.update(kwargs)
+        return cls(model, processor, **parts)
+
+    # ------------------------------------------------------------------ inputs
+    @property
+    def tokenizer(self):
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    def eos_token_ids(self):
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = self.tokenizer.eos_token_id if eos is None else eos
+        return None if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def check_inputs(self, acceptance, drafter, max_new_tokens, do_sample, output_type, callback_on_step_end):
+        """Validate the method and I/O arguments; returns `(rule acceptance, drafter name)`."""
+        if not isinstance(acceptance, str) or acceptance not in ACCEPTANCES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCES}, got {acceptance!r}")
+        if acceptance == "greedy" and do_sample:
+            raise ValueError('acceptance="greedy" verifies greedy decoding; use do_sample=False (or "exact")')
+        loaded = {name for name in ("draft_model", "eagle_head") if getattr(self, name, None) is not None}
+        if drafter == "jacobi":
+            raise ValueError('drafter="jacobi" is for image models; the VLM pipeline runs "model" or "eagle"')
+        rule = "none" if acceptance == "none" else "exact"
+        drafter = resolve_drafter(rule, drafter, loaded)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(do_sample, bool):
+            raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        if callback_on_step_end is not None and not callable(callback_on_step_end):
+            raise TypeError(f"callback_on_step_end must be callable, got {type(callback_on_step_end).__name__}")
+        return rule, drafter
+
+    def conversations(self, images, prompt, messages):
+        """`(conversations, images)`: one chat per batch item (`prompt` str/list -> a user turn with the image first;
+        `messages`: one conversation or a list of them, in the processor's chat format)."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("pass exactly one of prompt and messages")
+        if images is not None and not isinstance(images, (list, tuple)):
+            images = [images]
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else prompt
+            if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+                raise TypeError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
+            if images is not None and len(images) != len(prompts):
+                raise ValueError(f"got {len(images)} images for {len(prompts)} prompts (one image per prompt)")
+            has_image = images is not None
+            chats = []
+            for p in prompts:
+                content = [{"type": "image"}, {"type": "text", "text": p}] if has_image else p
+                chats.append([{"role": "user", "content": content}])
+            return chats, images
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
+        chats = [messages] if isinstance(messages[0], dict) else list(messages)
+        for chat in chats:
+            if not isinstance(chat, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in chat):
+                raise TypeError("every conversation in messages must be a list of {'role', 'content'} dicts")
+        return chats, images
+
+    def encode(self, images, prompt, messages, device):
+        """Chat template + processor -> right-padded `input_ids [B, L]`, `lengths [B]`, extra model inputs."""
+        chats, images = self.conversations(images, prompt, messages)
+        is_vlm = hasattr(self.processor, "image_processor")
+        if images is not None and not is_vlm:
+            raise ValueError("images were given but the model has no image processor (a text-only LM)")
+        if getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None):
+            texts = [self.processor.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+        else:
+            texts = [" ".join(m["content"] if isinstance(m["content"], str) else "" for m in c) for c in chats]
+        if is_vlm:
+            enc = self.processor(images=images, text=texts, return_tensors="pt", padding=True)
+        else:
+            enc = self.tokenizer(texts, return_tensors="pt", padding=True)
+        ids, lengths = right_align(enc["input_ids"], enc.get("attention_mask"), self.tokenizer.pad_token_id or 0)
+        extra = {k: v.to(device) for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        if "pixel_values" in extra:
+            extra["pixel_values"] = extra["pixel_values"].to(self.model.dtype)
+        return ids.to(device), lengths.to(device), extra
+
+    # ------------------------------------------------------------------ call
+    @torch.no_grad()
+    def __call__(
+        self,
+        images=None,
+        prompt: str | list[str] | None = None,
+        messages: list | None = None,
+        max_new_tokens: int = 64,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        acceptance: str = "exact",
+        drafter: str | None = None,
+        num_draft_tokens: int | None = None,
+        tree_depth: int | None = None,
+        tree_top_k: int = KNOBS["tree_top_k"].default,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        output_type: str = "text",
+        return_dict: bool = True,
+        callback_on_step_end=None,
+    ):
+        """Answer `prompt` / `messages` about `images`.
+
+        Args:
+            images: a PIL image / array, or one per prompt (LLaVA); None for text-only prompts.
+            prompt: a user message or a list (one answer each); or `messages`: a conversation or a list of them in
+                the processor's chat format (`{"type": "image"}` content items mark the image).
+            max_new_tokens: tokens to generate per answer (fewer where it emits EOS).
+            do_sample, temperature, top_k, top_p: sampling knobs, applied identically to target and draft
+                distributions (`do_sample=False`, the default, is greedy decoding).
+            acceptance: `"none"` | `"exact"` | `"greedy"` (module docstring).
+            drafter: `"model"` | `"eagle"`; default: the EAGLE head if loaded, else the draft model.
+            num_draft_tokens: chain length K (`"model"`, default 4) or tree nodes (`"eagle"` trees, default 24).
+            tree_depth, tree_top_k: EAGLE drafting: a chain of `tree_depth` tokens (`tree_top_k=1`) or the EAGLE-2
+                dynamic tree (`tree_depth` levels, `tree_top_k` children per node); `tree_depth` default 5.
+            generator: one `torch.Generator` or a list with one per answer (then an answer does not depend on what
+                else is in its batch).
+            output_type: `"text"` (decoded answers and ids) | `"ids"` (ids only).
+            return_dict: return a `SpeculativeVLMOutput` (else `(text or ids, stats)`).
+            callback_on_step_end: `fn(pipe, round, generated_tokens, {"sequences": [B, N]})` after every round.
+
+        Returns:
+            `SpeculativeVLMOutput(text, sequences, stats, trace)` or a tuple.
+        """
+        # 1. check inputs, resolve the method
+        rule_name, drafter = self.check_inputs(acceptance, drafter, max_new_tokens, do_sample, output_type,
+                                               callback_on_step_end)  # fmt: skip
+        knobs = check_knobs(num_draft_tokens=num_draft_tokens, tree_depth=tree_depth, tree_top_k=tree_top_k)
+        knobs["tree_depth"] = knobs["tree_depth"] or 5
+        guidance = Guidance(SamplingParams(1.0, temperature, top_k, top_p, do_sample))
+
+        # 2. prepare: chat template + processor, generators, target and drafter
+        device = self._execution_device
+        input_ids, lengths, model_inputs = self.encode(images, prompt, messages, device)
+        batch = input_ids.shape[0]
+        check_generator(generator, batch, device)
+        target = HFTarget(self.model, guidance)
+        draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs)
+        stats = SpecStats(batch, 0 if draft is None else draft.max_width)
+
+        # 3. prefill: prompt + image features of every row; the first token comes from the target alone
+        with stats.timer("total", device), stats.timer("prefill", device):
+            first = target.prefill(input_ids, lengths, max_new_tokens, scratch=1 + (draft.max_width if draft else 0),
+                                   return_hidden=draft is not None and draft.needs_hidden, **model_inputs)  # fmt: skip
+            state = SequenceState(sample(first.p_target[:, 0], generator), max_new_tokens,
+                                  eos_token_id=self.eos_token_ids(), generator=generator)  # fmt: skip
+            if draft is not None:
+                draft.prefill(state, first)
+        stats.record_prefill(1)
+
+        # 4. decode: draft -> verify -> commit rounds until every row hit EOS or max_new_tokens
+        callback = None
+        if callback_on_step_end is not None:
+
+            def callback(state, round_index):
+                callback_on_step_end(self, round_index, int(state.num_generated().sum()), {"sequences": state.full()})
+
+        with stats.timer("total", device), self.progress_bar(total=batch * max_new_tokens) as progress:
+            decode(target, draft, Exact(), state, guidance, stats, progress=progress, callback=callback)
+        stats.draft_forwards = getattr(draft, "draft_forwards", 0)
+
+        # 5. postprocess
+        sequences = state.full()
+        stats.finalize()
+        decode_s = stats.time_total_s - stats.time_prefill_s
+        stats.extra.update(decode_s=decode_s, tokens_per_s=sum(stats.generated_tokens) / max(decode_s, 1e-9))
+        text = None
+        if output_type == "text":
+            text = [self.tokenizer.decode([t for t in row if t >= 0], skip_special_tokens=True)
+                    for row in sequences.tolist()]  # fmt: skip
+        if not return_dict:
+            return (text if output_type == "text" else sequences), stats
+        return SpeculativeVLMOutput(text=text, sequences=sequences, stats=stats, trace=state.full_trace())
+
+    def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs):
+        """The engine drafter for the resolved `drafter` name (None: plain decoding)."""
+        if drafter is None:
+            return None
+        if drafter == "model":
+            draft = HFTarget(self.draft_model, guidance, source="draft")
+            vision = model_inputs if hasattr(self.draft_model.model, "vision_tower") else {}
+            return TextModelDrafter(draft, knobs["num_draft_tokens"] or 4, input_ids, lengths, **vision)
+        top_k = knobs["tree_top_k"]
+        return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs["tree_depth"], top_k=top_k,
+                            total=knobs["num_draft_tokens"] or 24)  # fmt: skip

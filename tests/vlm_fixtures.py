@@ -1,0 +1,130 @@
+"""Tiny transformers models for the VLM pipeline tests: a word-level tokenizer with a ChatML template, a random
+Llama causal LM, a random LLaVA (CLIP vision tower) with its processor, and drafters for them."""
+
+import numpy as np
+import PIL.Image
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+)
+
+
+SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<image>"]
+WORDS = [f"w{i}" for i in range(57)] + ["user", "assistant", "system"]
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+IMAGE_TOKENS = 16  # 32 x 32 image, 8 x 8 patches
+
+
+def tiny_tokenizer():
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>", "<image>"])  # fmt: skip
+    fast.chat_template = CHAT
+    return fast
+
+
+def text_config(layers=2, vocab=64):
+    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=True, initializer_range=0.3, eos_token_id=2, pad_token_id=0, bos_token_id=1)  # fmt: skip
+
+
+def tiny_lm(layers=2, seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(text_config(layers)).eval()
+
+
+def tiny_llava(layers=2, seed=0):
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=32, patch_size=8, num_channels=3)  # fmt: skip
+    config = LlavaConfig(vision_config=vision, text_config=text_config(layers), image_token_id=3,
+                         vision_feature_select_strategy="default", vision_feature_layer=-1)  # fmt: skip
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def tiny_processor():
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tiny_tokenizer(), patch_size=8,
+                          vision_feature_select_strategy="default", image_token="<image>",
+                          num_additional_image_tokens=1, chat_template=CHAT)  # fmt: skip
+
+
+def images(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [PIL.Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [" ".join(f"w{i}" for i in rng.integers(0, 56, int(rng.integers(2, 9)))) for _ in range(n)]
+
+
+def chat(prompt, image=True):
+    content = [{"type": "image"}, {"type": "text", "text": prompt}] if image else prompt
+    return [{"role": "user", "content": content}]
+
+
+def hf_greedy(model, processor, image, prompt, max_new_tokens):
+    """transformers' own greedy `generate` for one prompt (stops at EOS; the EOS is kept)."""
+    is_vlm = image is not None
+    text = processor.apply_chat_template(chat(prompt, is_vlm), add_generation_prompt=True, tokenize=False)
+    enc = (
+        processor(images=[image], text=[text], return_tensors="pt")
+        if is_vlm
+        else processor([text], return_tensors="pt")
+    )
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, enc["input_ids"].shape[1] :].tolist()
+
+
+def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
+    """A `TextEagleHead` fitted in a few seconds on the target's own greedy continuations (so EAGLE drafts get
+    accepted and multi-token commits are exercised)."""
+    from mmspec.models.hf_eagle import TextEagleHead
+    from mmspec.train.vlm_eagle import eagle_text_losses
+
+    model = pipe.model
+    out = pipe(images=ims, prompt=texts, max_new_tokens=max_new_tokens, acceptance="none", output_type="ids")
+    ids, lengths, extra = pipe.encode(ims, texts, None, "cpu")
+    rows, weights = [], []
+    for r in range(len(texts)):
+        image_token = getattr(model.config, "image_token_id", None)
+        answer = [0 if t == image_token else t for t in out.sequences[r].tolist() if t >= 0]  # a generated
+        # image placeholder would be taken for an image slot by LLaVA's forward
+        rows.append(ids[r, : lengths[r]].tolist() + answer)
+        weights.append([False] * int(lengths[r]) + [True] * len(answer))
+    width = max(len(r) for r in rows)
+    seq = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    weight = torch.tensor([w + [False] * (width - len(w)) for w in weights])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    with torch.no_grad():
+        hidden = model.model(input_ids=seq, attention_mask=mask, **extra).last_hidden_state
+    torch.manual_seed(seed)
+    head = TextEagleHead.from_target(model, initializer_range=0.05)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        v, p = eagle_text_losses(head, model, hidden, seq, weight, unroll=2, generator=g)
+        (v + p).backward()
+        opt.step()
+    return head.eval()

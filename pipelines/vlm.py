@@ -231,7 +231,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                 else is in its batch).
             output_type: `"text"` (decoded answers and ids) | `"ids"` (ids only).
             return_dict: return a `SpeculativeVLMOutput` (else `(text or ids, stats)`).
-            callback_on_step_end: `fn(pipe, round, generated_tokens, {"sequences": [B, N]})` after every round.
+            callback_on_step_end: `fn(pipe, round, generated_tokens, {"tokens": [B, N]})` after every round (the
+                token grid, -1 = not generated; read-only).
 
         Returns:
             `SpeculativeVLMOutput(text, sequences, stats, trace)` or a tuple.
@@ -267,10 +268,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if callback_on_step_end is not None:
 
             def callback(state, round_index):
-                callback_on_step_end(self, round_index, int(state.num_generated().sum()), {"sequences": state.full()})
+                callback_on_step_end(self, round_index, int(state.num_generated().sum()), {"tokens": state.full()})
 
         with stats.timer("total", device), self.progress_bar(total=batch * max_new_tokens) as progress:
             decode(target, draft, Exact(), state, guidance, stats, progress=progress, callback=callback)
+            progress.update(progress.total - progress.n)  # rows that stopped at EOS are done too
         stats.draft_forwards = getattr(draft, "draft_forwards", 0)
 
         # 5. postprocess

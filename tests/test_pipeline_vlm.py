@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from pipeline_mixin import SpeculativePipelineTesterMixin
 from scipy.stats import chisquare
 from vlm_fixtures import (
     hf_greedy,
@@ -44,6 +45,11 @@ def make_pipe(kind):
 @pytest.fixture(scope="module", params=["lm", "llava"])
 def pipe(request):
     return request.param, make_pipe(request.param)
+
+
+@pytest.fixture(scope="module")
+def lm_pipe():
+    return make_pipe("lm")
 
 
 def _ims(kind, n, seed=0):
@@ -166,7 +172,7 @@ def test_messages_and_callback(pipe):
     content = [{"type": "image"}, {"type": "text", "text": texts[0]}] if ims else texts[0]
     seen = []
     out = p(images=ims, messages=[{"role": "user", "content": content}], max_new_tokens=8, acceptance="greedy",
-            drafter="model", callback_on_step_end=lambda pipe, i, n, t: seen.append((i, n, t["sequences"].shape)))  # fmt: skip
+            drafter="model", callback_on_step_end=lambda pipe, i, n, t: seen.append((i, n, t["tokens"].shape)))  # fmt: skip
     ref = p(images=ims, prompt=texts, max_new_tokens=8, acceptance="none").sequences
     assert torch.equal(out.sequences, ref)
     assert seen and seen[-1][1] == (ref >= 0).sum().item() and seen[-1][2] == (1, 8)
@@ -249,3 +255,28 @@ def test_draft_vocabulary_keeps_decoding_lossless():
         assert _chisquare(counts, law, n) > 1e-3
     with pytest.raises(ValueError, match="distinct"):
         head.set_draft_vocab(torch.zeros(32, dtype=torch.long))
+
+
+class TestSpeculativeVLMPipeline(SpeculativePipelineTesterMixin):
+    """The shared speculative-pipeline tests (tests/pipeline_mixin.py) on the tiny causal LM."""
+
+    pipeline_class = SpeculativeVLMPipeline
+    lossless_methods = [dict(acceptance="exact", drafter=d, **k) for d, k in DRAFTERS]
+    bad_inputs = [(dict(acceptance="fast"), ValueError, "acceptance"), (dict(prompt=[3]), TypeError, "prompt")]
+
+    @pytest.fixture(autouse=True)
+    def _pipe(self, lm_pipe):
+        self.pipe = lm_pipe
+
+    def get_pipeline(self):
+        self.pipe.set_progress_bar_config(disable=True)
+        return self.pipe
+
+    def get_inputs(self, batch_size):
+        return dict(prompt=prompts(batch_size), max_new_tokens=30, do_sample=True, output_type="ids")
+
+    def output_tokens(self, out):
+        return out.sequences
+
+    def scored_model(self, pipe):
+        return pipe.model.model

@@ -3,13 +3,15 @@ generation, in one process, on the same images and prompts (greedy).
 
 Methods (names fixed for the JSON): ``plain`` (mmspec's loop, no drafter), ``hf-plain`` (transformers
 ``generate``), ``hf-assisted`` (``generate(assistant_model=draft)``, the same draft LM; batch 1 only: transformers
-has no batched assisted generation), ``draft-model`` (mmspec, the same draft LM, chain of ``--num-draft-tokens``) and
-``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
-``--num-draft-tokens`` nodes).
+has no batched assisted generation), ``draft-model`` (mmspec, the same draft LM, chain of ``--num-draft-tokens``),
+``draft-model-frspec`` (the same draft LM scoring only the EAGLE head's 2,048-token draft vocabulary, FR-Spec: its
+output head is most of a draft step's weight traffic) and ``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
+``--tree-nodes`` nodes).
 
-Protocol: ``--num-prompts`` held-out canvases (MNIST *test* digits, 3-4 per canvas so answers are long) with
-``--prompt``; for each batch size of ``--batch-size`` (a comma list), the prompts are cut into batches and every
-method runs on each batch in turn (interleaved, so load drift hits all alike), after one warm-up call per method.
+Protocol: ``--num-prompts`` held-out canvases (MNIST *test* digits, ``--min-digits`` 4 per canvas by default so the
+descriptions are long) with ``--prompt``; for each batch size of ``--batch-size`` (a comma list), the prompts are
+cut into batches and every method runs on each batch in turn (interleaved, so load drift hits all alike), after one
+warm-up call per method.
 Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (plain's latency / the method's),
 ``prefill_s`` and ``decode_s`` (mmspec methods time the two apart), ``decode_speedup`` (plain's decode time / the
 method's), ``tokens_per_s`` (generated tokens / decode time; transformers methods: / latency), ``tau`` (tokens per
@@ -32,7 +34,7 @@ from mmspec.cli import non_negative_int, positive_int
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("plain", "hf-plain", "hf-assisted", "draft-model", "eagle")
+METHODS = ("plain", "hf-plain", "hf-assisted", "draft-model", "draft-model-frspec", "eagle")
 
 
 def _int_list(text):
@@ -65,6 +67,7 @@ def add_arguments(parser):
     parser.add_argument("--tree-top-k", type=positive_int, default=1, help="1: EAGLE chain; > 1: EAGLE-2 tree")
     parser.add_argument("--tree-nodes", type=positive_int, default=24, help="EAGLE-2 tree nodes (tree-top-k > 1)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="canvas seed")
+    parser.add_argument("--min-digits", type=positive_int, default=4, help="digits per canvas at least (1-4)")
     parser.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
@@ -119,7 +122,7 @@ def run(args, pipe=None, canvases=None):
     device = torch.device(args.device)
     pipe = (pipe or build_pipeline(args)).to(device)
     pipe.set_progress_bar_config(disable=True)
-    canvases = canvases or held_out_canvases(args.num_prompts, args.seed)
+    canvases = canvases or held_out_canvases(args.num_prompts, args.seed, args.min_digits)
     prompts = [args.prompt] * len(canvases)
     eos = pipe.eos_token_ids()
     counters = {"target": _Counter(pipe.model)}
@@ -129,6 +132,12 @@ def run(args, pipe=None, canvases=None):
     ours = {
         "plain": dict(acceptance="none"),
         "draft-model": dict(acceptance="greedy", drafter="model", num_draft_tokens=args.num_draft_tokens),
+        "draft-model-frspec": dict(
+            acceptance="greedy",
+            drafter="model",
+            num_draft_tokens=args.num_draft_tokens,
+            draft_vocab=getattr(pipe.eagle_head, "draft_vocab", None),
+        ),  # fmt: skip
         "eagle": dict(
             acceptance="greedy",
             drafter="eagle",
@@ -137,7 +146,9 @@ def run(args, pipe=None, canvases=None):
             num_draft_tokens=args.tree_nodes,
         ),  # fmt: skip
     }
-    methods = [m for m in args.methods if not (m == "draft-model" and pipe.draft_model is None)
+    frspec = pipe.eagle_head is not None and pipe.eagle_head.config.draft_vocab_size > 0
+    methods = [m for m in args.methods if not (m == "draft-model-frspec" and (not frspec or pipe.draft_model is None))
+               and not (m == "draft-model" and pipe.draft_model is None)
                and not (m == "hf-assisted" and pipe.draft_model is None) and not (m == "eagle" and pipe.eagle_head is None)]  # fmt: skip
     if "plain" not in methods:
         methods.insert(0, "plain")
@@ -162,7 +173,8 @@ def run(args, pipe=None, canvases=None):
             if ids.shape[0] != 1:
                 raise ValueError("transformers' methods run at batch 1")
             kw = dict(assistant_model=pipe.draft_model) if name == "hf-assisted" else {}
-            gen = pipe.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, **common, **kw)
+            gen = pipe.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), eos_token_id=eos,
+                                      pad_token_id=pipe.tokenizer.pad_token_id, **extra, **common, **kw)  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -217,7 +229,7 @@ def run(args, pipe=None, canvases=None):
             entry["speedup"] = base["latency_s"] / entry["latency_s"]
             entry["decode_speedup"] = base["decode_s"] / entry["decode_s"] if entry["decode_s"] else None
         if "hf-assisted" in table:
-            for name in ("draft-model", "eagle"):
+            for name in ("draft-model", "draft-model-frspec", "eagle"):
                 if name in table:
                     table[name]["speedup_vs_hf_assisted"] = (
                         table["hf-assisted"]["latency_s"] / table[name]["latency_s"]
@@ -236,7 +248,10 @@ def run(args, pipe=None, canvases=None):
         "knobs": {
             "max_new_tokens": args.max_new_tokens,
             "do_sample": False,
-            **ours,
+            **{
+                name: {k: f"{len(v)} ids" if torch.is_tensor(v) else v for k, v in kw.items()}
+                for name, kw in ours.items()
+            },
             "hf-assisted": hf_assisted_knobs(pipe),
         },
         "batch_sizes": args.batch_size,

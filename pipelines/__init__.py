@@ -2,6 +2,7 @@
 
 from .ar_image import SpeculativeARImagePipeline, SpeculativeImageOutput
 from .continuous import SpeculativeContinuousARPipeline, SpeculativeContinuousOutput
+from .vlm import SpeculativeVLMOutput, SpeculativeVLMPipeline
 
 
 __all__ = [
@@ -9,4 +10,6 @@ __all__ = [
     "SpeculativeContinuousARPipeline",
     "SpeculativeContinuousOutput",
     "SpeculativeImageOutput",
+    "SpeculativeVLMOutput",
+    "SpeculativeVLMPipeline",
 ]

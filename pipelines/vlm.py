@@ -208,6 +208,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         num_draft_tokens: int | None = None,
         tree_depth: int | None = None,
         tree_top_k: int = KNOBS["tree_top_k"].default,
+        draft_vocab: torch.Tensor | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "text",
         return_dict: bool = True,
@@ -227,6 +228,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             num_draft_tokens: chain length K (`"model"`, default 4) or tree nodes (`"eagle"` trees, default 24).
             tree_depth, tree_top_k: EAGLE drafting: a chain of `tree_depth` tokens (`tree_top_k=1`) or the EAGLE-2
                 dynamic tree (`tree_depth` levels, `tree_top_k` children per node); `tree_depth` default 5.
+            draft_vocab: `drafter="model"` only, optional 1-D ids: the draft LM scores only these tokens (FR-Spec;
+                e.g. `pipe.eagle_head.draft_vocab`, the 2,048 most frequent answer tokens): at batch 1 its output
+                head is most of a draft step's weight traffic. Verification is unchanged (lossless).
             generator: one `torch.Generator` or a list with one per answer (then an answer does not depend on what
                 else is in its batch).
             output_type: `"text"` (decoded answers and ids) | `"ids"` (ids only).
@@ -250,7 +254,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         batch = input_ids.shape[0]
         check_generator(generator, batch, device)
         target = HFTarget(self.model, guidance)
-        draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs)
+        if draft_vocab is not None and drafter != "model":
+            raise ValueError('draft_vocab restricts the draft LM (drafter="model"); the EAGLE head has its own')
+        draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab)
         stats = SpecStats(batch, 0 if draft is None else draft.max_width)
 
         # 3. prefill: prompt + image features of every row; the first token comes from the target alone
@@ -288,12 +294,12 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             return (text if output_type == "text" else sequences), stats
         return SpeculativeVLMOutput(text=text, sequences=sequences, stats=stats, trace=state.full_trace())
 
-    def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs):
+    def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None):
         """The engine drafter for the resolved `drafter` name (None: plain decoding)."""
         if drafter is None:
             return None
         if drafter == "model":
-            draft = HFTarget(self.draft_model, guidance, source="draft")
+            draft = HFTarget(self.draft_model, guidance, source="draft", vocab=draft_vocab)
             vision = model_inputs if hasattr(self.draft_model.model, "vision_tower") else {}
             return TextModelDrafter(draft, knobs["num_draft_tokens"] or 4, input_ids, lengths, **vision)
         top_k = knobs["tree_top_k"]

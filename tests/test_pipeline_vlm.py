@@ -280,3 +280,28 @@ class TestSpeculativeVLMPipeline(SpeculativePipelineTesterMixin):
 
     def scored_model(self, pipe):
         return pipe.model.model
+
+
+def test_draft_lm_vocabulary_keeps_decoding_lossless(lm_pipe):
+    """The draft LM scoring only half the vocabulary (FR-Spec): greedy output unchanged, sampled tokens still follow
+    the target law, bad vocabularies named."""
+    p = lm_pipe
+    vocab = torch.arange(0, 64, 2)
+    texts = prompts(4)
+    plain = p(prompt=texts, max_new_tokens=24, acceptance="none").sequences
+    out = p(prompt=texts, max_new_tokens=24, acceptance="greedy", drafter="model", draft_vocab=vocab)
+    assert torch.equal(out.sequences, plain)
+    text, n, temperature = prompts(1, seed=5), 3000, 1.5
+    law2, law3 = _exact_marginals(p.model, p.encode(None, text, None, "cpu")[0], temperature, p.eos_token_ids()[0])
+    out = p(prompt=text * n, max_new_tokens=3, do_sample=True, temperature=temperature, acceptance="exact",
+            drafter="model", draft_vocab=vocab, generator=[torch.Generator().manual_seed(i) for i in range(n)])  # fmt: skip
+    assert out.stats.mean_accepted_drafts > 0.05
+    for column, law in ((1, law2), (2, law3)):
+        tokens = out.sequences[:, column]
+        counts = torch.bincount(torch.where(tokens < 0, 64, tokens), minlength=65)
+        assert _chisquare(counts, law, n) > 1e-3
+    for bad in (torch.zeros(4, dtype=torch.long), torch.tensor([1, 99])):
+        with pytest.raises(ValueError, match="draft_vocab"):
+            p(prompt=texts[:1], max_new_tokens=4, acceptance="greedy", drafter="model", draft_vocab=bad)
+    with pytest.raises(ValueError, match="draft_vocab"):
+        p(prompt=texts[:1], max_new_tokens=4, acceptance="greedy", drafter="eagle", draft_vocab=vocab)

@@ -125,9 +125,12 @@ class HFTarget:
         guidance: the call's `Guidance` (one stream: no CFG for text).
         positions: the position provider (default: position == slot).
         source: `"target"` or `"draft"` (the adapter also runs draft LMs): names the model in NaN errors.
+        vocab: draft LMs only, optional `[N]` token ids: score only these (FR-Spec draft vocabulary, Zhao et al.
+            2025); every other token gets logit `-inf`, i.e. probability 0 in `q_draft`.
     """
 
-    def __init__(self, model, guidance: Guidance, positions: Positions | None = None, source: str = "target"):
+    def __init__(self, model, guidance: Guidance, positions: Positions | None = None, source: str = "target",
+                 vocab: Tensor | None = None):  # fmt: skip
         if guidance.streams != 1:
             raise ValueError("classifier-free guidance is not supported for text targets (guidance_scale must be 1)")
         text = model.config.get_text_config()
@@ -138,6 +141,18 @@ class HFTarget:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.text_config = text
         self.cache: StaticKVCache | None = None
+        self.vocab, self.vocab_weight = vocab, None
+        if vocab is not None:
+            if source == "target":
+                raise ValueError("vocab restricts a draft LM's output; the target always scores every token")
+            vocab = torch.as_tensor(vocab, dtype=torch.long)
+            if vocab.dim() != 1 or not len(vocab) or len(vocab.unique()) != len(vocab):
+                raise ValueError("draft_vocab must be a 1-D tensor of distinct token ids")
+            if int(vocab.min()) < 0 or int(vocab.max()) >= self.vocab_size:
+                raise ValueError(f"draft_vocab ids must be in [0, {self.vocab_size})")
+            head = model.get_output_embeddings()
+            self.vocab = vocab.to(head.weight.device)
+            self.vocab_weight = head.weight[self.vocab].detach()  # [N, dim]
 
     # ------------------------------------------------------------------ helpers
     def new_cache(self, rows: int, max_seq: int) -> StaticKVCache:
@@ -163,7 +178,11 @@ class HFTarget:
         return out.last_hidden_state
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return self.model.get_output_embeddings()(hidden)
+        if self.vocab is None:
+            return self.model.get_output_embeddings()(hidden)
+        sub = hidden.to(self.vocab_weight.dtype) @ self.vocab_weight.T  # [..., N]
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab, sub)
 
     # ------------------------------------------------------------------ Target protocol
     @torch.no_grad()

@@ -1,0 +1,200 @@
+"""The offline VLM target of the zoo (`assets/mnist-vlm`): a transformers `LlavaForConditionalGeneration` whose
+language model is the frozen SmolLM2-135M-Instruct (`mmspec.models.smollm2`, never copied into assets/) with a small
+trained CLIP vision tower (64x64 images, 8x8 patches) and LLaVA's projector: 64 image tokens per image.
+
+The image placeholder is SmolLM2's existing special token `<empty_output>` (id 16), so the vocabulary stays 49,152
+tokens and drafters share it. A model folder holds `config.json` (the `LlavaConfig`, text_config = SmolLM2's),
+`vision_projector.safetensors` (vision tower + projector, keys `vision_tower.*` / `multi_modal_projector.*`, float16
+by default) and the `LlavaProcessor` files (tokenizer, CLIP image processor, chat template).
+
+Examples:
+    >>> model, processor = load_vlm("mnist-vlm")
+    >>> messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
+    >>> prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    >>> inputs = processor(images=[image], text=[prompt], return_tensors="pt")  # 64 x id 16 in input_ids
+    >>> out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["IMAGE_TOKEN", "IMAGE_TOKEN_ID", "WEIGHTS_NAME", "build_vlm", "load_vlm", "save_vlm_parts", "vlm_config"]
+
+IMAGE_TOKEN = "<empty_output>"
+IMAGE_TOKEN_ID = 16
+WEIGHTS_NAME = "vision_projector.safetensors"
+PARTS = ("vision_tower", "multi_modal_projector")
+ZOO_ROOT = Path(__file__).resolve().parents[2] / "assets"
+
+# SmolLM2's ChatML template (same default system prompt) with list contents: {"type": "image"} -> the placeholder
+# (expanded to 64 tokens by the processor) followed by a newline, {"type": "text"} -> its text.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '" + IMAGE_TOKEN + "\\n' }}"
+    "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def vlm_config(text_config, hidden_size: int = 192, layers: int = 4, heads: int = 6):
+    """`LlavaConfig`: CLIP vision tower (64x64, patch 8, 3 channels) + gelu projector into `text_config` (SmolLM2)."""
+    from transformers import CLIPVisionConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(
+        image_size=64,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        projection_dim=hidden_size,
+    )
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text_config,
+        image_token_id=IMAGE_TOKEN_ID,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        image_seq_length=64,
+        tie_word_embeddings=text_config.tie_word_embeddings,
+    )
+
+
+def build_processor(tokenizer):
+    """`LlavaProcessor`: 64x64 CLIP preprocessing (grayscale -> RGB, [0, 1] -> [-1, 1], no crop effect) + tokenizer."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 64},
+        crop_size={"height": 64, "width": 64},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        do_convert_rgb=True,
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_vlm(config, language_model, init: bool = True):
+    """`LlavaForConditionalGeneration(config)` with `language_model`'s (a `LlamaForCausalLM`) weights, frozen.
+
+    `init=False` skips the random initialisation (for loaders that overwrite every weight afterwards).
+    """
+    import contextlib
+
+    from transformers import LlavaForConditionalGeneration
+    from transformers.initialization import no_init_weights
+
+    with contextlib.nullcontext() if init else no_init_weights():
+        model = LlavaForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(language_model.model.state_dict(), strict=True)
+    if config.text_config.tie_word_embeddings:
+        model.lm_head.weight = model.model.language_model.embed_tokens.weight
+    else:
+        model.lm_head.load_state_dict(language_model.lm_head.state_dict(), strict=True)
+    model.model.language_model.requires_grad_(False)
+    model.lm_head.requires_grad_(False)
+    return model
+
+
+def parts_state_dict(model) -> dict[str, torch.Tensor]:
+    """The trained parts' weights, keys `vision_tower.*` and `multi_modal_projector.*`."""
+    return {f"{part}.{k}": v for part in PARTS for k, v in getattr(model.model, part).state_dict().items()}
+
+
+def save_vlm_parts(model, processor, folder, dtype: torch.dtype | None = torch.float16) -> Path:
+    """Write `config.json`, `WEIGHTS_NAME` (vision tower + projector, cast to `dtype`) and the processor files."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in parts_state_dict(model).items()}
+    save_file(state, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+    processor.save_pretrained(folder)
+    return folder
+
+
+def resolve_folder(folder) -> Path:
+    """A model folder, or a zoo name (`mnist-vlm` -> `assets/mnist-vlm` of this repository)."""
+    path = Path(folder)
+    if path.is_dir():
+        return path
+    if (ZOO_ROOT / str(folder)).is_dir():
+        return ZOO_ROOT / str(folder)
+    raise FileNotFoundError(f"{str(folder)!r} is neither a folder nor a zoo name under {ZOO_ROOT}")
+
+
+def read_parts(path: Path, model) -> dict[str, torch.Tensor]:
+    """Read and check `path` against the model's vision tower + projector; ValueError naming the file if it does not fit."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file: {err}") from err
+    expected = parts_state_dict(model)
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{str(path)!r} does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for key, value in expected.items():
+        if state[key].shape != value.shape:
+            raise ValueError(
+                f"{str(path)!r}: {key} has shape {tuple(state[key].shape)}, expected {tuple(value.shape)}"
+            )
+        if not state[key].is_floating_point() or not torch.isfinite(state[key]).all():
+            raise ValueError(f"{str(path)!r}: {key} is not a finite floating-point tensor")
+    return state
+
+
+def load_vlm(folder="mnist-vlm", dtype: torch.dtype = torch.float32, device=None):
+    """`(LlavaForConditionalGeneration in eval mode, LlavaProcessor)` from a model folder or zoo name.
+
+    SmolLM2-135M-Instruct (`load_smollm2`) fills the language model and lm_head; `WEIGHTS_NAME` fills the vision
+    tower and projector (strict: every key present, shapes checked; ValueError naming the file otherwise).
+    """
+    from transformers import LlavaConfig, LlavaProcessor
+
+    from mmspec.models.smollm2 import load_smollm2
+
+    folder = resolve_folder(folder)
+    config = LlavaConfig.from_pretrained(folder)
+    language_model, _ = load_smollm2()
+    model = build_vlm(config, language_model, init=False)
+    state = read_parts(folder / WEIGHTS_NAME, model)
+    for part in PARTS:
+        prefix = part + "."
+        sub = {k[len(prefix) :]: v.float() for k, v in state.items() if k.startswith(prefix)}
+        getattr(model.model, part).load_state_dict(sub, strict=True)
+    model.to(dtype).eval()
+    if device is not None:
+        model.to(device)
+    processor = LlavaProcessor.from_pretrained(folder)
+    return model, processor

@@ -26,20 +26,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import non_negative_int, positive_int
+from mmspec.cli import non_negative_int, positive_int, positive_int_list
 
 
 logger = logging.getLogger(__name__)
-
-
-def _int_list(text):
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
-    return values
 
 
 def _modes(text):
@@ -52,14 +42,16 @@ def _modes(text):
 
 def add_arguments(parser):
     parser.add_argument("--zoo", default="assets", help="folder with mnist-mar, mnist-kl, mnist-mar-draft")
-    parser.add_argument("--batch-size", type=_int_list, default=[1], help="images per timed call (comma list)")
+    parser.add_argument("--batch-size", type=positive_int_list, default=[1], help="images per timed call (comma list)")
     parser.add_argument("--timing-batches", type=positive_int, default=8, help="timed calls per method")
     parser.add_argument("--num-images", type=non_negative_int, default=1000, help="images per method for quality")
     parser.add_argument("--quality-batch-size", type=positive_int, default=100)
     parser.add_argument("--skip-quality", default="", help="comma list of methods timed but not scored (e.g. "
                         "cspd-exact: lossless, so its expected FID is plain's, and slow on a CPU)")  # fmt: skip
     parser.add_argument("--num-ar-steps", type=positive_int, default=64)
-    parser.add_argument("--fewer-steps", type=_int_list, default=[32, 16], help="AR steps of the fewer-steps runs")
+    parser.add_argument(
+        "--fewer-steps", type=positive_int_list, default=[32, 16], help="AR steps of the fewer-steps runs"
+    )
     parser.add_argument("--verify-modes", type=_modes, default=["block", "exact"])
     parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="AR steps per CSpD block")
     parser.add_argument("--prefill-ratio", type=float, default=0.15)

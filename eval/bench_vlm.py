@@ -29,22 +29,12 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import non_negative_int, positive_int
+from mmspec.cli import non_negative_int, positive_int, positive_int_list
 
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("plain", "hf-plain", "hf-assisted", "draft-model", "draft-model-frspec", "eagle")
-
-
-def _int_list(text):
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
-    return values
 
 
 def _methods(text):
@@ -57,7 +47,9 @@ def _methods(text):
 
 def add_arguments(parser):
     parser.add_argument("--zoo", default="assets", help="folder with mnist-vlm, mnist-vlm-draft, mnist-vlm-eagle")
-    parser.add_argument("--batch-size", type=_int_list, default=[1], help="answers per timed call (comma list)")
+    parser.add_argument(
+        "--batch-size", type=positive_int_list, default=[1], help="answers per timed call (comma list)"
+    )
     parser.add_argument("--num-prompts", type=positive_int, default=8, help="canvases (one answer each)")
     parser.add_argument("--prompt", default="Describe the image.")
     parser.add_argument("--methods", type=_methods, default=list(METHODS))
@@ -117,6 +109,8 @@ def build_pipeline(args):
 
 
 def run(args, pipe=None, canvases=None):
+    if not args.batch_size:
+        raise ValueError("--batch-size needs at least one batch size")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -89,6 +89,17 @@ def non_negative_int(text):
     return _int_at_least(text, 0)
 
 
+def positive_int_list(text):
+    """argparse `type`: comma-separated integers >= 1 ("1,4"; empty items ignored, an empty list allowed)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
 def finite_float(text):
     """argparse `type`: a finite number (NaN and inf are usage errors)."""
     try:

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.models.eagle import EagleHead
 from mmspec.models.hf import StaticCache
 
 
@@ -97,13 +98,7 @@ class TextEagleHead(ModelMixin, ConfigMixin):
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    def init_weights(self, generator=None):
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
-                nn.init.normal_(module.weight, 0.0, self.config.initializer_range, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        return self
+    init_weights = EagleHead.init_weights  # N(0, initializer_range) Linear weights, zero biases
 
     def check_target(self, target):
         t = target.config.get_text_config()

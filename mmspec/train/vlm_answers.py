@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import positive_int
+from mmspec.cli import non_negative_int, positive_int
 from mmspec.train.common import configure_threads, seed_everything
 
 
@@ -29,11 +29,11 @@ def add_arguments(parser):
     parser.add_argument("--target", default="assets/mnist-vlm", help="the VLM zoo folder")
     parser.add_argument("--out", required=True, help="output file (.pt); resumes if it exists")
     parser.add_argument("--num", type=positive_int, default=512, help="canvases (one question each)")
-    parser.add_argument("--batch-size", type=positive_int, default=16)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="answers generated per call")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="answer length cap")
+    parser.add_argument("--seed", type=non_negative_int, default=1234, help="canvas / question seed")
+    parser.add_argument("--threads", type=non_negative_int, default=2, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def sample_questions(num, generator, split="train"):

@@ -380,16 +380,11 @@ def save_model(model, out_dir: str | os.PathLike, dtype: torch.dtype | None = to
     return out_dir
 
 
-def train_and_save(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0.1, **loop_kwargs):
-    """The shared tail of every training task: `train_loop` with the common options of `add_common_arguments`
-    (warmup + cosine schedule, grad clip, checkpoint/log cadence), `save_model` to `args.out` (float16 unless
-    `--fp32-weights`), then the model loaded back as users will load it.
-
-    Returns `(TrainResult, saved model)`; `loop_kwargs` go to `train_loop` (e.g. `extra_state`, `after_step`).
-    """
-    from mmspec.models import load
-
-    result = train_loop(
+def train_with_args(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0.1, **loop_kwargs) -> TrainResult:
+    """`train_loop` with the common options of `add_common_arguments`: `--steps` into `--out`, warmup + cosine
+    schedule from `--lr` / `--warmup-steps`, grad clip, checkpoint / log cadence, progress bar unless `--quiet`.
+    `loop_kwargs` go to `train_loop` (e.g. `extra_state`, `after_step`)."""
+    return train_loop(
         model,
         optimizer,
         step_fn,
@@ -403,6 +398,17 @@ def train_and_save(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0
         progress=not getattr(args, "quiet", False),
         **loop_kwargs,
     )
+
+
+def train_and_save(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0.1, **loop_kwargs):
+    """The shared tail of every diffusers-model training task: `train_with_args`, `save_model` to `args.out`
+    (float16 unless `--fp32-weights`), then the model loaded back as users will load it.
+
+    Returns `(TrainResult, saved model)`; `loop_kwargs` go to `train_loop` (e.g. `extra_state`, `after_step`).
+    """
+    from mmspec.models import load
+
+    result = train_with_args(model, optimizer, step_fn, args, generator, min_lr_ratio=min_lr_ratio, **loop_kwargs)
     save_model(model, args.out, dtype=torch.float16 if args.fp16_weights else None)
     return result, load(args.out)
 

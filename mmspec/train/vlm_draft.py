@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import positive_int
-from mmspec.train.common import add_common_arguments, configure_threads, seed_everything, train_loop, write_model_card
+from mmspec.train.common import (
+    add_common_arguments,
+    configure_threads,
+    seed_everything,
+    train_with_args,
+    write_model_card,
+)
 from mmspec.train.vlm_eagle import answer_mask
 
 
@@ -79,13 +85,8 @@ def run(args):
                                  data["canvases"][idx])  # fmt: skip
         return {"loss": loss, "agree": agree.detach()}
 
-    from mmspec.train.common import warmup_cosine_lr
-
     before = evaluate(draft, processor, data, ids, lengths, weight, n_eval)
-    result = train_loop(draft, optimizer, step_fn, total_steps=args.steps, out_dir=args.out, generator=generator,
-                        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
-                        grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
-                        progress=not args.quiet)  # fmt: skip
+    result = train_with_args(draft, optimizer, step_fn, args, generator)
     draft.eval()
     save_draft_delta(draft, args.out, trained, args.num_layers, {"target": str(args.target)})
     after = evaluate(draft, processor, data, ids, lengths, weight, n_eval)

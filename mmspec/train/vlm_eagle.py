@@ -13,6 +13,7 @@ at inference; EAGLE-3 / HASS) and uniform input-feature noise. The soft cross-en
 49,152-way output head, so it is taken at `--ce-positions` random answer positions per row.
 """
 
+import copy
 import logging
 from pathlib import Path
 
@@ -20,7 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import non_negative_float, positive_int
-from mmspec.train.common import add_common_arguments, configure_threads, seed_everything, train_loop, write_model_card
+from mmspec.train.common import (
+    add_common_arguments,
+    configure_threads,
+    seed_everything,
+    train_with_args,
+    write_model_card,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -168,16 +175,10 @@ def run(args):
                                          ce_positions=args.ce_positions, generator=generator)  # fmt: skip
         return {"loss": vloss + args.p_weight * ploss, "vloss": vloss.detach(), "ploss": ploss.detach()}
 
-    from mmspec.train.common import warmup_cosine_lr
-
-    result = train_loop(head, optimizer, step_fn, total_steps=args.steps, out_dir=args.out, generator=generator,
-                        lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps),
-                        grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every, log_every=args.log_every,
-                        progress=not args.quiet)  # fmt: skip
+    result = train_with_args(head, optimizer, step_fn, args, generator)
     head.eval()
-    head.save_pretrained(args.out, safe_serialization=True)
-    if args.fp16_weights:  # ship float16 weights (loaded back as float32 by the pipeline's `.to`)
-        TextEagleHead.from_pretrained(args.out).to(torch.float16).save_pretrained(args.out)
+    # float16 weights unless --fp32-weights (the pipeline loads them in the target's dtype)
+    (copy.deepcopy(head).half() if args.fp16_weights else head).save_pretrained(args.out, safe_serialization=True)
     width = int(lengths[:n_eval].max())
     metrics = evaluate_text_head(head, model, features[:n_eval, :width], ids[:n_eval, :width], weight[:n_eval, :width])
     logger.info("held-out metrics: %s", metrics)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import add_knob_arguments, knob_values, non_negative_int, positive_int, sampling_type
+from mmspec.cli import add_knob_arguments, knob_values, names_of, non_negative_int, positive_int, sampling_type
 from mmspec.methods import PRESETS
 
 
@@ -51,15 +51,6 @@ DIGIT_PROMPTS = [f"a handwritten {w}" for w in
                  ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")]  # fmt: skip
 
 
-def _method_list(text):
-    """argparse type of `--methods`: an unknown preset is a usage error (exit 2) before anything loads."""
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = sorted(set(names) - set(PRESETS))
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown names {unknown}; known: {','.join(PRESETS)}")
-    return text
-
-
 def add_arguments(parser):
     parser.add_argument("--zoo", type=_zoo, default=str(Path(__file__).resolve().parent.parent / "assets"))
     parser.add_argument("--model", default="c2i", choices=("c2i", "t2i"),
@@ -69,7 +60,7 @@ def add_arguments(parser):
     parser.add_argument("--num-images", type=positive_int, default=40, help="images per method per repeat")
     parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--methods", type=_method_list, default=",".join(PRESETS),
+    parser.add_argument("--methods", type=names_of(PRESETS), default=",".join(PRESETS),
                         help="comma-separated subset of " + ",".join(PRESETS))  # fmt: skip
     parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0)
     parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
@@ -116,7 +107,7 @@ def count_syncs(fn, device):
 
 @torch.no_grad()
 def run(args):
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    names = args.methods
     unknown = sorted(set(names) - set(PRESETS))
     if unknown:
         raise ValueError(f"--methods has unknown names {unknown}; known: {list(PRESETS)}")

@@ -5,7 +5,9 @@ Methods (names fixed for the JSON): ``plain`` (mmspec's loop, no drafter), ``hf-
 ``generate``), ``hf-assisted`` (``generate(assistant_model=draft)``, the same draft LM; batch 1 only: transformers
 has no batched assisted generation), ``draft-model`` (mmspec, the same draft LM, chain of ``--num-draft-tokens``),
 ``draft-model-frspec`` (the same draft LM scoring only the EAGLE head's 2,048-token draft vocabulary, FR-Spec: its
-output head is most of a draft step's weight traffic) and ``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
+output head is most of a draft step's weight traffic), ``draft-model-tree`` (the same draft LM growing an EAGLE-2
+tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node, ``--model-tree-nodes`` nodes) and
+``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
 ``--tree-nodes`` nodes).
 
 Protocol: ``--num-prompts`` held-out canvases (MNIST *test* digits, ``--min-digits`` 4 per canvas by default so the
@@ -20,7 +22,6 @@ verification round, bonus included) and ``tau_without_bonus`` (accepted drafts p
 ``matches_plain`` (every greedy answer identical to plain's), ``mean_new_tokens``.
 """
 
-import argparse
 import logging
 import platform
 import statistics
@@ -29,20 +30,12 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import non_negative_int, positive_int, positive_int_list
+from mmspec.cli import names_of, non_negative_int, positive_int, positive_int_list
 
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("plain", "hf-plain", "hf-assisted", "draft-model", "draft-model-frspec", "eagle")
-
-
-def _methods(text):
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = sorted(set(names) - set(METHODS))
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown methods {bad}; known: {','.join(METHODS)}")
-    return names
+METHODS = ("plain", "hf-plain", "hf-assisted", "draft-model", "draft-model-tree", "draft-model-frspec", "eagle")
 
 
 def add_arguments(parser):
@@ -52,9 +45,12 @@ def add_arguments(parser):
     )
     parser.add_argument("--num-prompts", type=positive_int, default=8, help="canvases (one answer each)")
     parser.add_argument("--prompt", default="Describe the image.")
-    parser.add_argument("--methods", type=_methods, default=list(METHODS))
+    parser.add_argument("--methods", type=names_of(METHODS), default=",".join(METHODS))
     parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft-model chain length")
+    parser.add_argument("--model-tree-depth", type=positive_int, default=5, help="draft-model-tree depth")
+    parser.add_argument("--model-tree-top-k", type=positive_int, default=2, help="draft-model-tree children per node")
+    parser.add_argument("--model-tree-nodes", type=positive_int, default=10, help="draft-model-tree nodes")
     parser.add_argument("--tree-depth", type=positive_int, default=6, help="EAGLE chain length / tree depth")
     parser.add_argument("--tree-top-k", type=positive_int, default=1, help="1: EAGLE chain; > 1: EAGLE-2 tree")
     parser.add_argument("--tree-nodes", type=positive_int, default=24, help="EAGLE-2 tree nodes (tree-top-k > 1)")
@@ -126,6 +122,13 @@ def run(args, pipe=None, canvases=None):
     ours = {
         "plain": dict(acceptance="none"),
         "draft-model": dict(acceptance="greedy", drafter="model", num_draft_tokens=args.num_draft_tokens),
+        "draft-model-tree": dict(
+            acceptance="greedy",
+            drafter="model",
+            tree_depth=args.model_tree_depth,
+            tree_top_k=args.model_tree_top_k,
+            num_draft_tokens=args.model_tree_nodes,
+        ),  # fmt: skip
         "draft-model-frspec": dict(
             acceptance="greedy",
             drafter="model",
@@ -142,7 +145,7 @@ def run(args, pipe=None, canvases=None):
     }
     frspec = pipe.eagle_head is not None and pipe.eagle_head.config.draft_vocab_size > 0
     methods = [m for m in args.methods if not (m == "draft-model-frspec" and (not frspec or pipe.draft_model is None))
-               and not (m == "draft-model" and pipe.draft_model is None)
+               and not (m in ("draft-model", "draft-model-tree") and pipe.draft_model is None)
                and not (m == "hf-assisted" and pipe.draft_model is None) and not (m == "eagle" and pipe.eagle_head is None)]  # fmt: skip
     if "plain" not in methods:
         methods.insert(0, "plain")
@@ -223,7 +226,7 @@ def run(args, pipe=None, canvases=None):
             entry["speedup"] = base["latency_s"] / entry["latency_s"]
             entry["decode_speedup"] = base["decode_s"] / entry["decode_s"] if entry["decode_s"] else None
         if "hf-assisted" in table:
-            for name in ("draft-model", "draft-model-frspec", "eagle"):
+            for name in ("draft-model", "draft-model-tree", "draft-model-frspec", "eagle"):
                 if name in table:
                     table[name]["speedup_vs_hf_assisted"] = (
                         table["hf-assisted"]["latency_s"] / table[name]["latency_s"]

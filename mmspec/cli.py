@@ -43,6 +43,7 @@ __all__ = [
 # command -> ("module:function" called with the remaining arguments, help); `eval`, `demo` go here, one line each
 COMMANDS = {
     "generate": ("mmspec.cli:generate_main", "sample a digit grid from the MNIST zoo and print speed stats"),
+    "vlm": ("mmspec.cli_vlm:main", "ask the VLM zoo about an image (speculative decoding) and print speed stats"),
     "bench": ("mmspec.eval.bench:main", "benchmarks (see `mmspec bench --help`)"),
     "train": ("mmspec.train.__main__:main", "train zoo models (see `mmspec train --help`)"),
     "eval": ("mmspec.eval:main", "evaluation scripts: fid (see `mmspec eval --help`)"),
@@ -98,6 +99,34 @@ def positive_int_list(text):
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
     return values
+
+
+def names_of(choices):
+    """argparse `type` factory: a comma list of names from `choices` ("plain,eagle") -> list; unknown names (or none)
+    are a usage error (exit 2) before anything loads."""
+
+    def parse(text):
+        names = [m.strip() for m in text.split(",") if m.strip()]
+        unknown = sorted(set(names) - set(choices))
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown names {unknown}; known: {','.join(choices)}")
+        return names
+
+    parse.__name__ = "names"
+    return parse
+
+
+def weights_of(count):
+    """argparse `type` factory: `count` comma-separated finite numbers >= 0, not all 0 ("1,2,3,4") -> tuple."""
+
+    def parse(text):
+        values = tuple(non_negative_float(v) for v in text.split(","))
+        if len(values) != count or not any(values):
+            raise argparse.ArgumentTypeError(f"expected {count} comma-separated weights, not all 0, got {text!r}")
+        return values
+
+    parse.__name__ = f"{count} weights"
+    return parse
 
 
 def finite_float(text):

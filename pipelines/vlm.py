@@ -10,8 +10,8 @@ static KV cache through `mmspec.models.hf.HFTarget` (vision tower + projector on
 | `"exact"`    | `"eagle"`/`"model"` | speculative sampling (Leviathan et al. 2023; EAGLE-2 trees)    | yes      |
 | `"greedy"`   | `"eagle"`/`"model"` | `"exact"` under greedy decoding: drafts kept while they equal the target's argmax | yes |
 
-Drafters: `"model"` (a small causal LM / LLaVA sharing the tokenizer drafts a chain of `num_draft_tokens`;
-`mmspec.drafters.text_model`) and `"eagle"` (a `TextEagleHead` on the target's hidden states: a sampled chain of
+Drafters: `"model"` (a small causal LM / LLaVA sharing the tokenizer drafts a chain of `num_draft_tokens`, or with
+`tree_top_k > 1` an EAGLE-2 dynamic tree; `mmspec.drafters.text_model`) and `"eagle"` (a `TextEagleHead` on the target's hidden states: a sampled chain of
 `tree_depth` tokens with `tree_top_k=1`, or an EAGLE-2 dynamic tree of `num_draft_tokens` nodes; `mmspec.drafters.eagle`).
 
 Batches are ragged: prompts of different lengths are right-aligned into the static cache (no left padding; positions
@@ -225,9 +225,10 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                 distributions (`do_sample=False`, the default, is greedy decoding).
             acceptance: `"none"` | `"exact"` | `"greedy"` (module docstring).
             drafter: `"model"` | `"eagle"`; default: the EAGLE head if loaded, else the draft model.
-            num_draft_tokens: chain length K (`"model"`, default 4) or tree nodes (`"eagle"` trees, default 24).
-            tree_depth, tree_top_k: EAGLE drafting: a chain of `tree_depth` tokens (`tree_top_k=1`) or the EAGLE-2
-                dynamic tree (`tree_depth` levels, `tree_top_k` children per node); `tree_depth` default 5.
+            num_draft_tokens: chain length K (`"model"` chains, default 4) or tree nodes (trees, default 24).
+            tree_depth, tree_top_k: `tree_top_k > 1`: an EAGLE-2 dynamic tree (`tree_depth` levels, `tree_top_k`
+                children per node) for either drafter; `tree_top_k=1`: the draft model drafts a chain of
+                `num_draft_tokens`, the EAGLE head a chain of `tree_depth` tokens; `tree_depth` default 5.
             draft_vocab: `drafter="model"` only, optional 1-D ids: the draft LM scores only these tokens (FR-Spec;
                 e.g. `pipe.eagle_head.draft_vocab`, the 2,048 most frequent answer tokens): at batch 1 its output
                 head is most of a draft step's weight traffic. Verification is unchanged (lossless).
@@ -301,7 +302,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if drafter == "model":
             draft = HFTarget(self.draft_model, guidance, source="draft", vocab=draft_vocab)
             vision = model_inputs if hasattr(self.draft_model.model, "vision_tower") else {}
-            return TextModelDrafter(draft, knobs["num_draft_tokens"] or 4, input_ids, lengths, **vision)
-        top_k = knobs["tree_top_k"]
-        return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs["tree_depth"], top_k=top_k,
+            top_k = knobs["tree_top_k"]
+            return TextModelDrafter(draft, knobs["num_draft_tokens"] or (4 if top_k == 1 else 24), input_ids, lengths,
+                                    top_k=top_k, depth=knobs["tree_depth"], **vision)  # fmt: skip
+        return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs["tree_depth"], top_k=knobs["tree_top_k"],
                             total=knobs["num_draft_tokens"] or 24)  # fmt: skip

@@ -47,7 +47,7 @@ def test_methods_and_knob_flags_come_from_the_registry():
     parser = argparse.ArgumentParser()
     bench_ar_image.add_arguments(parser)
     args = parser.parse_args([])
-    assert args.methods.split(",") == list(PRESETS)
+    assert args.methods == list(PRESETS)
     assert bench_ar_image._knobs(args) == dict(guidance_scale=2.0, temperature=1.0, top_k=None)  # unset: defaults
     assert set(KNOBS) <= {action.dest for action in parser._actions}
     args = parser.parse_args(["--relaxation-lambda", "2.5", "--jacobi-init", "random", "--no-coupling",

@@ -26,6 +26,7 @@ from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 DRAFTERS = [  # (drafter, knobs)
     ("model", {"num_draft_tokens": 3}),
+    ("model", {"tree_depth": 3, "tree_top_k": 3, "num_draft_tokens": 8}),  # draft-LM EAGLE-2 tree
     ("eagle", {"tree_depth": 4}),  # sampled / argmax chain
     ("eagle", {"tree_depth": 3, "tree_top_k": 3, "num_draft_tokens": 8}),  # EAGLE-2 tree
 ]

@@ -12,11 +12,11 @@ Every draft starts by committing those pairs to the head cache (`commit_accepted
 """
 
 import logging
-from typing import NamedTuple
 
 import torch
 
 from mmspec.drafters.base import Proposal
+from mmspec.drafters.tree import DraftTree, grow_tree
 from mmspec.models.eagle import EagleHead
 from mmspec.random import num_rows
 from mmspec.sampling import sample
@@ -25,20 +25,6 @@ from mmspec.sampling import sample
 logger = logging.getLogger(__name__)
 
 __all__ = ["DraftTree", "EagleDrafter", "EagleHead", "cfg_combine", "commit_accepted", "draft_chain", "draft_tree"]
-
-
-# ---------------------------------------------------------------------- EAGLE-2 dynamic tree
-class DraftTree(NamedTuple):
-    """A draft token tree per batch item, nodes in topological order (`parents[b, i] < i`, `-1` = child of root).
-
-    tokens: `[B, N]` draft tokens; parents: `[B, N]`; depths: `[B, N]` (1 = child of the root);
-    scores: `[B, N]` cumulative draft log-probabilities (CFG-combined, after `logits_processor`).
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
-    scores: torch.Tensor
 
 
 def cfg_combine(logits, guidance_scale):
@@ -148,8 +134,7 @@ def draft_tree(
         raise ValueError(f"with guidance_scale the rows must be [cond; uncond] (even), got {rows}")
     if depth < 1 or top_k < 1 or total < 1:
         raise ValueError(f"depth, top_k and total must be >= 1, got {depth}, {top_k}, {total}")
-    top_k = min(top_k, head.config.vocab_size)
-    batch = rows // 2 if guidance_scale is not None else rows
+    dim = hidden.shape[-1]
 
     def log_probs(features):  # [rows, K, dim] -> [B, K, V]
         logits = cfg_combine(head.compute_logits(target, features), guidance_scale)
@@ -163,71 +148,22 @@ def draft_tree(
     # 1. accepted chain -> committed head state
     root_feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid, validate)  # [rows, 1, dim]
     base_len = cache.lengths
+    fed = {"out": root_feat}  # the head outputs of the last fed frontier
 
-    # depth 1: children of the root
-    lp = log_probs(root_feat)[:, 0]  # [B, V]
-    score, tok = lp.topk(top_k, dim=-1)  # [B, k]
-    cand_tokens, cand_scores = [tok], [score]
-    cand_parents = [torch.full_like(tok, -1)]
-    cand_depths = [torch.ones_like(tok)]
-    n_cand = top_k
-    frontier_ids = torch.arange(top_k, device=device).expand(batch, top_k)  # candidate ids of the frontier
-    frontier_tokens, frontier_scores = tok, score
-    frontier_feat = root_feat.expand(rows, top_k, -1)  # input feature of each frontier node (its parent's f_hat)
-    # head-tree bookkeeping: nodes fed to the head so far (slot base_len + index), ancestor-or-self mask
-    fed_anc = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)
-    frontier_head_parent = torch.full((batch, top_k), -1, dtype=torch.long, device=device)
+    def expand(tokens, parent, ancestry, d):  # feed the depth d - 1 frontier to the head (scratch slots)
+        k, n_all = tokens.shape[1], ancestry.shape[2]
+        if parent is None:  # children of the root take its feature
+            feat = root_feat.expand(rows, k, dim)
+        else:  # a node's input feature is its parent's output f_hat
+            feat = fed["out"].gather(1, per_row(parent)[:, :, None].expand(rows, k, dim))
+        key_slots = base_len[:, None] + torch.arange(n_all, device=device)[None]
+        input_pos = (base_len + d - 2)[:, None].expand(rows, k)
+        cache_mask = cache.visibility(key_slots, per_row(ancestry))
+        fed["out"] = head(feat, per_row(tokens), target, cache, input_pos, key_slots[:, n_all - k :],
+                          cache_mask=cache_mask, validate=False)  # fmt: skip  # [rows, k, dim]
+        return log_probs(fed["out"])
 
-    for d in range(2, depth + 1):
-        # feed the frontier (top_k nodes at depth d-1) to the head
-        n_fed = fed_anc.shape[1]
-        eye = torch.eye(top_k, dtype=torch.bool, device=device).expand(batch, top_k, top_k)
-        par = frontier_head_parent
-        if n_fed:
-            inherited = fed_anc.gather(1, par.clamp(min=0)[:, :, None].expand(batch, top_k, n_fed))
-            inherited = inherited & (par >= 0)[:, :, None]  # ancestors-or-self of the parent
-        else:
-            inherited = torch.zeros(batch, top_k, 0, dtype=torch.bool, device=device)
-        new_rows = torch.cat([inherited, eye], dim=2)  # [B, k, n_fed + k]
-        fed_anc = torch.cat([torch.cat([fed_anc, fed_anc.new_zeros(batch, n_fed, top_k)], dim=2), new_rows], dim=1)
-        key_slots = base_len[:, None] + torch.arange(n_fed + top_k, device=device)[None]
-        write_slots = key_slots[:, n_fed:]
-        input_pos = (base_len + d - 2)[:, None].expand(rows, top_k)
-        cache_mask = cache.visibility(key_slots, per_row(new_rows))
-        out = head(frontier_feat, per_row(frontier_tokens), target, cache, input_pos, write_slots,
-                   cache_mask=cache_mask, validate=False)  # fmt: skip  # [rows, k, dim]
-        lp = log_probs(out)  # [B, k, V]
-        child_lp, child_tok = lp.topk(top_k, dim=-1)  # [B, k, k]
-        cum = (frontier_scores[:, :, None] + child_lp).reshape(batch, top_k * top_k)
-        cand_tokens.append(child_tok.reshape(batch, -1))
-        cand_scores.append(cum)
-        cand_parents.append(frontier_ids[:, :, None].expand(batch, top_k, top_k).reshape(batch, -1))
-        cand_depths.append(torch.full_like(cum, d, dtype=torch.long))
-        # next frontier: best top_k children
-        _, pick = cum.topk(top_k, dim=-1)  # [B, k] indices into k*k
-        parent_local = torch.div(pick, top_k, rounding_mode="floor")
-        frontier_tokens = child_tok.reshape(batch, -1).gather(1, pick)
-        frontier_scores = cum.gather(1, pick)
-        frontier_ids = n_cand + pick
-        frontier_head_parent = n_fed + parent_local
-        frontier_feat = out.gather(1, per_row(parent_local)[:, :, None].expand(rows, top_k, out.shape[-1]))
-        n_cand += top_k * top_k
-
-    tokens = torch.cat(cand_tokens, 1)
-    scores = torch.cat(cand_scores, 1)
-    parents = torch.cat(cand_parents, 1)
-    depths = torch.cat(cand_depths, 1)
-    n_keep = min(total, tokens.shape[1])
-    # candidates are stored depth by depth (parents first), so a stable sort on -score breaks ties shallower-first
-    order = torch.sort(-scores, dim=1, stable=True).indices[:, :n_keep]
-    keep = order.sort(dim=1).values  # topological order
-    new_index = torch.full_like(tokens, -1)
-    new_index.scatter_(1, keep, torch.arange(n_keep, device=device).expand(batch, n_keep))
-    kept_parents = parents.gather(1, keep)
-    remapped = torch.where(kept_parents >= 0, new_index.gather(1, kept_parents.clamp(min=0)), kept_parents)
-    if bool(((kept_parents >= 0) & (remapped < 0)).any()):  # cannot happen unless scores are NaN
-        raise RuntimeError("draft tree selection is not ancestor-closed (NaN draft scores?)")
-    return DraftTree(tokens.gather(1, keep), remapped, depths.gather(1, keep), scores.gather(1, keep))
+    return grow_tree(log_probs(root_feat)[:, 0], expand, depth=depth, top_k=top_k, total=total)
 
 
 class EagleDrafter:

@@ -8,12 +8,20 @@ chain of K tokens (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, ar
   each draft token is drawn from `q_draft`, the draft's logits through the *same* processing as the target's (one-hot
   under greedy decoding).
 * `commit` rolls the draft cache back to the prompt + all committed tokens but the last (always a correct prefix).
+
+With `top_k > 1` the draft LM grows an EAGLE-2 dynamic tree instead (`mmspec.drafters.tree.grow_tree`; Li et al.
+2024, arXiv 2406.16858): after the `[last committed, pending]` forward, each level's frontier of `top_k` nodes is fed
+in one forward (scratch slots, ancestor masks), every node proposes its `top_k` most likely children under the draft's
+raw log-probabilities, and the best `num_draft_tokens` nodes of `depth` levels are verified as one token tree
+(deterministic children, `mmspec.verify.tree`: lossless in every mode). At batch 1 on a memory-bound device a forward
+of `top_k` tokens costs about what one token costs, so the tree buys acceptance for little draft time.
 """
 
 import torch
 
 from mmspec.drafters.base import Proposal
-from mmspec.models.hf import HFTarget
+from mmspec.drafters.tree import grow_tree
+from mmspec.models.hf import HFTarget, decoder_of
 from mmspec.random import num_rows
 from mmspec.sampling import sample
 
@@ -26,28 +34,36 @@ class TextModelDrafter:
 
     Args:
         draft: the draft model wrapped as `HFTarget(model, guidance, source="draft")`.
-        num_draft_tokens: K, the chain length.
-        prompt: the right-padded prompt `input_ids [B, L]`, `lengths [B]` and extra model inputs (`pixel_values`)
-            the target was prefilled with.
+        num_draft_tokens: K, the chain length (`top_k == 1`) or the tree's node count.
+        input_ids, lengths, model_inputs: the right-padded prompt `input_ids [B, L]`, `lengths [B]` and extra model
+            inputs (`pixel_values`) the target was prefilled with.
+        top_k: 1 = a sampled chain; > 1 = an EAGLE-2 tree with `top_k` children per node and `depth` levels.
+        depth: tree levels (trees only; default 5).
     """
 
     needs_hidden = False
 
-    def __init__(self, draft: HFTarget, num_draft_tokens: int, input_ids, lengths, **model_inputs):
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
-        self.draft, self.k = draft, int(num_draft_tokens)
+    def __init__(self, draft: HFTarget, num_draft_tokens: int, input_ids, lengths, *, top_k=1, depth=5,
+                 **model_inputs):  # fmt: skip
+        for name, value in (("num_draft_tokens", num_draft_tokens), ("top_k", top_k), ("depth", depth)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.draft, self.k, self.top_k, self.depth = draft, int(num_draft_tokens), int(top_k), int(depth)
         self.input_ids, self.lengths, self.model_inputs = input_ids, lengths, model_inputs
-        self.max_width = self.k
+        self.chain = self.top_k == 1
+        self.max_width = self.k if self.chain else min(self.k, self.top_k + (self.depth - 1) * self.top_k**2)
         self.draft_forwards = 0
 
     def prefill(self, state, target_out):
-        self.draft.prefill(self.input_ids, self.lengths, state.max_length, self.k + 2, **self.model_inputs)
+        scratch = (self.k if self.chain else self.depth * self.top_k) + 2
+        self.draft.prefill(self.input_ids, self.lengths, state.max_length, scratch, **self.model_inputs)
         self.prompt_lengths = self.lengths
         self._first_round = True
 
     @torch.no_grad()
     def propose(self, state):
+        if not self.chain:
+            return self._propose_tree(state)
         num_draft = state.remaining().clamp(min=1, max=self.k)
         length = min(self.k, state.max_remaining)  # no drafts past the last token of any row
         feed = state.pending[:, None] if self._first_round else torch.stack([state.last_committed, state.pending], 1)
@@ -63,6 +79,32 @@ class TextModelDrafter:
         self.draft_forwards += length
         self._first_round = False
         return Proposal(torch.stack(tokens, 1), num_draft, q_draft=torch.stack(probs, 1))
+
+    def _log_probs(self, hidden):  # [B, M, dim] -> raw draft log-probabilities [B, M, V] (tree scores)
+        logits = self.draft.logits(hidden).float()
+        return torch.log_softmax(logits, dim=-1).nan_to_num(nan=float("-inf"))  # NaN: reported by Guidance.check
+
+    def _propose_tree(self, state):
+        feed = state.pending[:, None] if self._first_round else torch.stack([state.last_committed, state.pending], 1)
+        root = self.draft.forward(feed, return_hidden=True)  # p_target feeds the NaN check of the draft's logits
+        self.draft.cache.commit(feed.shape[1])
+        self._first_round = False
+        cache, base = self.draft.cache, self.draft.cache.lengths
+        decoder = decoder_of(self.draft.model)
+
+        def expand(tokens, parent, ancestry, d):  # feed the depth d - 1 frontier at scratch slots after `base`
+            k, n_all = tokens.shape[1], ancestry.shape[2]
+            key_slots = base[:, None] + torch.arange(n_all, device=base.device)[None]
+            logical = (base + d - 2)[:, None].expand(-1, k)
+            hidden = self.draft.run(decoder, cache, key_slots[:, n_all - k :], logical, ancestry, key_slots=key_slots,
+                                    input_ids=tokens)  # fmt: skip
+            return self._log_probs(hidden)
+
+        tree = grow_tree(self._log_probs(root.hidden[:, -1:])[:, 0], expand, depth=self.depth, top_k=self.top_k,
+                         total=self.k)  # fmt: skip
+        self.draft_forwards += self.depth
+        self.last_tree = tree  # the `DraftTree` with its cumulative draft log-probabilities (inspection, tests)
+        return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents)
 
     def commit(self, result, target_out, state):
         lengths = self.prompt_lengths + state.count - 2

@@ -162,10 +162,13 @@ class HFTarget:
         n_kv = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
         return StaticKVCache(t.num_hidden_layers, rows, n_kv, max_seq, head_dim, dtype=p.dtype, device=p.device)
 
-    def run(self, module, cache: StaticKVCache, slots: Tensor, logical: Tensor, mask: Tensor, **inputs):
+    def run(self, module, cache: StaticKVCache, slots: Tensor, logical: Tensor, mask: Tensor, key_slots=None,
+            **inputs):  # fmt: skip
         """One forward of `module` (base model or decoder) over new tokens written at `slots [rows, M]` with the
-        new-token mask `mask [rows, M, M]`; returns the final-norm hidden states `[rows, M, dim]`."""
-        visible = cache.visibility(slots, mask)[:, None]  # [rows, 1, M, max_seq]
+        new-token mask `mask [rows, M, M]`; returns the final-norm hidden states `[rows, M, dim]`. `key_slots
+        [rows, K]` (default `slots`) may also list uncommitted slots of earlier forwards, `mask` is then
+        `[rows, M, K]` (`StaticKVCache.visibility`)."""
+        visible = cache.visibility(slots if key_slots is None else key_slots, mask)[:, None]  # [rows, 1, M, S]
         if self.model.config._attn_implementation not in ("sdpa", "flex_attention"):  # eager: additive float mask
             dtype = cache.dtype
             visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(

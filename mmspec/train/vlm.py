@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, non_negative_int, positive_float, positive_int
+from mmspec.cli import non_negative_float, non_negative_int, positive_float, positive_int, weights_of
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
@@ -48,8 +48,6 @@ from mmspec.train.vlm_data import (
 
 logger = logging.getLogger(__name__)
 
-KIND_WEIGHTS = (0.2, 0.5, 0.15, 0.15)  # QUESTION_KINDS order: count, which, what, describe
-
 
 def add_arguments(parser):
     add_common_arguments(parser, out="assets/mnist-vlm", steps=400, batch_size=4, lr=3e-4, warmup_steps=10,
@@ -66,6 +64,14 @@ def add_arguments(parser):
     parser.add_argument(
         "--tower-lr-scale", type=non_negative_float, default=0.1, help="stage 2 vision tower lr factor"
     )
+    parser.add_argument(
+        "--kind-weights",
+        type=weights_of(len(QUESTION_KINDS)),
+        default="0.2,0.5,0.15,0.15",
+        help="stage 2 odds of the question kinds count,which,what,describe",
+    )
+    parser.add_argument("--count-weights", type=weights_of(4), default="1,1,1,1",
+                        help="stage 2 odds of canvases with 1,2,3,4 digits")  # fmt: skip
     parser.add_argument("--eval-which", type=non_negative_int, default=200, help="held-out 'which digit' questions")
     parser.add_argument("--eval-count", type=non_negative_int, default=100, help="held-out 'how many' questions")
     parser.add_argument("--eval-batch-size", type=positive_int, default=25)
@@ -232,13 +238,17 @@ def run_stage2(args, model, processor, images, labels, generator):
     else:
         tower.requires_grad_(False)
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
-    weights = torch.tensor(KIND_WEIGHTS)
+    scales = [group["lr_scale"] for group in groups]  # train_loop's set_lr applies them
+    counts = None if len(set(args.count_weights)) == 1 else torch.tensor(args.count_weights)  # None: uniform
 
     def step_fn(step):
-        for group in optimizer.param_groups:  # train_loop sets one lr for all groups; rescale the tower's
-            group["lr"] *= group["lr_scale"]
-        layouts, canvases = sample_batch(args.batch_size, images, labels, generator)
-        kinds = torch.multinomial(weights, args.batch_size, replacement=True, generator=generator).tolist()
+        for group, scale in zip(optimizer.param_groups, scales):  # a resumed checkpoint may carry other scales
+            group["lr"] *= scale / group["lr_scale"]
+            group["lr_scale"] = scale
+        layouts, canvases = sample_batch(args.batch_size, images, labels, generator, counts)
+        kinds = torch.multinomial(
+            torch.tensor(args.kind_weights), args.batch_size, replacement=True, generator=generator
+        ).tolist()
         qa = [make_qa(layout, QUESTION_KINDS[k], generator) for layout, k in zip(layouts, kinds)]
         input_ids, mask, target = collate(processor, [user_prompt(processor, q) for q, _ in qa], [a for _, a in qa])
         out = model(input_ids=input_ids, attention_mask=mask, pixel_values=pixel_values(canvases), labels=target)

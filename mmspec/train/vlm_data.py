@@ -71,9 +71,17 @@ def mnist_digits(split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
     return (images[:, 0] + 1) / 2, labels
 
 
-def sample_layout(labels: torch.Tensor, generator: torch.Generator, max_digits: int = 4) -> Layout:
-    """Draw 1..`max_digits` filled cells, each with a random digit of `labels` (its split), size, stroke, offset."""
-    num = int(torch.randint(1, max_digits + 1, (), generator=generator))
+def sample_layout(
+    labels: torch.Tensor, generator: torch.Generator, max_digits: int = 4, count_weights: torch.Tensor | None = None
+) -> Layout:
+    """Draw 1..`max_digits` filled cells, each with a random digit of `labels` (its split), size, stroke, offset.
+
+    `count_weights` [max_digits]: relative odds of 1..max_digits digits (default uniform).
+    """
+    if count_weights is None:
+        num = int(torch.randint(1, max_digits + 1, (), generator=generator))
+    else:
+        num = int(torch.multinomial(count_weights[:max_digits].float(), 1, generator=generator)) + 1
     chosen = set(torch.randperm(4, generator=generator)[:num].tolist())
     cells = []
     for k in range(4):
@@ -110,9 +118,15 @@ def render(layout: Layout, images: torch.Tensor) -> torch.Tensor:
     return (canvas * 255).round() / 255
 
 
-def sample_batch(num: int, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator):
+def sample_batch(
+    num: int,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    generator: torch.Generator,
+    count_weights: torch.Tensor | None = None,
+):
     """`num` random layouts and their canvases: (list[Layout], float32 [num, 64, 64] in [0, 1])."""
-    layouts = [sample_layout(labels, generator) for _ in range(num)]
+    layouts = [sample_layout(labels, generator, count_weights=count_weights) for _ in range(num)]
     return layouts, torch.stack([render(layout, images) for layout in layouts])
 
 

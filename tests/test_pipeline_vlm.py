@@ -230,6 +230,18 @@ def test_nan_logits_raise():
         p(prompt=prompts(1), max_new_tokens=4, acceptance="none")
 
 
+@pytest.mark.parametrize("knobs", [{"num_draft_tokens": 3}, {"tree_top_k": 2, "tree_depth": 3, "num_draft_tokens": 4}])
+def test_nan_draft_logits_name_the_draft_model(knobs):
+    target = tiny_lm(2, seed=1)
+    draft = truncated_draft(target, 1)
+    with torch.no_grad():
+        draft.model.layers[0].mlp.down_proj.weight[0, 0] = math.nan
+    p = SpeculativeVLMPipeline(target, tiny_tokenizer(), draft_model=draft)
+    p.set_progress_bar_config(disable=True)
+    with pytest.raises(ValueError, match="draft"):
+        p(prompt=prompts(1), max_new_tokens=6, acceptance="exact", drafter="model", **knobs)
+
+
 def test_draft_vocabulary_keeps_decoding_lossless():
     """An EAGLE head scoring only half the vocabulary (FR-Spec): q_draft is 0 elsewhere, greedy output unchanged,
     sampled tokens still follow the target law."""

@@ -19,6 +19,7 @@ of `top_k` tokens costs about what one token costs, so the tree buys acceptance 
 
 import torch
 
+from mmspec.cache import chain_inputs
 from mmspec.drafters.base import Proposal
 from mmspec.drafters.tree import grow_tree
 from mmspec.models.hf import HFTarget, decoder_of
@@ -80,17 +81,19 @@ class TextModelDrafter:
         self._first_round = False
         return Proposal(torch.stack(tokens, 1), num_draft, q_draft=torch.stack(probs, 1))
 
-    def _log_probs(self, hidden):  # [B, M, dim] -> raw draft log-probabilities [B, M, V] (tree scores)
-        logits = self.draft.logits(hidden).float()
-        return torch.log_softmax(logits, dim=-1).nan_to_num(nan=float("-inf"))  # NaN: reported by Guidance.check
+    @staticmethod
+    def _log_probs(logits):  # [..., V] -> raw draft log-probabilities (tree scores)
+        return torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=float("-inf"))  # NaN: see Guidance.check
 
     def _propose_tree(self, state):
         feed = state.pending[:, None] if self._first_round else torch.stack([state.last_committed, state.pending], 1)
-        root = self.draft.forward(feed, return_hidden=True)  # p_target feeds the NaN check of the draft's logits
-        self.draft.cache.commit(feed.shape[1])
+        cache, decoder = self.draft.cache, decoder_of(self.draft.model)
+        logical, slots, mask = chain_inputs(cache.lengths, feed.shape[1])
+        root = self.draft.logits(self.draft.run(decoder, cache, slots, logical, mask, input_ids=feed)[:, -1])  # [B, V]
+        self.draft.guidance.probs(root, "draft")  # only for the NaN check of the draft's logits (Guidance.check)
+        cache.commit(feed.shape[1])
         self._first_round = False
-        cache, base = self.draft.cache, self.draft.cache.lengths
-        decoder = decoder_of(self.draft.model)
+        base = cache.lengths
 
         def expand(tokens, parent, ancestry, d):  # feed the depth d - 1 frontier at scratch slots after `base`
             k, n_all = tokens.shape[1], ancestry.shape[2]
@@ -98,9 +101,9 @@ class TextModelDrafter:
             logical = (base + d - 2)[:, None].expand(-1, k)
             hidden = self.draft.run(decoder, cache, key_slots[:, n_all - k :], logical, ancestry, key_slots=key_slots,
                                     input_ids=tokens)  # fmt: skip
-            return self._log_probs(hidden)
+            return self._log_probs(self.draft.logits(hidden))
 
-        tree = grow_tree(self._log_probs(root.hidden[:, -1:])[:, 0], expand, depth=self.depth, top_k=self.top_k,
+        tree = grow_tree(self._log_probs(root), expand, depth=self.depth, top_k=self.top_k,
                          total=self.k)  # fmt: skip
         self.draft_forwards += self.depth
         self.last_tree = tree  # the `DraftTree` with its cumulative draft log-probabilities (inspection, tests)

@@ -64,6 +64,8 @@ def add_arguments(parser):
     parser.add_argument(
         "--tower-lr-scale", type=non_negative_float, default=0.1, help="stage 2 vision tower lr factor"
     )
+    parser.add_argument("--digit-weight", type=positive_float, default=1.0,
+                        help="stage 2 loss weight of digit tokens (1: the plain token mean)")  # fmt: skip
     parser.add_argument(
         "--kind-weights",
         type=weights_of(len(QUESTION_KINDS)),
@@ -228,6 +230,15 @@ def collate(processor, prompts: list[str], answers: list[str]):
     return input_ids, mask, labels
 
 
+def answer_loss(logits, labels, digit_ids, digit_weight=1.0):
+    """Next-token cross-entropy over the answer tokens (`labels [B, T]`, -100 elsewhere), digit tokens weighted
+    `digit_weight` x (1.0: the plain token mean transformers computes): the digits carry the image content."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    weight = (labels != -100).float() * torch.where(torch.isin(labels, digit_ids), digit_weight, 1.0)
+    return (ce * weight.flatten()).sum() / weight.sum()
+
+
 def run_stage2(args, model, processor, images, labels, generator):
     """Train projector (+ vision tower at a lower lr) on answer-token cross-entropy through the frozen SmolLM2."""
     tower, projector = model.model.vision_tower, model.model.multi_modal_projector
@@ -239,6 +250,7 @@ def run_stage2(args, model, processor, images, labels, generator):
         tower.requires_grad_(False)
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     scales = [group["lr_scale"] for group in groups]  # train_loop's set_lr applies them
+    digit_ids = torch.tensor([processor.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)])
     counts = None if len(set(args.count_weights)) == 1 else torch.tensor(args.count_weights)  # None: uniform
 
     def step_fn(step):
@@ -251,8 +263,8 @@ def run_stage2(args, model, processor, images, labels, generator):
         ).tolist()
         qa = [make_qa(layout, QUESTION_KINDS[k], generator) for layout, k in zip(layouts, kinds)]
         input_ids, mask, target = collate(processor, [user_prompt(processor, q) for q, _ in qa], [a for _, a in qa])
-        out = model(input_ids=input_ids, attention_mask=mask, pixel_values=pixel_values(canvases), labels=target)
-        return {"loss": out.loss, "tokens": input_ids.shape[1]}
+        logits = model(input_ids=input_ids, attention_mask=mask, pixel_values=pixel_values(canvases)).logits
+        return {"loss": answer_loss(logits, target, digit_ids, args.digit_weight), "tokens": input_ids.shape[1]}
 
     return train_loop(module, optimizer, step_fn, total_steps=args.steps, out_dir=Path(args.work) / "stage2",
                       generator=generator, grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every,

@@ -119,30 +119,17 @@ def run(args, pipe=None, canvases=None):
     if pipe.draft_model is not None:
         counters["draft"] = _Counter(pipe.draft_model)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    greedy = dict(acceptance="greedy")
     ours = {
         "plain": dict(acceptance="none"),
-        "draft-model": dict(acceptance="greedy", drafter="model", num_draft_tokens=args.num_draft_tokens),
-        "draft-model-tree": dict(
-            acceptance="greedy",
-            drafter="model",
-            tree_depth=args.model_tree_depth,
-            tree_top_k=args.model_tree_top_k,
-            num_draft_tokens=args.model_tree_nodes,
-        ),  # fmt: skip
-        "draft-model-frspec": dict(
-            acceptance="greedy",
-            drafter="model",
-            num_draft_tokens=args.num_draft_tokens,
-            draft_vocab=getattr(pipe.eagle_head, "draft_vocab", None),
-        ),  # fmt: skip
-        "eagle": dict(
-            acceptance="greedy",
-            drafter="eagle",
-            tree_depth=args.tree_depth,
-            tree_top_k=args.tree_top_k,
-            num_draft_tokens=args.tree_nodes,
-        ),  # fmt: skip
-    }
+        "draft-model": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens),
+        "draft-model-tree": dict(greedy, drafter="model", tree_depth=args.model_tree_depth,
+                                 tree_top_k=args.model_tree_top_k, num_draft_tokens=args.model_tree_nodes),
+        "draft-model-frspec": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens,
+                                   draft_vocab=getattr(pipe.eagle_head, "draft_vocab", None)),
+        "eagle": dict(greedy, drafter="eagle", tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
+                      num_draft_tokens=args.tree_nodes),
+    }  # fmt: skip
     frspec = pipe.eagle_head is not None and pipe.eagle_head.config.draft_vocab_size > 0
     methods = [m for m in args.methods if not (m == "draft-model-frspec" and (not frspec or pipe.draft_model is None))
                and not (m in ("draft-model", "draft-model-tree") and pipe.draft_model is None)

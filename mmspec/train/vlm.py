@@ -11,8 +11,9 @@ patches -> 64 image tokens) + LLaVA's gelu projector (`mmspec.models.vlm_zoo`), 
    digit (11 classes incl. empty), the mean patch feature of each cell its digit + stroke (3 classes). The LM thus
    starts from image tokens it can read like text.
 2. through the frozen SmolLM2: projector (and the vision tower at `--tower-lr-scale` x lr) trained with next-token
-   cross-entropy on the answer tokens only (teacher forcing) of generated instruction data (count / which digit /
-   what digits / describe), short sequences (~100-150 tokens).
+   cross-entropy on the answer tokens only (teacher forcing; digit tokens weighted `--digit-weight` x: they carry the
+   image content) of generated instruction data (count / which digit / what digits / describe at `--kind-weights`
+   odds, canvases with 1-4 digits at `--count-weights` odds), short sequences (~100-150 tokens).
 
 The card reports digit-identity accuracy of greedy `model.generate` answers to "Which digit is at the <position>?" on
 held-out canvases (MNIST test digits), count accuracy, and example "Describe the image." answers.
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser):
-    add_common_arguments(parser, out="assets/mnist-vlm", steps=400, batch_size=4, lr=3e-4, warmup_steps=10,
+    add_common_arguments(parser, out="assets/mnist-vlm", steps=2000, batch_size=4, lr=3e-4, warmup_steps=10,
                          checkpoint_every=25, threads=2)  # fmt: skip
     parser.set_defaults(log_every=10)
     parser.add_argument("--work", default="runs/mnist-vlm", help="checkpoints of both stages (kept out of --out)")
@@ -62,17 +63,17 @@ def add_arguments(parser):
     parser.add_argument("--stage1-lr", type=positive_float, default=2e-3)
     parser.add_argument("--mse-weight", type=non_negative_float, default=1.0, help="stage 1 embedding MSE weight")
     parser.add_argument(
-        "--tower-lr-scale", type=non_negative_float, default=0.1, help="stage 2 vision tower lr factor"
+        "--tower-lr-scale", type=non_negative_float, default=0.2, help="stage 2 vision tower lr factor"
     )
-    parser.add_argument("--digit-weight", type=positive_float, default=1.0,
+    parser.add_argument("--digit-weight", type=positive_float, default=5.0,
                         help="stage 2 loss weight of digit tokens (1: the plain token mean)")  # fmt: skip
     parser.add_argument(
         "--kind-weights",
         type=weights_of(len(QUESTION_KINDS)),
-        default="0.2,0.5,0.15,0.15",
+        default="0.1,0.5,0.1,0.3",
         help="stage 2 odds of the question kinds count,which,what,describe",
     )
-    parser.add_argument("--count-weights", type=weights_of(4), default="1,1,1,1",
+    parser.add_argument("--count-weights", type=weights_of(4), default="1,2,3,4",
                         help="stage 2 odds of canvases with 1,2,3,4 digits")  # fmt: skip
     parser.add_argument("--eval-which", type=non_negative_int, default=200, help="held-out 'which digit' questions")
     parser.add_argument("--eval-count", type=non_negative_int, default=100, help="held-out 'how many' questions")
@@ -386,7 +387,8 @@ def run(args):
             "left cell read ' top left:7' x3 + ' 7, thick'; `template_ids` in `mmspec/train/vlm.py`) plus per-patch "
             "and per-cell digit/stroke classifiers. Stage 2: projector (+ tower at "
             f"{args.tower_lr_scale}x lr) trained through the frozen LM on answer tokens of count / which / what / "
-            "describe questions.\n\n"
+            f"describe questions (odds {','.join(map(str, args.kind_weights))}; canvases with 1-4 digits at odds "
+            f"{','.join(map(str, args.count_weights))}), digit tokens weighted {args.digit_weight}x in the loss.\n\n"
             f"Evaluation (held-out canvases of MNIST test digits, greedy `generate`): `heldout_which_digit_accuracy` "
             f"on {args.eval_which} 'Which digit is at the <position>?' questions (answer's first digit), "
             f"`heldout_count_accuracy` on {args.eval_count} 'How many digits are in the image?' questions.\n\n"

@@ -5,7 +5,9 @@ Methods (names fixed for the JSON): ``plain`` (mmspec's loop, no drafter), ``hf-
 ``generate``), ``hf-assisted`` (``generate(assistant_model=draft)``, the same draft LM; batch 1 only: transformers
 has no batched assisted generation), ``draft-model`` (mmspec, the same draft LM, chain of ``--num-draft-tokens``),
 ``draft-model-frspec`` (the same draft LM scoring only the EAGLE head's 2,048-token draft vocabulary, FR-Spec: its
-output head is most of a draft step's weight traffic), ``draft-model-tree`` (the same draft LM growing an EAGLE-2
+output head is most of a draft step's weight traffic), ``draft-model-confident`` (the same draft LM, chains of up to
+``--confident-draft-tokens`` that stop after a token it gave a probability below ``--draft-confidence``, like
+transformers' assistant), ``draft-model-tree`` (the same draft LM growing an EAGLE-2
 tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node, ``--model-tree-nodes`` nodes) and
 ``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
 ``--tree-nodes`` nodes).
@@ -30,12 +32,21 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import names_of, non_negative_int, positive_int, positive_int_list
+from mmspec.cli import names_of, non_negative_int, positive_int, positive_int_list, probability
 
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("plain", "hf-plain", "hf-assisted", "draft-model", "draft-model-tree", "draft-model-frspec", "eagle")
+METHODS = (
+    "plain",
+    "hf-plain",
+    "hf-assisted",
+    "draft-model",
+    "draft-model-confident",
+    "draft-model-tree",
+    "draft-model-frspec",
+    "eagle",
+)
 
 
 def add_arguments(parser):
@@ -48,6 +59,8 @@ def add_arguments(parser):
     parser.add_argument("--methods", type=names_of(METHODS), default=",".join(METHODS))
     parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft-model chain length")
+    parser.add_argument("--confident-draft-tokens", type=positive_int, default=8, help="draft-model-confident K")
+    parser.add_argument("--draft-confidence", type=probability, default=0.4, help="draft-model-confident stop")
     parser.add_argument("--model-tree-depth", type=positive_int, default=5, help="draft-model-tree depth")
     parser.add_argument("--model-tree-top-k", type=positive_int, default=2, help="draft-model-tree children per node")
     parser.add_argument("--model-tree-nodes", type=positive_int, default=10, help="draft-model-tree nodes")
@@ -123,6 +136,8 @@ def run(args, pipe=None, canvases=None):
     ours = {
         "plain": dict(acceptance="none"),
         "draft-model": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens),
+        "draft-model-confident": dict(greedy, drafter="model", num_draft_tokens=args.confident_draft_tokens,
+                                      draft_confidence=args.draft_confidence),
         "draft-model-tree": dict(greedy, drafter="model", tree_depth=args.model_tree_depth,
                                  tree_top_k=args.model_tree_top_k, num_draft_tokens=args.model_tree_nodes),
         "draft-model-frspec": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens,
@@ -132,7 +147,7 @@ def run(args, pipe=None, canvases=None):
     }  # fmt: skip
     frspec = pipe.eagle_head is not None and pipe.eagle_head.config.draft_vocab_size > 0
     methods = [m for m in args.methods if not (m == "draft-model-frspec" and (not frspec or pipe.draft_model is None))
-               and not (m in ("draft-model", "draft-model-tree") and pipe.draft_model is None)
+               and not (m.startswith("draft-model") and pipe.draft_model is None)
                and not (m == "hf-assisted" and pipe.draft_model is None) and not (m == "eagle" and pipe.eagle_head is None)]  # fmt: skip
     if "plain" not in methods:
         methods.insert(0, "plain")
@@ -213,7 +228,7 @@ def run(args, pipe=None, canvases=None):
             entry["speedup"] = base["latency_s"] / entry["latency_s"]
             entry["decode_speedup"] = base["decode_s"] / entry["decode_s"] if entry["decode_s"] else None
         if "hf-assisted" in table:
-            for name in ("draft-model", "draft-model-tree", "draft-model-frspec", "eagle"):
+            for name in METHODS[3:]:
                 if name in table:
                     table[name]["speedup_vs_hf_assisted"] = (
                         table["hf-assisted"]["latency_s"] / table[name]["latency_s"]

@@ -209,6 +209,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         tree_depth: int | None = None,
         tree_top_k: int = KNOBS["tree_top_k"].default,
         draft_vocab: torch.Tensor | None = None,
+        draft_confidence: float | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "text",
         return_dict: bool = True,
@@ -232,6 +233,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             draft_vocab: `drafter="model"` only, optional 1-D ids: the draft LM scores only these tokens (FR-Spec;
                 e.g. `pipe.eagle_head.draft_vocab`, the 2,048 most frequent answer tokens): at batch 1 its output
                 head is most of a draft step's weight traffic. Verification is unchanged (lossless).
+            draft_confidence: `drafter="model"` chains only, optional in (0, 1): a row stops drafting after a token
+                the draft LM was less sure of (raw probability) -- transformers' `assistant_confidence_threshold`;
+                lossless (the stop depends on the draft alone).
             generator: one `torch.Generator` or a list with one per answer (then an answer does not depend on what
                 else is in its batch).
             output_type: `"text"` (decoded answers and ids) | `"ids"` (ids only).
@@ -257,7 +261,10 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         target = HFTarget(self.model, guidance)
         if draft_vocab is not None and drafter != "model":
             raise ValueError('draft_vocab restricts the draft LM (drafter="model"); the EAGLE head has its own')
-        draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab)
+        if draft_confidence is not None and drafter != "model":
+            raise ValueError('draft_confidence stops the draft LM\'s chains (drafter="model")')
+        draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
+                                  draft_confidence)  # fmt: skip
         stats = SpecStats(batch, 0 if draft is None else draft.max_width)
 
         # 3. prefill: prompt + image features of every row; the first token comes from the target alone
@@ -295,7 +302,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             return (text if output_type == "text" else sequences), stats
         return SpeculativeVLMOutput(text=text, sequences=sequences, stats=stats, trace=state.full_trace())
 
-    def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None):
+    def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None,
+                     draft_confidence=None):  # fmt: skip
         """The engine drafter for the resolved `drafter` name (None: plain decoding)."""
         if drafter is None:
             return None
@@ -304,6 +312,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             vision = model_inputs if hasattr(self.draft_model.model, "vision_tower") else {}
             top_k = knobs["tree_top_k"]
             return TextModelDrafter(draft, knobs["num_draft_tokens"] or (4 if top_k == 1 else 24), input_ids, lengths,
-                                    top_k=top_k, depth=knobs["tree_depth"], **vision)  # fmt: skip
+                                    top_k=top_k, depth=knobs["tree_depth"], confidence=draft_confidence,
+                                    **vision)  # fmt: skip
         return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs["tree_depth"], top_k=knobs["tree_top_k"],
                             total=knobs["num_draft_tokens"] or 24)  # fmt: skip

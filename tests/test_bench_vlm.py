@@ -23,6 +23,7 @@ def test_bench_vlm_reports_every_method(tmp_path):
     assert set(b1) == set(bench_vlm.METHODS) - {"draft-model-frspec"} and set(b2) == {
         "plain",
         "draft-model",
+        "draft-model-confident",
         "draft-model-tree",
         "eagle",
     }

@@ -26,6 +26,7 @@ from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 DRAFTERS = [  # (drafter, knobs)
     ("model", {"num_draft_tokens": 3}),
+    ("model", {"num_draft_tokens": 5, "draft_confidence": 0.5}),  # chains stopped at unsure draft tokens
     ("model", {"tree_depth": 3, "tree_top_k": 3, "num_draft_tokens": 8}),  # draft-LM EAGLE-2 tree
     ("eagle", {"tree_depth": 4}),  # sampled / argmax chain
     ("eagle", {"tree_depth": 3, "tree_top_k": 3, "num_draft_tokens": 8}),  # EAGLE-2 tree
@@ -318,3 +319,20 @@ def test_draft_lm_vocabulary_keeps_decoding_lossless(lm_pipe):
             p(prompt=texts[:1], max_new_tokens=4, acceptance="greedy", drafter="model", draft_vocab=bad)
     with pytest.raises(ValueError, match="draft_vocab"):
         p(prompt=texts[:1], max_new_tokens=4, acceptance="greedy", drafter="eagle", draft_vocab=vocab)
+
+
+def test_draft_confidence_stops_chains_early(lm_pipe):
+    kw = dict(prompt=prompts(2), max_new_tokens=16, acceptance="greedy", drafter="model", num_draft_tokens=6)
+    full = lm_pipe(**kw)
+    early = lm_pipe(**kw, draft_confidence=0.999)
+    assert early.sequences.equal(full.sequences)
+    assert early.stats.draft_forwards < full.stats.draft_forwards
+    assert sum(early.stats.drafted_tokens) < sum(full.stats.drafted_tokens)
+    for bad, match in (
+        (dict(draft_confidence=1.5), "draft_confidence"),
+        (dict(draft_confidence=0.5, tree_top_k=2), "draft_confidence"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            lm_pipe(**kw | bad)
+    with pytest.raises(ValueError, match="draft_confidence"):
+        lm_pipe(prompt=prompts(1), max_new_tokens=4, drafter="eagle", draft_confidence=0.5)

@@ -40,15 +40,24 @@ class TextModelDrafter:
             inputs (`pixel_values`) the target was prefilled with.
         top_k: 1 = a sampled chain; > 1 = an EAGLE-2 tree with `top_k` children per node and `depth` levels.
         depth: tree levels (trees only; default 5).
+        confidence: chains only, optional in (0, 1): a row stops drafting after a token the draft gave a raw
+            (unprocessed) probability below this -- transformers' `assistant_confidence_threshold`. Depends on the
+            draft alone, so verification stays lossless; at batch 1 it saves the draft forwards a rejection would
+            waste and lets `num_draft_tokens` be larger.
     """
 
     needs_hidden = False
 
     def __init__(self, draft: HFTarget, num_draft_tokens: int, input_ids, lengths, *, top_k=1, depth=5,
-                 **model_inputs):  # fmt: skip
+                 confidence=None, **model_inputs):  # fmt: skip
         for name, value in (("num_draft_tokens", num_draft_tokens), ("top_k", top_k), ("depth", depth)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if confidence is not None and (isinstance(confidence, bool) or not 0 < float(confidence) < 1):
+            raise ValueError(f"draft_confidence must be a number in (0, 1) or None, got {confidence!r}")
+        if confidence is not None and top_k != 1:
+            raise ValueError("draft_confidence applies to draft chains (tree_top_k=1)")
+        self.confidence = None if confidence is None else float(confidence)
         self.draft, self.k, self.top_k, self.depth = draft, int(num_draft_tokens), int(top_k), int(depth)
         self.input_ids, self.lengths, self.model_inputs = input_ids, lengths, model_inputs
         self.chain = self.top_k == 1
@@ -71,15 +80,28 @@ class TextModelDrafter:
         counted = num_rows(state.generator) is not None  # per-row generators: draw only the drafts a row uses
         tokens, probs = [], []
         for d in range(length):
-            q = self.draft.forward(feed).p_target[:, -1]  # [B, V] exactly what the draft is drawn from
-            self.draft.cache.commit(feed.shape[1])
+            logits = self._last_logits(feed)  # [B, V]
+            q = self.draft.guidance.probs(logits, "draft")  # exactly what the draft is drawn from
             tok = sample(q, state.generator, counts=(num_draft > d).long() if counted else None)
             tokens.append(tok)
             probs.append(q)
             feed = tok[:, None]
-        self.draft_forwards += length
+            if self.confidence is not None:  # rows stop after an unsure token (its raw draft probability)
+                sure = torch.softmax(logits.float(), dim=-1).gather(1, feed)[:, 0] >= self.confidence
+                num_draft = torch.where(sure, num_draft, num_draft.clamp(max=d + 1))
+                if not bool((num_draft > d + 1).any()):
+                    break
+        self.draft_forwards += len(tokens)
         self._first_round = False
         return Proposal(torch.stack(tokens, 1), num_draft, q_draft=torch.stack(probs, 1))
+
+    def _last_logits(self, feed):
+        """Feed a chain `[B, M]` to the draft, commit it, and return the logits after its last token `[B, V]`."""
+        cache = self.draft.cache
+        logical, slots, mask = chain_inputs(cache.lengths, feed.shape[1])
+        hidden = self.draft.run(decoder_of(self.draft.model), cache, slots, logical, mask, input_ids=feed)
+        cache.commit(feed.shape[1])
+        return self.draft.logits(hidden[:, -1])
 
     @staticmethod
     def _log_probs(logits):  # [..., V] -> raw draft log-probabilities (tree scores)
@@ -87,13 +109,10 @@ class TextModelDrafter:
 
     def _propose_tree(self, state):
         feed = state.pending[:, None] if self._first_round else torch.stack([state.last_committed, state.pending], 1)
-        cache, decoder = self.draft.cache, decoder_of(self.draft.model)
-        logical, slots, mask = chain_inputs(cache.lengths, feed.shape[1])
-        root = self.draft.logits(self.draft.run(decoder, cache, slots, logical, mask, input_ids=feed)[:, -1])  # [B, V]
+        root = self._last_logits(feed)  # [B, V]
         self.draft.guidance.probs(root, "draft")  # only for the NaN check of the draft's logits (Guidance.check)
-        cache.commit(feed.shape[1])
         self._first_round = False
-        base = cache.lengths
+        cache, decoder, base = self.draft.cache, decoder_of(self.draft.model), self.draft.cache.lengths
 
         def expand(tokens, parent, ancestry, d):  # feed the depth d - 1 frontier at scratch slots after `base`
             k, n_all = tokens.shape[1], ancestry.shape[2]

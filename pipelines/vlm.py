@@ -30,6 +30,7 @@ from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.methods import KNOBS, check_knobs, resolve_drafter
+from mmspec.models import DEFAULT_ZOO
 from mmspec.models.hf import HFTarget, right_align
 from mmspec.random import check_generator
 from mmspec.sampling import SamplingParams, sample
@@ -92,9 +93,10 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         self.register_modules(model=model, processor=processor, draft_model=draft_model, eagle_head=eagle_head)
 
     @classmethod
-    def from_zoo(cls, root="assets", name="mnist-vlm", drafters=True, **kwargs):
+    def from_zoo(cls, root=None, name="mnist-vlm", drafters=True, **kwargs):
         """The offline zoo: `<root>/<name>` (SmolLM2-135M-Instruct + the trained vision tower, `mmspec.models.vlm_zoo`)
         and, when present and `drafters`, `<root>/<name>-draft` and `<root>/<name>-eagle`."""
+        root = DEFAULT_ZOO if root is None else root  # the shipped zoo, from any working directory
         from pathlib import Path
 
         from mmspec.models.hf_draft import load_vlm_draft

@@ -102,6 +102,10 @@ def _load_transformers(folder, path, dtype):
     return model
 
 
+# the shipped zoo (the repo's assets/): the default root of every `from_zoo` and every command's `--zoo`,
+# wherever the caller runs from
+DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "assets"
+
 # the zoo layout `<root>/<prefix>-<suffix>`: pipeline component -> folder suffix (drafters optional)
 ZOO_PARTS = {"transformer": "c2i", "vqvae": "vq", "draft_model": "c2i-draft", "eagle_head": "c2i-eagle"}
 ZOO_REQUIRED = ("transformer", "vqvae")
@@ -167,7 +171,7 @@ def read_config(path):
     return config
 
 
-def zoo_folders(root="assets", prefix="mnist", kind="c2i"):
+def zoo_folders(root=DEFAULT_ZOO, prefix="mnist", kind="c2i"):
     """`{component: folder}` for the zoo folders `<root>/<prefix>-{<kind>,vq,<kind>-draft,<kind>-eagle}` that exist
     (`kind`: "c2i" or "t2i"); nothing is read or loaded. Raises ValueError naming `root` if it is not a directory or
     lacks the transformer / vq folder."""

@@ -7,6 +7,7 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
 * `DRAFTERS`: name -> `DrafterSpec` (the pipeline component it needs, if any).
 * `KNOBS`: pipeline keyword -> `Knob` (type, default, range check, which methods read it). Rule knobs take their
   defaults from the rule classes of `mmspec.verify` (the one place they are defined).
+* `VLM_LIMITS`: upper bounds of the VLM pipeline's size knobs (checked by the pipeline and by every CLI flag).
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "DRAFTERS",
     "KNOBS",
     "PRESETS",
+    "VLM_LIMITS",
     "Acceptance",
     "DrafterSpec",
     "Knob",
@@ -205,6 +207,12 @@ def _knobs():
 
 
 KNOBS: dict[str, Knob] = _knobs()
+
+# Upper bounds of the VLM pipeline's size knobs: each costs memory and time linearly (a tree's target forward scores
+# every node), far past any useful setting (EAGLE-2: depth 6, top-k 10, 60 nodes), so a typo is refused instead of
+# allocating gigabytes. `max_new_tokens` is also bounded by the model's context (prompt + new tokens).
+VLM_LIMITS = {"num_draft_tokens": 256, "tree_depth": 32, "tree_top_k": 32, "max_new_tokens": 32768}
+
 
 PRESETS = {
     "plain": dict(acceptance="none"),

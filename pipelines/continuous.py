@@ -9,6 +9,7 @@ rule, what each ``verify_mode`` preserves, and where it differs from the release
 """
 
 import logging
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from diffusers.utils import BaseOutput
 from mmspec.decoding.masked import ImageNoise, MARRunner, cfg_schedule, decode_masked, mar_schedule
 from mmspec.decoding.trace import DecodeTrace
 from mmspec.models import DEFAULT_ZOO
+from mmspec.models.diffusion import GaussianDiffusion
 from mmspec.models.kl_vae import AutoencoderKL
 from mmspec.models.mar import MAR
 from mmspec.random import check_generator
@@ -26,11 +28,35 @@ from mmspec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SpeculativeContinuousARPipeline", "SpeculativeContinuousOutput"]
+__all__ = ["LIMITS", "SpeculativeContinuousARPipeline", "SpeculativeContinuousOutput"]
 
 ACCEPTANCES = ("none", "continuous")
 VERIFY_MODES = ("block", "exact")
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+CFG_SCHEDULES = ("linear", "constant")
+# Upper bounds of the real-valued and count knobs. guidance_scale and temperature scale the head's epsilon and noise:
+# far past any useful setting (MAR sweeps CFG 1-10 and temperature 0.9-1.2) a token is noise or overflows float32,
+# so they are refused up front rather than returned as NaN / garbage images. max_residual_tries bounds a loop.
+LIMITS = {"guidance_scale": 100.0, "temperature": 10.0, "max_residual_tries": 10_000}
+
+
+def _check_number(name, value, low, high, low_open=False):
+    """A real number (not a bool) in ``[low, high]`` (``(low, high]`` with ``low_open``): TypeError / ValueError."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    ok = (low < value if low_open else low <= value) and value <= high  # also rejects NaN
+    if not ok:
+        raise ValueError(f"{name} must be finite and in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")
+
+
+def _check_int(name, value, low, high, what=None):
+    """An int (Python or NumPy, not a bool) in ``[low, high]``: TypeError / ValueError."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if not low <= value <= high:
+        bound = f" ({what})" if what else ""
+        raise ValueError(f"{name} must be in [{low}, {high}]{bound}, got {value}")
 
 
 @dataclass
@@ -123,24 +149,44 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
 
     # ------------------------------------------------------------------ checks
     def check_inputs(self, class_labels, guidance_scale, temperature, num_ar_steps, acceptance, num_draft_tokens,
-                     prefill_ratio, verify_mode, output_type):  # fmt: skip
-        if acceptance not in ACCEPTANCES:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCES}, got {acceptance!r}")
+                     prefill_ratio, verify_mode, output_type, num_inference_steps=None, trajectory_alignment=True,
+                     cfg_schedule_type="linear", max_residual_tries=100, return_dict=True,
+                     callback_on_step_end=None):  # fmt: skip
+        """Check every argument of `__call__` before any work: `TypeError` for a wrong type, `ValueError` out of
+        range (`LIMITS`), both naming the argument. Returns the class labels as a 1-D long tensor."""
+        for name, value, choices in (("acceptance", acceptance, ACCEPTANCES), ("verify_mode", verify_mode, VERIFY_MODES),
+                                     ("output_type", output_type, OUTPUT_TYPES),
+                                     ("cfg_schedule_type", cfg_schedule_type, CFG_SCHEDULES)):  # fmt: skip
+            if not isinstance(value, str) or value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         if acceptance == "continuous" and self.draft_transformer is None:
             raise ValueError("acceptance='continuous' needs a draft_transformer component")
-        if verify_mode not in VERIFY_MODES:
-            raise ValueError(f"verify_mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
-        if not 0.0 <= prefill_ratio <= 1.0:
-            raise ValueError(f"prefill_ratio must be in [0, 1], got {prefill_ratio!r}")
-        if not guidance_scale >= 1.0:
-            raise ValueError(f"guidance_scale must be >= 1, got {guidance_scale!r}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature!r}")
-        mar_schedule(self.transformer.seq_len, num_ar_steps)  # raises on a bad num_ar_steps
+        seq_len = self.transformer.seq_len
+        _check_number("guidance_scale", guidance_scale, 1.0, LIMITS["guidance_scale"])
+        _check_number("temperature", temperature, 0.0, LIMITS["temperature"], low_open=True)
+        _check_number("prefill_ratio", prefill_ratio, 0.0, 1.0)
+        _check_int("num_ar_steps", num_ar_steps, 1, seq_len, "tokens per image")
+        _check_int("num_draft_tokens", num_draft_tokens, 1, seq_len, "tokens per image")
+        _check_int("max_residual_tries", max_residual_tries, 1, LIMITS["max_residual_tries"])
+        for name, value in (("trajectory_alignment", trajectory_alignment), ("return_dict", return_dict)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        if callback_on_step_end is not None and not callable(callback_on_step_end):
+            raise TypeError(
+                f"callback_on_step_end must be callable or None, got {type(callback_on_step_end).__name__}"
+            )
+        if num_inference_steps is not None:
+            if isinstance(num_inference_steps, str):
+                try:
+                    steps = GaussianDiffusion(1000, num_inference_steps).num_steps
+                except (ValueError, TypeError) as err:
+                    raise ValueError(f"num_inference_steps={num_inference_steps!r}: {err}") from err
+                if steps < 2:
+                    raise ValueError(
+                        f"num_inference_steps must keep >= 2 diffusion steps, got {num_inference_steps!r}"
+                    )
+            else:
+                _check_int("num_inference_steps", num_inference_steps, 2, 1000, "the diffusion's training steps")
         labels = torch.as_tensor(class_labels).reshape(-1)
         if labels.numel() == 0 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
             raise ValueError(f"class_labels must be one or more int class ids, got {class_labels!r}")
@@ -197,7 +243,9 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         """
         # 1. check
         labels = self.check_inputs(class_labels, guidance_scale, temperature, num_ar_steps, acceptance,
-                                   num_draft_tokens, prefill_ratio, verify_mode, output_type)  # fmt: skip
+                                   num_draft_tokens, prefill_ratio, verify_mode, output_type, num_inference_steps,
+                                   trajectory_alignment, cfg_schedule_type, max_residual_tries, return_dict,
+                                   callback_on_step_end)  # fmt: skip
         device = self._execution_device
         labels = labels.to(device)
         batch = labels.numel()
@@ -237,8 +285,8 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         if speculative and not trajectory_alignment:
             draft_noise = ImageNoise.draw(batch, seq_len, dim, steps, generator, device)
             draft_noise.order = noise.order
-        target = MARRunner(self.transformer, labels, guided)
-        draft = MARRunner(self.draft_transformer, labels, guided) if speculative else None
+        target = MARRunner(self.transformer, labels, guided, name="transformer")
+        draft = MARRunner(self.draft_transformer, labels, guided, name="draft_transformer") if speculative else None
         num_prefill = max(1, round(prefill_ratio * num_ar_steps)) if speculative else num_ar_steps
         stats = SpecStats(batch, num_draft_tokens if speculative else 0)
         callback = None
@@ -286,7 +334,13 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         """Tokens ``[B, L, D]`` -> the requested output type (images in [0, 1])."""
         if output_type == "latent":
             return tokens
-        images = ((self.vae.decode_tokens(tokens.to(self.vae.dtype)).float() + 1) / 2).clamp(0, 1)
+        decoded = self.vae.decode_tokens(tokens.to(self.vae.dtype))
+        if not bool(torch.isfinite(decoded).all()):  # one host sync per call (tokens were checked finite)
+            raise ValueError(
+                "vae produced non-finite images (NaN / inf) from finite tokens: its weights or activations hold "
+                "NaN / inf or overflow"
+            )
+        images = ((decoded.float() + 1) / 2).clamp(0, 1)
         if output_type == "pt":
             return images
         if output_type == "np":

@@ -53,11 +53,13 @@ from torch import Tensor
 from mmspec.decoding.final_step import FinalStep, gaussian_logpdf
 from mmspec.decoding.trace import ACCEPTED, BONUS, PREFILL, RESAMPLED, DecodeTrace
 from mmspec.random import num_rows, rand, randn
+from mmspec.sampling import finite_flag
 from mmspec.verify.continuous import verify_continuous
 
 
 __all__ = [
     "ImageNoise",
+    "FiniteWatch",
     "MARRunner",
     "cfg_schedule",
     "decode_masked",
@@ -110,15 +112,71 @@ class ImageNoise:
         return ImageNoise(order, x_T, eps)
 
 
+class FiniteWatch:
+    """Which model first produced a non-finite value (NaN / inf), tracked on the device: no host sync per step.
+
+    Every model output of the loop is passed to `see` under its model's name (``"transformer"``,
+    ``"draft_transformer"``) and part (``"features"`` / ``"diffusion head"``); each call gets the next sequence
+    number and, per (name, part), the device keeps the smallest number whose tensors were not all finite
+    (`mmspec.sampling.finite_flag`). `check` reads them in one host sync at the end and blames the first: a NaN
+    spreads downstream (a target fed a broken draft's canvas), so the first model in data-flow order is the culprit.
+    """
+
+    _NEVER = 2**62
+
+    def __init__(self):
+        self.seq = 0
+        self.first: dict[tuple[str, str], Tensor] = {}
+
+    def see(self, name: str, part: str, *tensors: Tensor | None) -> None:
+        ok = None
+        for t in tensors:
+            if t is not None and t.numel():
+                flag = finite_flag(t)
+                ok = flag if ok is None else ok & flag
+        self.seq += 1
+        if ok is None:
+            return
+        bad_at = torch.where(ok, self._NEVER, self.seq)
+        key = (name, part)
+        self.first[key] = bad_at if key not in self.first else torch.minimum(self.first[key], bad_at)
+
+    def check(self, guidance_scale: float, temperature: float) -> None:
+        """Raise ``ValueError`` naming the model whose output was first non-finite (one host sync)."""
+        if not self.first:
+            return
+        keys = list(self.first)
+        at = torch.stack([self.first[k] for k in keys]).tolist()
+        first = min(at)
+        if first >= self._NEVER:
+            return
+        name, part = keys[at.index(first)]
+        knobs = ""
+        if part == "diffusion head":
+            knobs = f" (or guidance_scale={guidance_scale:g} / temperature={temperature:g} overflow its float dtype)"
+        raise ValueError(
+            f"{name} produced non-finite values (NaN / inf) in its {part}: its weights or activations hold NaN / inf "
+            f"or overflow{knobs}; the images would be NaN / garbage"
+        )
+
+
 class MARRunner:
     """A MAR model with its condition and CFG: features of canvases, and its head on selected tokens.
 
     Rows: ``features`` takes ``[R, L, D]`` canvases and ``rows [R]`` (the image each canvas belongs to) and returns the
-    conditional and unconditional ``z`` (the latter None without guidance)."""
+    conditional and unconditional ``z`` (the latter None without guidance). ``name`` (the pipeline component, e.g.
+    ``"transformer"``) names the model in errors; ``watch`` (a `FiniteWatch`, set by `decode_masked`) records
+    whether its outputs are finite."""
 
-    def __init__(self, model, labels: Tensor, guided: bool):
-        self.model, self.labels, self.guided = model, labels, guided
+    def __init__(self, model, labels: Tensor, guided: bool, name: str = "transformer"):
+        self.model, self.labels, self.guided, self.name = model, labels, guided, name
         self.forwards = 0
+        self.watch: FiniteWatch | None = None
+
+    def saw(self, part: str, *tensors: Tensor | None) -> None:
+        """Record the finiteness of outputs of ``part`` (``"features"`` / ``"diffusion head"``) of this model."""
+        if self.watch is not None:
+            self.watch.see(self.name, part, *tensors)
 
     @property
     def head(self):
@@ -129,9 +187,12 @@ class MARRunner:
         cond = self.model.class_embedding(self.labels[rows])
         self.forwards += 1
         if not self.guided:
-            return self.model.features(tokens, visible, cond), None
+            z = self.model.features(tokens, visible, cond)
+            self.saw("features", z)
+            return z, None
         uncond = self.model.class_embedding(None, r)
         z = self.model.features(torch.cat([tokens, tokens]), torch.cat([visible, visible]), torch.cat([cond, uncond]))
+        self.saw("features", z)
         return z[:r], z[r:]
 
 
@@ -162,9 +223,11 @@ def _positions(noise: ImageNoise, starts: list[int], counts: list[int], step: in
 def _head_last(runner, z_c, z_u, noise, rows, pos, cfg, temperature, aligned_noise=None):
     """The head's last stochastic step for tokens ``(rows, pos)`` with their image's noise."""
     src = noise if aligned_noise is None else aligned_noise
-    return runner.head.sample_last_step(
+    last = runner.head.sample_last_step(
         z_c, _gather(src.x_T, rows, pos), _gather(src.eps, rows, pos), z_uncond=z_u, cfg=cfg, temperature=temperature
     )
+    runner.saw("diffusion head", last.value, last.mean, last.std)
+    return last
 
 
 def decode_masked(
@@ -198,7 +261,28 @@ def decode_masked(
         generator: verification / residual randomness (one generator or one per image).
         stats: a `mmspec.stats.SpecStats` to fill (target/draft forwards, drafted/accepted tokens, fallbacks).
         progress: a tqdm-like bar updated by tokens revealed; callback: ``fn(step, state)`` after every step/block.
+
+    Raises:
+        ValueError: naming the model (``target.name`` / ``draft.name``) whose output was first non-finite (checked
+            once, at the end: a `FiniteWatch` keeps device-side flags, no host sync per step).
     """
+    watch = FiniteWatch()
+    for runner in (target, draft):
+        if runner is not None:
+            runner.watch = watch
+    try:
+        state = _decode(target, draft, noise, counts, cfg_scales, temperature, num_draft_steps, num_prefill_steps,
+                        verify_mode, draft_noise, generator, stats, progress, callback, max_residual_tries)  # fmt: skip
+    finally:
+        for runner in (target, draft):
+            if runner is not None:
+                runner.watch = None
+    watch.check(max(cfg_scales, default=1.0), temperature)
+    return state
+
+
+def _decode(target, draft, noise, counts, cfg_scales, temperature, num_draft_steps, num_prefill_steps, verify_mode,
+            draft_noise, generator, stats, progress, callback, max_residual_tries) -> MaskedState:  # fmt: skip
     b, length, dim = noise.x_T.shape
     dev = noise.x_T.device
     state = MaskedState(
@@ -234,6 +318,7 @@ def decode_masked(
             zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
             last = _head_last(target, zc, zu, noise, rows, pos, cfg_scales[step], temperature)
             values = target.head.finish(zc, last.value, z_uncond=zu, cfg=cfg_scales[step])
+            target.saw("diffusion head", values)
             emit(rows, pos, values, PREFILL if draft is not None else BONUS)
             if stats is not None:
                 stats.target_forwards += 1
@@ -270,7 +355,9 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
         zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
         cfg = cfg_scales[step + j]
         last = _head_last(draft, zc, zu, d_noise, rows, pos, cfg, temperature)
-        canvas[rows, pos] = draft.head.finish(zc, last.value, z_uncond=zu, cfg=cfg).to(canvas.dtype)
+        finished = draft.head.finish(zc, last.value, z_uncond=zu, cfg=cfg)
+        draft.saw("diffusion head", finished)
+        canvas[rows, pos] = finished.to(canvas.dtype)
         visible[rows, pos] = True
         rows_list.append(rows)
         pos_list.append(pos)
@@ -300,6 +387,7 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
     inv[order] = torch.arange(order.numel(), device=order.device)
     y = y[inv]  # back to (step, image) order
     values = target.head.finish(zc, y, z_uncond=zu, cfg=cfg)
+    target.saw("diffusion head", values)
     accepted = result.accept_mask.reshape(-1)[inv]
     emit(rows[accepted], pos[accepted], values[accepted], ACCEPTED)
     emit(rows[~accepted], pos[~accepted], values[~accepted], RESAMPLED)
@@ -355,6 +443,7 @@ def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_
             zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
             last = _head_last(draft, zc, zu, d_noise, rows, pos, cfg, temperature)
             x_q, logdet_q = FinalStep(draft.head, zc, zu, cfg).forward_logdet(last.value)
+            draft.saw("diffusion head", x_q)
             canvas[rows, pos] = x_q.to(canvas.dtype)
             visible[rows, pos] = True
             step_of[rows, pos] = j
@@ -396,6 +485,7 @@ def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_
                                                  last_p.mean[idx], last_p.std[idx], mu_q[idx], sd_q[idx],
                                                  rows[idx], generator, b_total, max_residual_tries)  # fmt: skip
             state.num_fallbacks += fallbacks
+            target.saw("diffusion head", values[idx])
         acc_keep, res_keep = keep & accepted, keep & ~accepted
         emit_fn(rows[acc_keep], pos[acc_keep], values[acc_keep], ACCEPTED, round_index)
         emit_fn(rows[res_keep], pos[res_keep], values[res_keep], RESAMPLED, round_index)

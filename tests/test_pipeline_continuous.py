@@ -11,8 +11,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from pipeline_mixin import SpeculativePipelineTesterMixin
 from scipy import stats as sps
 
+from mmspec.decoding import ACCEPTED, BONUS, PREFILL, RESAMPLED
 from mmspec.decoding.masked import cfg_schedule, mar_schedule
 from mmspec.models.diffloss import DiffLossHead
 from mmspec.models.diffusion import GaussianDiffusion
@@ -398,3 +400,89 @@ def test_final_step_inverse_survives_a_flat_clamped_head():
         _, logdet, converged = f.inverse_logdet(x, y + 0.01)
     assert converged.tolist() == [True, False, False, True, False, True]
     assert torch.isfinite(logdet[converged]).all() and not torch.isfinite(logdet[~converged]).any()
+
+
+# ----------------------------------------------------------------------------- the shared pipeline tests
+def savable_mar(seed, clip=3.0):
+    """A tiny MAR of registered classes only (so the pipeline saves and loads), canvas-dependent, with a non-zero
+    diffusion head."""
+    torch.manual_seed(seed)
+    model = MAR(seq_h=2, seq_w=2, token_embed_dim=2, encoder_embed_dim=16, encoder_depth=1, encoder_num_heads=2,
+                decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, class_num=3, buffer_size=2, diffloss_d=1,
+                diffloss_w=8, num_sampling_steps="3", clip_denoised=clip)  # fmt: skip
+    with torch.no_grad():
+        for p in [model.mask_token, model.encoder_pos_embed_learned, model.decoder_pos_embed_learned,
+                  model.diffusion_pos_embed_learned, model.class_emb.weight]:  # fmt: skip
+            p.normal_(0, 1.0)
+        for p in model.diffloss.parameters():  # the zero-initialised adaLN / output layers get small weights
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+EXACT = dict(acceptance="continuous", verify_mode="exact", prefill_ratio=0.25)
+
+
+class TestSpeculativeContinuousARPipeline(SpeculativePipelineTesterMixin):
+    """The shared speculative-pipeline tests (tests/pipeline_mixin.py) on a tiny MAR: continuous tokens ``[B, L, D]``
+    (unwritten = 0), no greedy mode (lossless = ``verify_mode="exact"``, which with a draft identical to the target
+    must reproduce plain MAR sample for sample), rounds counted from the pre-fill steps (round 0)."""
+
+    pipeline_class = SpeculativeContinuousARPipeline
+    lossless_methods = [dict(EXACT, num_draft_tokens=3), dict(EXACT, num_draft_tokens=2)]
+    deterministic_kwargs = {}
+    bad_inputs = [
+        (dict(acceptance="fast"), ValueError, "acceptance"),
+        (dict(class_labels=[0.5]), ValueError, "class_labels"),
+        (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(guidance_scale=float("inf")), ValueError, "guidance_scale"),
+    ]
+
+    def _pipeline(self, draft_of, clip=3.0):
+        target = savable_mar(0, clip)
+        pipe = SpeculativeContinuousARPipeline(target, toy_vae(), draft_of(target))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def get_pipeline(self):
+        return self._pipeline(lambda target: perturbed(target, 0.1, 1))
+
+    def get_lossless_pipeline(self):
+        # a perfect draft (and no clamp, where the final step is flat and has no density): every token accepted,
+        # so exact == plain sample for sample
+        return self._pipeline(copy.deepcopy, clip=None)
+
+    def get_inputs(self, batch_size):
+        return dict(class_labels=[c % 3 for c in range(batch_size)], num_ar_steps=4, output_type="latent")
+
+    def output_tokens(self, out):
+        return out.images
+
+    def assert_same_tokens(self, a, b, msg=None):
+        torch.testing.assert_close(a, b, msg=str(msg))
+
+    def written_mask(self, tokens):
+        return (tokens != 0).any(-1)
+
+    def scored_call(self, pipe):
+        return pipe.transformer, "features"
+
+    def check_rounds(self, out, method):
+        """Rounds 0 .. P-1 are the target-only steps (one token each on this 2x2 grid with 4 AR steps), later rounds
+        CSpD blocks of at most ``num_draft_tokens`` steps, of which only the last kept step can hold a rejection."""
+        s, trace = out.stats, out.trace
+        batch, num_steps = trace.origin.shape[0], self.get_inputs(1)["num_ar_steps"]
+        for b in range(batch):  # rounds are numbered 0 .. R-1 without gaps
+            assert sorted(set(trace.round[b].tolist())) == list(range(s.rounds[b])), (method, b)
+        if method is self.plain_method:
+            assert s.rounds == [num_steps] * batch and s.target_forwards == num_steps and s.draft_forwards == 0
+            assert set(trace.origin.unique().tolist()) == {BONUS}
+            return
+        k, prefill = method["num_draft_tokens"], max(1, round(method["prefill_ratio"] * num_steps))
+        assert s.prefill_tokens == [prefill] * batch, method
+        assert s.target_forwards == max(s.rounds), method  # pre-fill steps + verification passes
+        for b in range(batch):
+            assert (trace.origin[b][trace.round[b] < prefill] == PREFILL).all(), (method, b)
+            for r in range(prefill, s.rounds[b]):
+                origins = trace.origin[b][trace.round[b] == r].tolist()
+                assert 1 <= len(origins) <= k and set(origins) <= {ACCEPTED, RESAMPLED}, (method, b, r, origins)
+                assert origins.count(RESAMPLED) <= 1, (method, b, r, origins)  # one token per step here

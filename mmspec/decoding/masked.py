@@ -310,7 +310,8 @@ def _decode(target, draft, noise, counts, cfg_scales, temperature, num_draft_ste
         if step >= num_prefill_steps and verify_mode == "exact":
             _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, step,
                           num_draft_steps, temperature, generator, emit_fn=emit, stats=stats,
-                          max_residual_tries=max_residual_tries, progress=progress, callback=callback)  # fmt: skip
+                          max_residual_tries=max_residual_tries, progress=progress, callback=callback,
+                          first_round=round_index)  # fmt: skip
             break
         if step < num_prefill_steps:  # the target alone: one step
             rows, pos = _positions(noise, starts, counts, step)
@@ -410,7 +411,8 @@ def _flat_steps(noise, starts, counts, row_steps: dict[int, int], cfg_scales, de
 
 
 def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, first_step, k_max,
-                  temperature, generator, *, emit_fn, stats, max_residual_tries, progress, callback):  # fmt: skip
+                  temperature, generator, *, emit_fn, stats, max_residual_tries, progress, callback,
+                  first_round):  # fmt: skip
     """``verify_mode="exact"``: rounds until every image is complete; each image keeps its own step (ragged).
 
     A round: the draft runs up to ``k_max`` steps of every unfinished image (canvas = committed + its drafts,
@@ -427,7 +429,7 @@ def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_
     row_step = {b: first_step for b in range(b_total)}
     all_rows = torch.arange(b_total, device=dev)
     d_noise = noise if draft_noise is None else draft_noise
-    round_index = first_step
+    round_index = first_round - 1  # the trace's round of this call's first round (after the pre-fill rounds)
     while row_step:
         round_index += 1
         ks = {b: min(k_max, num_steps - s) for b, s in row_step.items()}

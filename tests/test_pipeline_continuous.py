@@ -323,16 +323,37 @@ def test_trajectory_alignment_raises_acceptance(pipe):
     assert aligned.stats.extra["acceptance_rate"] > free.stats.extra["acceptance_rate"] + 0.05
 
 
-def test_exact_mode_is_ragged_and_traced(pipe):
-    """Images advance by their own accepted steps: rounds differ across images; every token is emitted once."""
+def test_exact_mode_is_ragged_and_traced(pipe, monkeypatch):
+    """Images advance by their own accepted steps: rounds differ across images; every token is emitted once; the
+    drafted / accepted counts and the acceptance rate match an independent count: tokens through the draft's head
+    (every verified draft, those of discarded steps too) and emitted values equal to a draft's finished value."""
+    from mmspec.decoding import masked
+
+    draft_head, drafted_rows, draft_values = pipe.draft_transformer.diffloss, [], set()
+    sample_last_step, forward_logdet = draft_head.sample_last_step, masked.FinalStep.forward_logdet
+
+    def counting_sample_last_step(z, *args, **kwargs):
+        drafted_rows.append(z.shape[0])
+        return sample_last_step(z, *args, **kwargs)
+
+    def recording_forward_logdet(self, y):
+        x, logdet = forward_logdet(self, y)
+        if self.head is draft_head:
+            draft_values.update(map(tuple, x.tolist()))
+        return x, logdet
+
+    monkeypatch.setattr(draft_head, "sample_last_step", counting_sample_last_step)
+    monkeypatch.setattr(masked.FinalStep, "forward_logdet", recording_forward_logdet)
     _, out = sample(pipe, 64, 12, acceptance="continuous", verify_mode="exact", num_draft_tokens=3, prefill_ratio=0.25)
     rounds = out.trace.round.max(1).values
     assert rounds.min() < rounds.max()  # ragged
     counts = out.trace.counts()
     assert (counts["prefill"] == 1).all() and (counts["prefill"] + counts["accepted"] + counts["resampled"] == 4).all()
-    drafted = sum(out.stats.drafted_tokens)  # every verified draft, those of discarded steps too
-    assert drafted >= (counts["accepted"] + counts["resampled"]).sum().item()
-    assert out.stats.extra["acceptance_rate"] == counts["accepted"].sum().item() / drafted
+    drafted = sum(drafted_rows)
+    assert sum(out.stats.drafted_tokens) == drafted > (counts["accepted"] + counts["resampled"]).sum().item()
+    accepted = [tuple(t) in draft_values for t in out.images.reshape(-1, out.images.shape[-1]).tolist()]
+    assert sum(accepted) == counts["accepted"].sum().item() > 0
+    assert out.stats.extra["acceptance_rate"] == pytest.approx(sum(accepted) / drafted)
 
 
 def test_save_and_load_round_trip_and_callback(tmp_path):

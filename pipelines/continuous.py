@@ -187,7 +187,17 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
                     )
             else:
                 _check_int("num_inference_steps", num_inference_steps, 2, 1000, "the diffusion's training steps")
-        labels = torch.as_tensor(class_labels).reshape(-1)
+        try:
+            labels = torch.as_tensor(class_labels)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(
+                f"class_labels must be an int class id or a list / tensor of them, got {class_labels!r}"
+            ) from err
+        if labels.dim() > 1:
+            raise ValueError(
+                f"class_labels must be an int or a 1-D list / tensor of ints, got shape {tuple(labels.shape)}"
+            )
+        labels = labels.reshape(-1)
         if labels.numel() == 0 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
             raise ValueError(f"class_labels must be one or more int class ids, got {class_labels!r}")
         n = self.transformer.config.class_num
@@ -221,8 +231,10 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         Args:
             class_labels: class id(s) in ``[0, class_num)``.
             guidance_scale: CFG scale on the head's epsilon (1 = conditional branch only), scheduled by
-                ``cfg_schedule_type`` (``"linear"``, MAR's default: weak early, full at the end; or ``"constant"``).
-            temperature: the head's noise scale at every stochastic denoising step (MAR's diffusion temperature).
+                ``cfg_schedule_type`` (``"linear"``, MAR's default: weak early, full at the end; or ``"constant"``);
+                finite, in ``[1, LIMITS["guidance_scale"]]``.
+            temperature: the head's noise scale at every stochastic denoising step (MAR's diffusion temperature);
+                finite, in ``(0, LIMITS["temperature"]]``.
             num_ar_steps: MAR's AR steps (cosine schedule; ``seq_len`` = one token per step at the end).
             num_inference_steps: the head's respaced diffusion steps (default: the transformer's config); the draft
                 uses the same (trajectory alignment needs the same steps).
@@ -240,6 +252,12 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
             return_dict: return a `SpeculativeContinuousOutput` (else ``(images, stats)``).
             callback_on_step_end: ``fn(pipe, step, num_steps, {"tokens": [B, L, D], "visible": [B, L]})`` after
                 every plain step or CSpD block (read-only).
+
+        Raises:
+            TypeError / ValueError: an argument of the wrong type or out of range (named), before any model runs.
+            ValueError: a model's outputs were not finite (NaN / inf: broken or overflowing weights), naming it:
+                ``"transformer"``, ``"draft_transformer"`` (checked once per call, no host sync per step) or
+                ``"vae"``.
         """
         # 1. check
         labels = self.check_inputs(class_labels, guidance_scale, temperature, num_ar_steps, acceptance,

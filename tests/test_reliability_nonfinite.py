@@ -67,6 +67,9 @@ BAD_KNOBS = [
     (dict(return_dict="yes"), TypeError, "return_dict"),
     (dict(callback_on_step_end=5), TypeError, "callback_on_step_end"),
     (dict(cfg_schedule_type="cosine"), ValueError, "cfg_schedule_type"),
+    (dict(class_labels="3"), TypeError, "class_labels"),
+    (dict(class_labels=[None]), TypeError, "class_labels"),
+    (dict(class_labels=[[0, 1]]), ValueError, "class_labels"),
 ]
 
 

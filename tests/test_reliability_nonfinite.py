@@ -132,3 +132,45 @@ def test_a_broken_vae_is_named(parts, output_type):
     with pytest.raises(ValueError, match=r"^vae produced non-finite"):
         call(pipe, output_type=output_type, **SPEC)
     assert torch.isfinite(call(pipe, output_type="latent").images).all()  # the tokens themselves were fine
+
+
+def test_the_finiteness_check_reads_the_device_once_per_call_not_per_step(parts, monkeypatch):
+    """Host reads (syncs on a GPU) of a plain call: the non-finite flags are kept on the device (`FiniteWatch.see`
+    reads nothing) and read once per call (`FiniteWatch.check`), and MAR's forward reads one number pair per step
+    (its gather length), so two more AR steps cost exactly two more reads -- and a broken transformer is still
+    caught."""
+    from mmspec.decoding import masked
+
+    reads, inside_see = [], []
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, _original=original, _name=name):
+            reads.append(_name)
+            inside_see.extend([_name] if see_depth else [])
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    see, see_depth = masked.FiniteWatch.see, []
+
+    def watched_see(self, *args):
+        see_depth.append(1)
+        try:
+            return see(self, *args)
+        finally:
+            see_depth.pop()
+
+    monkeypatch.setattr(masked.FiniteWatch, "see", watched_see)
+
+    def count(pipe, steps):
+        reads.clear()
+        call(pipe, num_ar_steps=steps, output_type="latent")
+        return len(reads)
+
+    pipe = make(parts)
+    count(pipe, 4)  # warm-up (first-call reads of torch / diffusers)
+    assert count(pipe, 4) - count(pipe, 2) == 2
+    assert inside_see == []
+    broken = make(parts, transformer=blown_up(parts["transformer"]))
+    with pytest.raises(ValueError, match=r"^transformer produced non-finite"):
+        count(broken, 4)

@@ -188,11 +188,13 @@ class MAR(ModelMixin, ConfigMixin):
         x = self.z_proj_ln(x + self.encoder_pos_embed_learned)  # [B, buf + L, E]
         keep = torch.cat([torch.ones(b, buf, dtype=torch.bool, device=x.device), visible], dim=1)  # [B, buf + L]
         # Gather the buffer + visible positions of each row first (stable), padded to the longest row.
-        num_keep = int(keep.sum(1).max())
+        # One host read for both the padded length and whether any row is padded (no key mask needed then).
+        kept = keep.sum(1)
+        num_keep, fewest = torch.stack([kept.max(), kept.min()]).tolist()
         index = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :num_keep]  # [B, T]
         key_mask = keep.gather(1, index)  # [B, T]
         h = x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
-        full = bool(key_mask.all())
+        full = fewest == num_keep  # every row keeps num_keep positions: key_mask is all True
         for block in self.encoder_blocks:
             h = block(h, None if full else key_mask)
         h = self.decoder_embed(self.encoder_norm(h))  # [B, T, Dd]

@@ -61,7 +61,7 @@ def add_arguments(parser):
 
 def check_arguments(args, parser):
     """Usage errors (exit 2, one line naming the flag) before any model loads: every path, count, file and device."""
-    from mmspec.cli import check_device, check_zoo_folders, knob_values
+    from mmspec.cli import check_device, check_output_file, check_zoo_folders, knob_values
     from mmspec.eval import cli_checks as checks
     from mmspec.methods import PRESETS
 
@@ -89,7 +89,7 @@ def check_arguments(args, parser):
         args.out = Path("runs") / "fid" / f"{args.preset}-seed{args.seed}"
     checks.check_output_folder(parser, "--out", args.out)
     if args.json is not None:
-        checks.check_output_path(parser, "--json", args.json, (".json",))
+        check_output_file(parser, "--json", args.json, (".json",))  # its folder must exist
     else:
         checks.check_output_path(parser, "--out", args.out / "result.json", (".json",))
     if args.device is not None:

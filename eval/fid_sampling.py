@@ -76,6 +76,8 @@ def _check_manifest(out_dir: Path, manifest: dict, overwrite: bool = False) -> N
         if not diff:
             return
         what = describe(old.get("sampling", {}), manifest["sampling"], diff)
+        if "format" not in old.get("sampling", {}):
+            what = f"written by an older mmspec, without weights hashes or shard fingerprints ({what})"
         if not overwrite:
             raise StaleArtefactError(
                 f"out_dir={str(out_dir)!r} holds shards of a run with other settings: {what}; "

@@ -265,3 +265,36 @@ def test_sweep_rows_of_another_zoo_are_refused_and_a_later_metric_is_added(tmp_p
     rows = sweep.read_rows(table)
     assert [(r["name"], r["seed"]) for r in rows] == [("plain", 0), ("sjd", 0)]
     assert all(r["fingerprint"]["weights"] != first[0]["fingerprint"]["weights"] for r in rows)
+
+
+def test_eval_fid_into_an_existing_out_after_the_weights_changed(tmp_path, monkeypatch, capsys):
+    """`mmspec eval fid --pipeline P --out O`, then P is retrained (other weights) and the same command is rerun:
+    refused before sampling (exit 2, one line naming the weights and --overwrite); `--overwrite` gives the images of
+    a fresh run, not the old shards."""
+    from test_eval_fid import _tiny_32px_pipe_dir
+
+    from mmspec.eval import fid
+    from mmspec.models.llamagen import LlamaGenGPT
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    monkeypatch.setattr(fid, "score", lambda images, *a, **k: {"checksum": int(images.astype(np.int64).sum())})
+    pipe = _tiny_32px_pipe_dir(tmp_path / "pipe")
+    argv = ["--pipeline", str(pipe), "--num-images", "4", "--shard-size", "2", "--batch-size", "2", "--quiet",
+            "--preset", "plain", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert fid.main(argv) == 0
+    old = json.loads((tmp_path / "run" / "result.json").read_text())
+    loaded = SpeculativeARImagePipeline.from_pretrained(pipe)
+    loaded.transformer = LlamaGenGPT(**loaded.transformer.config).init_weights(torch.Generator().manual_seed(5),
+                                                                               zero_output=False).eval()  # fmt: skip
+    loaded.register_modules(transformer=loaded.transformer)
+    loaded.save_pretrained(pipe)
+    with pytest.raises(SystemExit) as exc:
+        fid.main(argv)
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exc.value.code == 2 and len(errors) == 1 and "weights" in errors[0] and "--overwrite" in errors[0]
+    assert fid.main([*argv, "--overwrite"]) == 0
+    new = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert fid.main([*argv[:-1], str(tmp_path / "fresh")]) == 0
+    fresh = json.loads((tmp_path / "fresh" / "result.json").read_text())
+    assert new["metrics"] == fresh["metrics"] != old["metrics"]
+    assert new["weights"] == fresh["weights"] != old["weights"]

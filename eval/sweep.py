@@ -402,10 +402,24 @@ def check_arguments(args, parser):
     for flag, extensions in (("table", (".jsonl",)), ("markdown", (".md",)), ("plot", (".png", ".pdf", ".svg"))):
         checks.check_output_path(parser, f"--{flag}", getattr(args, flag), extensions)
     try:
-        read_rows(args.table)
+        rows = read_rows(args.table)
     except ValueError as err:
         parser.error(f"argument --table: {err}")
     check_device(parser, args.device)
+    if not args.overwrite:  # rows of other settings (or without a fingerprint): refused before the models load
+        from mmspec.eval.fingerprint import StaleArtefactError
+
+        todo = _todo(args)
+        try:
+            _stale_rows(rows, todo, [row_fingerprint(p, s, args, None, None) for p, s in todo], args,
+                        ignore=("weights", "classifier"))  # fmt: skip
+        except StaleArtefactError as err:
+            parser.error(" ".join(str(err).split()))
+
+
+def _todo(args) -> list[tuple[SweepPoint, int]]:
+    """(point, seed) of every row of the sweep: plain AR with seeds 0..plain_seeds-1, then the grid."""
+    return [(SweepPoint("plain", "plain"), s) for s in range(args.plain_seeds)] + [(p, args.seed) for p in args.points]
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
@@ -421,15 +435,19 @@ def _matches(row: dict, expected: dict) -> bool:
     return isinstance(row.get("fingerprint"), dict) and not diff_fields(row["fingerprint"], expected)
 
 
-def _stale_rows(rows: list[dict], todo: list, fingerprints: list[dict], args) -> set:
+def _stale_rows(rows: list[dict], todo: list, fingerprints: list[dict], args, ignore=()) -> set:
     """The (name, seed) of the points of `todo` whose rows in the table were all made by other weights or settings
     (or have no fingerprint). Refused before anything runs (naming the table, the row and the differing fields)
-    unless `--overwrite`, which recomputes them."""
+    unless `--overwrite`, which recomputes them. `ignore`: fields not compared (the weights, before loading)."""
     from mmspec.eval.fingerprint import StaleArtefactError, describe, diff_fields
 
     stale = set()
     for (point, seed), expected in zip(todo, fingerprints):
         mine = [(i, r) for i, r in enumerate(rows) if (r.get("name"), r.get("seed")) == (point.name, seed)]
+        if ignore:
+            expected = {k: v for k, v in expected.items() if k not in ignore}
+            mine = [(i, r | {"fingerprint": {k: v for k, v in r["fingerprint"].items() if k not in ignore}})
+                    if isinstance(r.get("fingerprint"), dict) else (i, r) for i, r in mine]  # fmt: skip
         if not mine or any(_matches(r, expected) for _, r in mine):
             continue
         i, row = mine[-1]
@@ -461,8 +479,7 @@ def run(args) -> list[dict]:
     pipe.set_progress_bar_config(disable=True)
     classifier = load(args.zoo / "mnist-classifier", device=pipe._execution_device)
     weights, classifier_weights = pipeline_weights_hash(pipe), weights_hash(classifier)  # once per sweep
-    todo = [(SweepPoint("plain", "plain"), s) for s in range(args.plain_seeds)]
-    todo += [(p, args.seed) for p in args.points]
+    todo = _todo(args)
     fingerprints = [row_fingerprint(p, s, args, weights, classifier_weights) for p, s in todo]
     args.table.parent.mkdir(parents=True, exist_ok=True)
     rows = read_rows(args.table)

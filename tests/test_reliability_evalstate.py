@@ -298,3 +298,27 @@ def test_eval_fid_into_an_existing_out_after_the_weights_changed(tmp_path, monke
     fresh = json.loads((tmp_path / "fresh" / "result.json").read_text())
     assert new["metrics"] == fresh["metrics"] != old["metrics"]
     assert new["weights"] == fresh["weights"] != old["weights"]
+
+
+def test_sweep_rows_without_fingerprint_or_of_other_settings_are_refused_before_loading(tmp_path, monkeypatch,
+                                                                                        capsys):  # fmt: skip
+    """The README command into the shipped table (rows of an mmspec without fingerprints), or an older table of
+    other settings: refused before any model loads, naming the table, the row and the field."""
+    from mmspec.eval import sweep
+
+    monkeypatch.setattr(sweep, "run", lambda args: pytest.fail("models loaded for a table that will be refused"))
+    table = tmp_path / "mnist-sweep.jsonl"
+    shutil.copy(ROOT / "assets" / "sweep" / "mnist-sweep.jsonl", table)
+    argv = ["--table", str(table), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exc.value.code == 2 and len(err) == 1 and "row 1 ('plain' seed 0) has no fingerprint" in err[0], err
+    rows = sweep.read_rows(table)
+    fingerprint = dict(format=1, weights="0", classifier="0", seed=0, num_images=1000, device="cpu", speed_images=0,
+                       call_kwargs={"acceptance": "none", "guidance_scale": 2.0, "temperature": 1.0})  # fmt: skip
+    table.write_text(json.dumps(rows[0] | {"fingerprint": fingerprint}) + "\n")
+    with pytest.raises(SystemExit):
+        sweep.main([*argv, "--guidance-scale", "3"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert "call_kwargs.guidance_scale (stored 2.0, now 3.0)" in err[0], err

@@ -94,6 +94,22 @@ def check_arguments(args, parser):
         checks.check_output_path(parser, "--out", args.out / "result.json", (".json",))
     if args.device is not None:
         check_device(parser, args.device)
+    if not args.overwrite:  # a run folder of other settings: refused before the model loads (weights: after)
+        from mmspec.eval.fid_sampling import check_manifest_settings
+        from mmspec.eval.fingerprint import StaleArtefactError
+
+        call_kwargs = dict(PRESETS[args.preset], guidance_scale=args.guidance_scale, temperature=args.temperature)
+        settings = dict(num_images=args.num_images, shard_size=args.shard_size, seed=args.seed,
+                        call_kwargs=call_kwargs | knob_values(args), **_source(args))  # fmt: skip
+        try:
+            check_manifest_settings(args.out, settings)
+        except StaleArtefactError as err:
+            parser.error(" ".join(str(err).split()))
+
+
+def _source(args) -> dict:
+    """The model a run samples from, as recorded in its manifest."""
+    return dict(pipeline=str(args.pipeline)) if args.pipeline else dict(zoo=str(Path(args.zoo).resolve()))
 
 
 def _distributed():
@@ -181,7 +197,7 @@ def run(args):
     call_kwargs = dict(PRESETS[args.preset], guidance_scale=args.guidance_scale, temperature=args.temperature)
     call_kwargs |= knob_values(args)
     out_dir = args.out or Path("runs") / "fid" / f"{args.preset}-seed{args.seed}"
-    source = dict(pipeline=str(args.pipeline)) if args.pipeline else dict(zoo=str(Path(args.zoo).resolve()))
+    source = _source(args)
     fingerprint = run_fingerprint(pipe, seed=args.seed, call_kwargs=call_kwargs)  # hashes the weights once
     sample_shards(pipe, out_dir, num_images=args.num_images, shard_size=args.shard_size, batch_size=args.batch_size,
                   seed=args.seed, call_kwargs=call_kwargs, rank=rank, world_size=world, manifest_extra=source,

@@ -33,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SEED_STRIDE", "image_seed", "load_shards", "missing_shards", "run_fingerprint", "sample_shards",
+__all__ = ["SEED_STRIDE", "check_manifest_settings", "image_seed", "load_shards", "missing_shards", "run_fingerprint", "sample_shards",
            "shard_path"]  # fmt: skip
 
 FORMAT = 2  # shard layout: images, labels, fingerprint (JSON), content (checksum)
@@ -88,6 +88,27 @@ def _check_manifest(out_dir: Path, manifest: dict, overwrite: bool = False) -> N
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(tmp, path)
+
+
+def check_manifest_settings(out_dir, settings: dict) -> None:
+    """Before any model loads: StaleArtefactError if `out_dir`'s manifest records other values of `settings` (the
+    ones known without the model: counts, seed, method and knobs, model folder); the weights are checked later."""
+    from mmspec.eval.fingerprint import StaleArtefactError, describe, diff_fields
+
+    path = Path(out_dir) / "manifest.json"
+    try:
+        old = json.loads(path.read_text()).get("sampling", {}) if path.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        old = {}
+    if old is None:
+        return
+    old = {k: old.get(k, "<absent>") for k in settings}
+    diff = diff_fields(old, settings)
+    if diff:
+        raise StaleArtefactError(
+            f"out_dir={str(out_dir)!r} holds shards of a run with other settings: {describe(old, settings, diff)}; "
+            "use a new folder (--out), the same settings to resume, or --overwrite to recompute them"
+        )
 
 
 def run_fingerprint(pipe, *, seed: int, call_kwargs: dict | None = None, weights: str | None = None) -> dict:

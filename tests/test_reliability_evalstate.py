@@ -283,6 +283,13 @@ def test_eval_fid_into_an_existing_out_after_the_weights_changed(tmp_path, monke
             "--preset", "plain", "--out", str(tmp_path / "run")]  # fmt: skip
     assert fid.main(argv) == 0
     old = json.loads((tmp_path / "run" / "result.json").read_text())
+    # other settings into the same --out: refused before the model loads
+    with monkeypatch.context() as m:
+        m.setattr(SpeculativeARImagePipeline, "from_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+        with pytest.raises(SystemExit) as exc:
+            fid.main([*argv, "--guidance-scale", "3"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exc.value.code == 2 and "call_kwargs.guidance_scale (stored 2.0, now 3.0)" in errors[0], errors
     loaded = SpeculativeARImagePipeline.from_pretrained(pipe)
     loaded.transformer = LlamaGenGPT(**loaded.transformer.config).init_weights(torch.Generator().manual_seed(5),
                                                                                zero_output=False).eval()  # fmt: skip

@@ -1,8 +1,10 @@
 """Evaluation scripts (`mmspec eval NAME`): FID sampling and scoring, the quality-vs-speed sweep, reference stats.
 
 The package also holds the benchmarks (`mmspec bench`) and the metrics: `metrics.py` (FID, in-domain), `kid.py`,
-`inception_score.py`, `clip_score.py`, `inception.py` (the FID Inception-v3), `reference_stats.py` (.npz). The
-scripts are registered one line each in `COMMANDS`."""
+`inception_score.py`, `clip_score.py`, `inception.py` (the FID Inception-v3), `reference_stats.py` (.npz);
+`fingerprint.py` (the weights-and-settings fingerprints that keep stale shards, rows and chunks from being reused)
+and `cli_checks.py` (the usage checks of the three scripts). The scripts are registered one line each in
+`COMMANDS`."""
 
 # `mmspec eval NAME` -> ("module:function" called with the remaining arguments, help)
 COMMANDS = {

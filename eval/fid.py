@@ -9,7 +9,9 @@ statistics). The in-domain metrics also give KID (against the MNIST test feature
 
 One process on CPU or GPU, or many: under `torchrun --nproc-per-node K -m mmspec.eval.fid ...` (or
 `accelerate launch`) every rank samples its own shards (`shard % world_size == rank`), then rank 0 scores all of
-them. Interrupted runs resume: rerun the same command; finished shards are kept.
+them. Interrupted runs resume: rerun the same command; finished shards are kept. Every shard carries the hash of
+the weights and the settings that made it: shards of other weights or settings in `--out` are refused before
+anything is sampled (pass a new `--out`, or `--overwrite` to recompute them); corrupt shards are recomputed.
 """
 
 import argparse
@@ -29,21 +31,27 @@ METRICS = ("in-domain", "inception")
 
 
 def add_arguments(parser):
-    from mmspec.cli import add_knob_arguments
+    from mmspec.cli import DEFAULT_ZOO, add_knob_arguments, int_in_range, names_of, sampling_type
+    from mmspec.eval.cli_checks import MAX_BATCH_SIZE, MAX_IMAGES, MAX_SEED, MAX_SHARD_SIZE
     from mmspec.methods import PRESETS
 
-    root = Path(__file__).resolve().parent.parent
-    parser.add_argument("--zoo", default=str(root / "assets"), help="zoo folder (mnist-c2i, mnist-vq, drafters)")
+    parser.add_argument("--zoo", default=DEFAULT_ZOO, help="zoo folder (mnist-c2i, mnist-vq, drafters, classifier)")
     parser.add_argument("--pipeline", default=None, help="a saved pipeline folder instead of the zoo")
     parser.add_argument("--preset", default="plain", choices=list(PRESETS), help="method (mmspec.methods.PRESETS)")
-    parser.add_argument("--guidance-scale", type=float, default=2.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--num-images", type=int, default=1000)
-    parser.add_argument("--shard-size", type=int, default=100, help="images per shard file (the unit of resuming)")
-    parser.add_argument("--batch-size", type=int, default=50, help="images per pipeline call")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0)
+    parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
+    parser.add_argument("--num-images", type=int_in_range(2, MAX_IMAGES), default=1000,
+                        help="images sampled and scored (>= 2: FID needs a covariance)")  # fmt: skip
+    parser.add_argument("--shard-size", type=int_in_range(1, MAX_SHARD_SIZE), default=100,
+                        help="images per shard file (the unit of resuming)")  # fmt: skip
+    parser.add_argument("--batch-size", type=int_in_range(1, MAX_BATCH_SIZE), default=50,
+                        help="images per pipeline call")  # fmt: skip
+    parser.add_argument("--seed", type=int_in_range(0, MAX_SEED), default=0)
     parser.add_argument("--out", type=Path, default=None, help="run folder (default runs/fid/<preset>-seed<seed>)")
-    parser.add_argument("--metrics", default="in-domain", help=f"comma-separated subset of {','.join(METRICS)}")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="recompute the shards in --out made by other weights or settings (else refused)")  # fmt: skip
+    parser.add_argument("--metrics", type=names_of(METRICS), default="in-domain",
+                        help=f"comma-separated subset of {','.join(METRICS)}")  # fmt: skip
     parser.add_argument("--reference", default=None, help="Inception reference statistics (.npz with mu, sigma)")
     parser.add_argument("--json", type=Path, default=None, help="result JSON (default <out>/result.json)")
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
@@ -52,19 +60,56 @@ def add_arguments(parser):
 
 
 def check_arguments(args, parser):
-    """Usage errors (exit 2, naming the flag) before any model loads."""
-    bad = set(args.metrics.split(",")) - set(METRICS)
-    if bad:
-        parser.error(f"--metrics has unknown names {sorted(bad)}; known: {','.join(METRICS)}")
-    for name in ("num_images", "shard_size", "batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.pipeline is not None and not Path(args.pipeline).is_dir():
-        parser.error(f"--pipeline {args.pipeline} is not a folder")
-    if args.reference is not None and not Path(args.reference).is_file():
-        parser.error(f"--reference {args.reference} is not a file")
-    if "in-domain" in args.metrics and not (Path(args.zoo) / "mnist-classifier").is_dir():
-        parser.error(f"--zoo {args.zoo} has no mnist-classifier (needed by --metrics in-domain)")
+    """Usage errors (exit 2, one line naming the flag) before any model loads: every path, count, file and device."""
+    from mmspec.cli import check_device, check_output_file, check_zoo_folders, knob_values
+    from mmspec.eval import cli_checks as checks
+    from mmspec.methods import PRESETS
+
+    drafter = knob_values(args).get("drafter", PRESETS[args.preset].get("drafter"))
+    if args.pipeline is not None:
+        checks.check_pipeline_folder(parser, "--pipeline", args.pipeline, drafter)
+    else:
+        extra = [checks.DRAFTER_FOLDERS[drafter]] if drafter in checks.DRAFTER_FOLDERS else []
+        check_zoo_folders(parser, args.zoo, ["mnist-c2i", "mnist-vq", *extra])
+    if "in-domain" in args.metrics:
+        check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
+        checks.check_mnist(parser, "--metrics", "in-domain")
+    if "inception" in args.metrics:
+        checks.check_inception(parser, "--metrics")
+    if args.reference is not None:
+        if "inception" not in args.metrics:
+            parser.error("argument --reference: used only by --metrics inception")
+        checks.check_reference_file(parser, "--reference", args.reference, feature_dim=2048)
+    elif "inception" in args.metrics:
+        from mmspec.eval.reference import shipped_stats_path
+
+        if not shipped_stats_path("inception").is_file():
+            checks.check_mnist(parser, "--metrics", "inception without --reference")
+    if args.out is None:
+        args.out = Path("runs") / "fid" / f"{args.preset}-seed{args.seed}"
+    checks.check_output_folder(parser, "--out", args.out)
+    if args.json is not None:
+        check_output_file(parser, "--json", args.json, (".json",))  # its folder must exist
+    else:
+        checks.check_output_path(parser, "--out", args.out / "result.json", (".json",))
+    if args.device is not None:
+        check_device(parser, args.device)
+    if not args.overwrite:  # a run folder of other settings: refused before the model loads (weights: after)
+        from mmspec.eval.fid_sampling import check_manifest_settings
+        from mmspec.eval.fingerprint import StaleArtefactError
+
+        call_kwargs = dict(PRESETS[args.preset], guidance_scale=args.guidance_scale, temperature=args.temperature)
+        settings = dict(num_images=args.num_images, shard_size=args.shard_size, seed=args.seed,
+                        call_kwargs=call_kwargs | knob_values(args), **_source(args))  # fmt: skip
+        try:
+            check_manifest_settings(args.out, settings)
+        except StaleArtefactError as err:
+            parser.error(" ".join(str(err).split()))
+
+
+def _source(args) -> dict:
+    """The model a run samples from, as recorded in its manifest."""
+    return dict(pipeline=str(args.pipeline)) if args.pipeline else dict(zoo=str(Path(args.zoo).resolve()))
 
 
 def _distributed():
@@ -137,7 +182,7 @@ def inception_metrics(images: torch.Tensor, reference=None) -> dict:
 
 def run(args):
     from mmspec.cli import knob_values
-    from mmspec.eval.fid_sampling import load_shards, sample_shards
+    from mmspec.eval.fid_sampling import load_shards, run_fingerprint, sample_shards
     from mmspec.methods import PRESETS
     from mmspec.pipelines import SpeculativeARImagePipeline
 
@@ -152,21 +197,22 @@ def run(args):
     call_kwargs = dict(PRESETS[args.preset], guidance_scale=args.guidance_scale, temperature=args.temperature)
     call_kwargs |= knob_values(args)
     out_dir = args.out or Path("runs") / "fid" / f"{args.preset}-seed{args.seed}"
-    source = dict(pipeline=str(args.pipeline)) if args.pipeline else dict(zoo=str(Path(args.zoo).resolve()))
+    source = _source(args)
+    fingerprint = run_fingerprint(pipe, seed=args.seed, call_kwargs=call_kwargs)  # hashes the weights once
     sample_shards(pipe, out_dir, num_images=args.num_images, shard_size=args.shard_size, batch_size=args.batch_size,
                   seed=args.seed, call_kwargs=call_kwargs, rank=rank, world_size=world, manifest_extra=source,
-                  progress=not args.quiet)  # fmt: skip
+                  progress=not args.quiet, weights=fingerprint["weights"], overwrite=args.overwrite)  # fmt: skip
     if world > 1:
         torch.distributed.barrier()
     result = None
     if rank == 0:
-        images, labels = load_shards(out_dir, args.num_images, args.shard_size)
+        images, labels = load_shards(out_dir, args.num_images, args.shard_size, fingerprint)
         classifier_dir = Path(args.zoo) / "mnist-classifier"
-        metrics = score(images, labels, args.metrics.split(","), args.reference, classifier_dir)
+        metrics = score(images, labels, args.metrics, args.reference, classifier_dir)
         result = dict(preset=args.preset, call_kwargs=call_kwargs, num_images=args.num_images, seed=args.seed,
                       seed_rule="image i: torch.Generator(device).manual_seed(seed * 1000003 + i), label i % classes",
                       shard_size=args.shard_size, world_size=world, device=str(device), out=str(out_dir),
-                      versions=_versions(), metrics=metrics, **source)  # fmt: skip
+                      weights=fingerprint["weights"], versions=_versions(), metrics=metrics, **source)  # fmt: skip
         path = args.json or Path(out_dir) / "result.json"
         path.write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
@@ -181,7 +227,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_arguments(args, parser)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO)
-    run(args)
+    from mmspec.eval.fingerprint import StaleArtefactError
+
+    try:
+        run(args)
+    except StaleArtefactError as err:  # checked before anything is sampled: nothing is lost
+        parser.error(" ".join(str(err).split()))
     return 0
 
 

@@ -7,15 +7,17 @@ The shipped files in `assets/reference-stats/` were made by
 `in-domain` uses the zoo classifier's penultimate features (`MNISTClassifierFeatures`, 128-d); `inception` the
 standard FID Inception-v3 pool3 (2048-d, `FIDInceptionV3`, tf1-bilinear resize to 299x299). The Inception pass over
 10,000 images takes about half an hour on 2 CPU cores, so features are computed in chunks kept in `--work-dir`: a
-killed run resumes from the last finished chunk. `--dtype float32` (the default) halves the file size; readers
+killed run resumes from the last finished chunk. Every chunk carries its fingerprint (the feature net's protocol and
+weights hash, its image range, a hash of its input images) and a checksum: a chunk of another feature net, other
+images or a truncated / edited one is recomputed with a warning naming the file. `--dtype float32` (the default) halves the file size; readers
 convert to float64 (ADM's evaluator does the same), and the FID it gives differs from a float64 file by < 1e-4.
 """
 
 import argparse
-import json
 import logging
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -37,30 +39,54 @@ def shipped_stats_path(features: str, split: str = "test", folder: str | Path | 
     return folder / FILE_NAMES[features].format(split=split)
 
 
+def _chunk_problem(path: Path, expected: dict) -> str | None:
+    """None if the chunk at `path` holds the features `expected` describes, else why not."""
+    from mmspec.eval.fingerprint import array_hash, decode, describe, diff_fields
+
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            feats, stored, content = data["features"], decode(data["fingerprint"]), str(data["content"])
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError) as err:
+        return f"is unreadable or truncated ({type(err).__name__}: {err})"
+    fields = diff_fields(stored, expected)
+    if fields:
+        return f"was made by another feature net or from other images: {describe(stored, expected, fields)}"
+    if feats.ndim != 2 or feats.shape[0] != expected["stop"] - expected["start"] or content != array_hash(feats):
+        return "does not match its checksum (features changed after writing)"
+    return None
+
+
 def chunked_features(images: torch.Tensor, extractor, work_dir: Path, chunk_size: int = 500, batch_size: int = 50,
                      progress: bool = True) -> np.ndarray:  # fmt: skip
-    """Features [N, d] of `images` [N, C, H, W], one `.npy` per chunk in `work_dir` (kept; a rerun skips them)."""
+    """Features [N, d] of `images` [N, C, H, W], one `.npz` per chunk in `work_dir` (kept; a rerun reuses them).
+
+    Each chunk stores its fingerprint (the extractor's protocol and weights hash, its image range and a hash of its
+    input images) and a checksum of its features; a chunk that does not match (made by another feature net or from
+    other images, truncated, edited) is recomputed with a warning naming the file and the differing fields."""
     from tqdm.auto import tqdm
 
+    from mmspec.eval.fingerprint import array_hash, encode, weights_hash
     from mmspec.eval.reference_stats import extract_features
 
     work_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"num_images": int(images.shape[0]), "chunk_size": chunk_size,
-            "protocol": extractor.protocol() if hasattr(extractor, "protocol") else type(extractor).__name__}  # fmt: skip
-    meta_file = work_dir / "chunks.json"
-    if meta_file.is_file() and json.loads(meta_file.read_text()) != json.loads(json.dumps(meta)):
-        raise ValueError(f"work_dir={str(work_dir)!r} holds chunks of another run; use a new folder")
-    meta_file.write_text(json.dumps(meta, indent=2))
+    protocol = extractor.protocol() if hasattr(extractor, "protocol") else type(extractor).__name__
+    base = {"format": 1, "protocol": protocol, "weights": weights_hash(extractor), "num_images": int(images.shape[0])}
     out = []
     starts = range(0, images.shape[0], chunk_size)
     for start in tqdm(starts, desc="feature chunks", unit="chunk", disable=not progress):
-        path = work_dir / f"chunk-{start // chunk_size:05d}.npy"
+        chunk = images[start : start + chunk_size]
+        path = work_dir / f"chunk-{start // chunk_size:05d}.npz"
+        expected = base | {"start": start, "stop": start + len(chunk), "images": array_hash(chunk)}
         if path.is_file():
-            out.append(np.load(path))
-            continue
-        feats = extract_features(images[start : start + chunk_size], extractor, batch_size)
-        tmp = path.with_name(path.stem + ".tmp.npy")
-        np.save(tmp, feats)
+            problem = _chunk_problem(path, expected)
+            if problem is None:
+                with np.load(path, allow_pickle=False) as data:
+                    out.append(data["features"])
+                continue
+            logger.warning("%s %s: recomputing it", path, problem)
+        feats = extract_features(chunk, extractor, batch_size)
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez(tmp, features=feats, fingerprint=encode(expected), content=np.str_(array_hash(feats)))
         os.replace(tmp, path)  # atomic: a killed run never leaves a partial chunk
         out.append(feats)
     return np.concatenate(out)
@@ -94,24 +120,30 @@ def make_reference(features: str, split: str, out: Path, zoo: Path, work_dir: Pa
 
 
 def main(argv=None):
+    from mmspec.cli import DEFAULT_ZOO, check_zoo_folders, names_of
+    from mmspec.eval import cli_checks as checks
+
     parser = argparse.ArgumentParser(prog="mmspec eval reference", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="MNIST split")
-    parser.add_argument("--features", default="in-domain,inception", help=f"comma-separated subset of {FEATURES}")
+    parser.add_argument("--features", type=names_of(FEATURES), default="in-domain,inception",
+                        help=f"comma-separated subset of {FEATURES}")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "assets" / "reference-stats", help="output folder")
-    parser.add_argument("--zoo", type=Path, default=ROOT / "assets", help="zoo folder (for mnist-classifier)")
+    parser.add_argument("--zoo", type=Path, default=Path(DEFAULT_ZOO), help="zoo folder (for mnist-classifier)")
     parser.add_argument("--work-dir", type=Path, default=Path("runs") / "reference", help="resumable feature chunks")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="stored precision")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    names = [f for f in args.features.split(",") if f]
-    bad = set(names) - set(FEATURES)
-    if bad or not names:
-        parser.error(f"--features has unknown names {sorted(bad)}; known: {','.join(FEATURES)}")
-    if "in-domain" in names and not (args.zoo / "mnist-classifier").is_dir():
-        parser.error(f"--zoo {args.zoo} has no mnist-classifier (needed by --features in-domain)")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} is not a folder")
+    names = args.features
+    if "in-domain" in names:
+        check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
+    if "inception" in names:
+        checks.check_inception(parser, "--features")
+    checks.check_mnist(parser, "--split", f"MNIST {args.split}")
+    checks.check_output_folder(parser, "--out", args.out)
+    for name in names:
+        checks.check_output_path(parser, "--out", shipped_stats_path(name, args.split, args.out), (".npz",))
+    checks.check_output_folder(parser, "--work-dir", args.work_dir)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO)
     for name in names:
         path = make_reference(name, args.split, args.out, args.zoo, args.work_dir, args.dtype, not args.quiet)

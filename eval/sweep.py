@@ -14,6 +14,12 @@ plain wall time / median method wall time of that pairing, so slow drift of the 
 
 Outputs: one JSON line per grid point (`--table`, appended as points finish: an interrupted sweep resumes, skipping
 finished points and finished shards), a Markdown table (`--markdown`) and a Pareto plot (`--plot`, matplotlib).
+Every row records its `fingerprint` (`mmspec.eval.fingerprint`: the hash of the pipeline's and the classifier's
+weights, the seed, the image count, the method, knobs, guidance and temperature, the device type, the timed image
+count): a row is reused only when it equals the current run's; a row of another zoo or other settings (or without a
+fingerprint) is refused before anything runs, naming the table, the row and the differing fields (pass a new
+`--table` / `--out`, or `--overwrite` to recompute the stale rows in place). A metric asked for later
+(`--metrics in-domain,inception` after an in-domain sweep) is computed for the finished rows from their shards.
 The README's MNIST-zoo table and plot come from:
 
     mmspec eval sweep --table assets/sweep/mnist-sweep.jsonl --markdown assets/sweep/mnist-sweep.md \\
@@ -23,6 +29,7 @@ The README's MNIST-zoo table and plot come from:
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -137,20 +144,49 @@ def _speed(pipe, call_kwargs: dict, common: dict, num_images: int, seed: int) ->
     }
 
 
-def run_point(pipe, point: SweepPoint, seed: int, args, references: dict) -> dict:
+def row_fingerprint(point: SweepPoint, seed: int, args, weights: str, classifier: str) -> dict:
+    """What determines a row: both models' weights hashes and every setting that changes its numbers."""
+    kwargs = point.call_kwargs() | dict(guidance_scale=args.guidance_scale, temperature=args.temperature)
+    return dict(format=1, weights=weights, classifier=classifier, seed=seed, num_images=args.num_images,
+                call_kwargs=kwargs, device=torch.device(args.device).type,
+                speed_images=0 if kwargs["acceptance"] == "none" else args.speed_images)  # fmt: skip
+
+
+def _samples(pipe, point: SweepPoint, seed: int, args, weights: str | None):
+    """The point's images (uint8 [N, C, H, W]) and labels, sampled into / resumed from its shard folder."""
+    from mmspec.eval.fid_sampling import load_shards, run_fingerprint, sample_shards
+
+    call_kwargs = point.call_kwargs() | dict(guidance_scale=args.guidance_scale, temperature=args.temperature)
+    fingerprint = run_fingerprint(pipe, seed=seed, call_kwargs=call_kwargs, weights=weights)
+    folder = args.out / f"{point.name.replace(' ', '_').replace('=', '')}-seed{seed}"
+    sample_shards(pipe, folder, num_images=args.num_images, shard_size=args.shard_size, batch_size=args.batch_size,
+                  seed=seed, call_kwargs=call_kwargs, manifest_extra=dict(zoo=str(Path(args.zoo).resolve())),
+                  progress=not args.quiet, weights=fingerprint["weights"],
+                  overwrite=getattr(args, "overwrite", False))  # fmt: skip
+    images, labels = load_shards(folder, args.num_images, args.shard_size, fingerprint)
+    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), labels
+
+
+def add_missing_metrics(pipe, row: dict, point: SweepPoint, seed: int, args, references: dict,
+                        weights: str | None = None) -> list[str]:  # fmt: skip
+    """Compute the metrics asked for (`references`) that a finished row lacks, from its shards; returns their keys."""
+    missing = ["fid_inception"] if "inception" in references and row.get("fid_inception") is None else []
+    if missing:
+        from mmspec.eval.fid import inception_metrics
+
+        x, _ = _samples(pipe, point, seed, args, weights)
+        row["fid_inception"] = inception_metrics(x, references["inception"])["fid"]
+    return missing
+
+
+def run_point(pipe, point: SweepPoint, seed: int, args, references: dict, weights: str | None = None) -> dict:
     """Sample, score and time one grid point; returns its table row."""
-    from mmspec.eval.fid_sampling import load_shards, sample_shards
     from mmspec.eval.metrics import mnist_metrics
     from mmspec.methods import ACCEPTANCES
 
     common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature)
     kwargs = point.call_kwargs()
-    folder = args.out / f"{point.name.replace(' ', '_').replace('=', '')}-seed{seed}"
-    sample_shards(pipe, folder, num_images=args.num_images, shard_size=args.shard_size, batch_size=args.batch_size,
-                  seed=seed, call_kwargs=kwargs | common, manifest_extra=dict(zoo=str(Path(args.zoo).resolve())),
-                  progress=not args.quiet)  # fmt: skip
-    images, labels = load_shards(folder, args.num_images, args.shard_size)
-    x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()  # [N, C, H, W] uint8
+    x, labels = _samples(pipe, point, seed, args, weights)
     ref, real_feats, classifier = references["in_domain"]
     m = mnist_metrics(x, labels, ref, classifier, reference_name="MNIST test", real_features=real_feats)
     row = {
@@ -306,62 +342,133 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _run_key(name: str, seed: int, num_images: int, call_kwargs: dict) -> tuple:
-    """What identifies a finished run in the table (a rerun skips it)."""
-    return (name, seed, num_images, json.dumps(call_kwargs, sort_keys=True))
-
-
 def add_arguments(parser):
+    from mmspec.cli import DEFAULT_ZOO, int_in_range, sampling_type
+    from mmspec.eval import cli_checks as checks
+
     parser.add_argument(
-        "--zoo", type=Path, default=ROOT / "assets", help="zoo folder (mnist-c2i, drafters, classifier)"
+        "--zoo", type=Path, default=Path(DEFAULT_ZOO), help="zoo folder (mnist-c2i, drafters, classifier)"
     )
     parser.add_argument("--grid", default="default", help="'default' or a JSON file [{name, preset, knobs}, ...]")
-    parser.add_argument("--num-images", type=int, default=1000, help="images per grid point (quality)")
-    parser.add_argument("--plain-seeds", type=int, default=3, help="plain AR runs (seeds 0..n-1): the noise level")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the grid points")
-    parser.add_argument("--speed-images", type=int, default=20, help="batch-1 images per point for the speedup")
-    parser.add_argument("--batch-size", type=int, default=50, help="images per pipeline call while sampling")
-    parser.add_argument("--shard-size", type=int, default=250, help="images per shard file (the unit of resuming)")
-    parser.add_argument("--guidance-scale", type=float, default=2.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--num-images", type=int_in_range(2, checks.MAX_IMAGES), default=1000,
+                        help="images per grid point (quality; >= 2: FID needs a covariance)")  # fmt: skip
+    parser.add_argument("--plain-seeds", type=int_in_range(1, checks.MAX_PLAIN_SEEDS), default=4,
+                        help="plain AR runs (seeds 0..n-1): the noise level (the shipped sweep used 4)")  # fmt: skip
+    parser.add_argument("--seed", type=int_in_range(0, checks.MAX_SEED), default=0, help="seed of the grid points")
+    parser.add_argument("--speed-images", type=int_in_range(0, checks.MAX_SPEED_IMAGES), default=20,
+                        help="batch-1 images per point for the speedup")  # fmt: skip
+    parser.add_argument("--batch-size", type=int_in_range(1, checks.MAX_BATCH_SIZE), default=50,
+                        help="images per pipeline call while sampling")  # fmt: skip
+    parser.add_argument("--shard-size", type=int_in_range(1, checks.MAX_SHARD_SIZE), default=250,
+                        help="images per shard file (the unit of resuming)")  # fmt: skip
+    parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0)
+    parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
     parser.add_argument("--metrics", default="in-domain", choices=("in-domain", "in-domain,inception"),
                         help="add Inception FID (slow on CPU: ~3 min per 1,000 images)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("runs") / "sweep", help="folder of the sample shards")
     parser.add_argument("--table", type=Path, default=None, help="JSONL, a row per point (default <out>/sweep.jsonl)")
     parser.add_argument("--markdown", type=Path, default=None, help="Markdown table (default <out>/sweep.md)")
     parser.add_argument("--plot", type=Path, default=None, help="Pareto plot PNG (default <out>/sweep.png)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="recompute the rows and shards made by other weights or settings (else refused)")  # fmt: skip
+    parser.add_argument("--threads", type=int_in_range(1, checks.MAX_THREADS), default=None,
+                        help="torch.set_num_threads")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def check_arguments(args, parser):
-    """Usage errors (exit 2, naming the flag) before any model loads."""
-    for name in ("num_images", "plain_seeds", "batch_size", "shard_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.speed_images < 0:
-        parser.error(f"--speed-images must be >= 0, got {args.speed_images}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
-    if not (args.zoo / "mnist-c2i").is_dir() or not (args.zoo / "mnist-classifier").is_dir():
-        parser.error(f"--zoo {args.zoo} lacks mnist-c2i or mnist-classifier")
+    """Usage errors (exit 2, one line naming the flag) before any model loads: every path, count, file and device."""
+    from mmspec.cli import check_device, check_zoo_folders
+    from mmspec.eval import cli_checks as checks
+
     try:
         args.points = default_grid() if args.grid == "default" else load_grid(args.grid)
     except (ValueError, TypeError) as err:
-        parser.error(f"--grid: {err}")
+        parser.error(f"argument --grid: {' '.join(str(err).split())}")
+    names = [p.name for p in args.points]
+    if "plain" in names or len(set(names)) != len(names):
+        parser.error("argument --grid: point names must be unique and not 'plain' (the baseline rows)")
+    drafters = {p.call_kwargs().get("drafter") for p in args.points}
+    check_zoo_folders(parser, args.zoo, ["mnist-c2i", "mnist-vq", "mnist-classifier"]
+                      + sorted(checks.DRAFTER_FOLDERS[d] for d in drafters if d in checks.DRAFTER_FOLDERS))  # fmt: skip
+    checks.check_mnist(parser, "--metrics", "in-domain")
+    if "inception" in args.metrics:
+        checks.check_inception(parser, "--metrics")
+    checks.check_output_folder(parser, "--out", args.out)
     args.table = args.table or args.out / "sweep.jsonl"
     args.markdown = args.markdown or args.out / "sweep.md"
     args.plot = args.plot or args.out / "sweep.png"
-    for flag in ("table", "markdown", "plot"):
-        path = getattr(args, flag)
-        if path.is_dir() or any(p.exists() and not p.is_dir() for p in path.parents):
-            parser.error(f"--{flag} {path} is not a writable file path")
+    for flag, extensions in (("table", (".jsonl",)), ("markdown", (".md",)), ("plot", (".png", ".pdf", ".svg"))):
+        checks.check_output_path(parser, f"--{flag}", getattr(args, flag), extensions)
+    try:
+        rows = read_rows(args.table)
+    except ValueError as err:
+        parser.error(f"argument --table: {err}")
+    check_device(parser, args.device)
+    if not args.overwrite:  # rows of other settings (or without a fingerprint): refused before the models load
+        from mmspec.eval.fingerprint import StaleArtefactError
+
+        todo = _todo(args)
+        try:
+            _stale_rows(rows, todo, [row_fingerprint(p, s, args, None, None) for p, s in todo], args,
+                        ignore=("weights", "classifier"))  # fmt: skip
+        except StaleArtefactError as err:
+            parser.error(" ".join(str(err).split()))
+
+
+def _todo(args) -> list[tuple[SweepPoint, int]]:
+    """(point, seed) of every row of the sweep: plain AR with seeds 0..plain_seeds-1, then the grid."""
+    return [(SweepPoint("plain", "plain"), s) for s in range(args.plain_seeds)] + [(p, args.seed) for p in args.points]
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    """Rewrite the whole table atomically (a stale row replaced, a metric added)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def _matches(row: dict, expected: dict) -> bool:
+    from mmspec.eval.fingerprint import diff_fields
+
+    return isinstance(row.get("fingerprint"), dict) and not diff_fields(row["fingerprint"], expected)
+
+
+def _stale_rows(rows: list[dict], todo: list, fingerprints: list[dict], args, ignore=()) -> set:
+    """The (name, seed) of the points of `todo` whose rows in the table were all made by other weights or settings
+    (or have no fingerprint). Refused before anything runs (naming the table, the row and the differing fields)
+    unless `--overwrite`, which recomputes them. `ignore`: fields not compared (the weights, before loading)."""
+    from mmspec.eval.fingerprint import StaleArtefactError, describe, diff_fields
+
+    stale = set()
+    for (point, seed), expected in zip(todo, fingerprints):
+        mine = [(i, r) for i, r in enumerate(rows) if (r.get("name"), r.get("seed")) == (point.name, seed)]
+        if ignore:
+            expected = {k: v for k, v in expected.items() if k not in ignore}
+            mine = [(i, r | {"fingerprint": {k: v for k, v in r["fingerprint"].items() if k not in ignore}})
+                    if isinstance(r.get("fingerprint"), dict) else (i, r) for i, r in mine]  # fmt: skip
+        if not mine or any(_matches(r, expected) for _, r in mine):
+            continue
+        i, row = mine[-1]
+        stored = row.get("fingerprint")
+        fields = diff_fields(stored, expected) if isinstance(stored, dict) else []
+        why = (f"was made by other weights or settings: {describe(stored, expected, fields)}" if fields
+               else "has no fingerprint (made by an older mmspec)")  # fmt: skip
+        if not args.overwrite:
+            raise StaleArtefactError(
+                f"--table {args.table}: row {i + 1} ({point.name!r} seed {seed}) {why}; pass a new --table and "
+                "--out, the settings it was made with, or --overwrite to recompute the stale rows"
+            )
+        logger.warning("%s: row %d (%r seed %d) %s: recomputing it", args.table, i + 1, point.name, seed, why)
+        stale.add((point.name, seed))
+    return stale
 
 
 def run(args) -> list[dict]:
     from tqdm.auto import tqdm
 
+    from mmspec.eval.fingerprint import pipeline_weights_hash, weights_hash
     from mmspec.eval.metrics import mnist_reference
     from mmspec.models import load
     from mmspec.pipelines import SpeculativeARImagePipeline
@@ -371,29 +478,42 @@ def run(args) -> list[dict]:
     pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
     pipe.set_progress_bar_config(disable=True)
     classifier = load(args.zoo / "mnist-classifier", device=pipe._execution_device)
-    ref, real_feats = mnist_reference(classifier)
-    references = {"in_domain": (ref, real_feats, classifier)}
-    if "inception" in args.metrics:
-        references["inception"] = None  # the shipped MNIST test statistics (see `inception_metrics`)
-    todo = [(SweepPoint("plain", "plain"), s) for s in range(args.plain_seeds)]
-    todo += [(p, args.seed) for p in args.points]
+    weights, classifier_weights = pipeline_weights_hash(pipe), weights_hash(classifier)  # once per sweep
+    todo = _todo(args)
+    fingerprints = [row_fingerprint(p, s, args, weights, classifier_weights) for p, s in todo]
     args.table.parent.mkdir(parents=True, exist_ok=True)
     rows = read_rows(args.table)
-    done = {_run_key(r["name"], r["seed"], r["num_images"], r["call_kwargs"]) for r in rows}
-    common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature)
-    bar = tqdm(todo, desc="sweep", unit="point", disable=args.quiet)
-    for point, seed in bar:
+    stale = _stale_rows(rows, todo, fingerprints, args)  # refuses stale rows before any work
+    if stale:  # --overwrite: drop the stale rows now, recompute them below
+        rows = [r for r in rows if (r.get("name"), r.get("seed")) not in stale]
+        _write_rows(args.table, rows)
+    references = {}
+    if not all(any(_matches(r, f) for r in rows) for f in fingerprints):  # some point to run: its metrics' reference
+        ref, real_feats = mnist_reference(classifier)  # 10,000 MNIST test images: seconds
+        references["in_domain"] = (ref, real_feats, classifier)
+    if "inception" in args.metrics:
+        references["inception"] = None  # the shipped MNIST test statistics (see `inception_metrics`)
+    bar = tqdm(list(zip(todo, fingerprints)), desc="sweep", unit="point", disable=args.quiet)
+    result = []
+    for (point, seed), fingerprint in bar:
         bar.set_postfix_str(point.name)
-        if _run_key(point.name, seed, args.num_images, point.call_kwargs() | common) in done:
+        i = next((j for j, r in enumerate(rows)
+                  if (r.get("name"), r.get("seed")) == (point.name, seed) and _matches(r, fingerprint)), None)  # fmt: skip
+        if i is not None:
+            added = add_missing_metrics(pipe, rows[i], point, seed, args, references, weights)
+            if added:
+                logger.info("%s seed %d: added %s to its finished row", point.name, seed, added)
+                _write_rows(args.table, rows)
+            result.append(rows[i])
             continue
-        row = run_point(pipe, point, seed, args, references)
+        row = run_point(pipe, point, seed, args, references, weights) | {"fingerprint": fingerprint}
         rows.append(row)
+        result.append(row)
         with args.table.open("a") as f:  # one line per finished point: a killed sweep loses at most the current one
             f.write(json.dumps(row) + "\n")
         logger.info("%s seed %d: FID %.3f acc %.4f speedup %s", point.name, seed, row["fid_in_domain"],
                     row["accuracy"], row.get("speedup"))  # fmt: skip
-    wanted = {(p.name, s) for p, s in todo}
-    rows = annotate([r for r in rows if (r["name"], r["seed"]) in wanted and r["num_images"] == args.num_images])
+    rows = annotate(result)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     args.markdown.write_text(markdown_table(rows))
     plot(rows, args.plot)
@@ -408,7 +528,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_arguments(args, parser)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO)
-    rows = run(args)
+    from mmspec.eval.fingerprint import StaleArtefactError
+
+    try:
+        rows = run(args)
+    except StaleArtefactError as err:  # checked before anything is sampled: nothing is lost
+        parser.error(" ".join(str(err).split()))
     print(markdown_table(rows))
     return 0
 

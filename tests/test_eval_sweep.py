@@ -129,11 +129,22 @@ def test_reference_command_matches_the_shipped_file_and_resumes(tmp_path):
     np.testing.assert_allclose(made.mu, shipped.mu, rtol=1e-5)
     np.testing.assert_allclose(made.sigma, shipped.sigma, rtol=1e-5, atol=1e-7)
     assert made.protocol["feature_dim"] == 128 and made.num_samples == 10000
-    # finished chunks are reused, not recomputed: doctor one and the statistics move
-    chunk = tmp_path / "w" / "in-domain-test" / "chunk-00000.npy"
-    np.save(chunk, np.load(chunk) + 1.0)
+    # finished chunks are reused, not recomputed
+    import mmspec.eval.reference_stats as rs
+
+    real_extract = rs.extract_features
+    rs.extract_features = lambda *a, **k: pytest.fail("a finished chunk was recomputed")
+    try:
+        assert reference.main(argv) == 0
+    finally:
+        rs.extract_features = real_extract
+    # a doctored chunk fails its checksum: recomputed (not used), so the statistics stay the same
+    chunk = tmp_path / "w" / "in-domain-test" / "chunk-00000.npz"
+    with np.load(chunk) as data:
+        doctored = dict(data)
+    np.savez(chunk, **(doctored | {"features": doctored["features"] + 1.0}))
     assert reference.main(argv) == 0
-    moved = load_reference_stats(tmp_path / "stats" / "mnist-test-classifier.npz")
-    assert not np.allclose(moved.mu, made.mu)
+    again = load_reference_stats(tmp_path / "stats" / "mnist-test-classifier.npz")
+    np.testing.assert_array_equal(again.mu, made.mu)
     with pytest.raises(SystemExit):
         reference.main(["--features", "nope"])

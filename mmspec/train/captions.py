@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from mmspec.cli import non_negative_int, positive_int
-from mmspec.train.common import configure_threads, save_checkpoint
+from mmspec.train.common import configure_threads, declare_paths, save_checkpoint
 
 
 logger = logging.getLogger(__name__)
@@ -346,6 +346,7 @@ def add_caption_arguments(parser: argparse.ArgumentParser, out: str = "runs/mnis
     parser.add_argument("--prompts-per-image", type=positive_int, default=4, help="prompts drawn per image")
     parser.add_argument("--max-text-tokens", type=positive_int, default=DEFAULT_MAX_LENGTH,
                         help="MiniLM tokens per prompt incl. [CLS]/[SEP] (= cls_token_num of the t2i model)")  # fmt: skip
+    declare_paths(parser, output_files=("captions",))
 
 
 def ensure_captions(args) -> dict:
@@ -372,6 +373,7 @@ def ensure_captions(args) -> dict:
 def add_arguments(parser):
     parser.add_argument("--data", default="runs/mnist-codes.pt", help="tokenized MNIST (mmspec.train tokenize)")
     add_caption_arguments(parser)
+    declare_paths(parser, input_files=("data",))
     parser.add_argument("--threads", type=non_negative_int, default=2, help="torch CPU threads (0: torch's default)")
 
 

@@ -16,6 +16,7 @@ from mmspec.models.classifier import MNISTClassifier
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    mnist_splits,
     random_batch_indices,
     seed_everything,
     train_and_save,
@@ -29,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=3000, batch_size=64, lr=2e-3, warmup_steps=100, checkpoint_every=500, threads=1)
-    parser.add_argument("--data", default="train", help="MNIST split(s) to train on, e.g. train or train+val")
+    parser.add_argument(
+        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
+    )
     parser.add_argument("--feature-dim", type=positive_int, default=128)
     parser.add_argument("--max-shift", type=non_negative_int, default=2, help="random translation in pixels (0: off)")
     parser.add_argument("--label-smoothing", type=probability, default=0.05)

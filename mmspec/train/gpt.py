@@ -21,6 +21,8 @@ from mmspec.models.llamagen import LlamaGenGPT
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    declare_paths,
+    not_run_defining,
     random_batch_indices,
     seed_everything,
     train_and_save,
@@ -36,6 +38,8 @@ def add_data_arguments(parser, **defaults):
     parser.add_argument("--train-split", default="train", help="'+'-joined splits to train on")
     parser.add_argument("--eval-split", default="val", help="split for the held-out metrics")
     parser.add_argument("--eval-size", type=positive_int, default=2000, help="held-out items evaluated at the end")
+    not_run_defining(parser, "eval_split", "eval_size")
+    declare_paths(parser, input_files=("data",))
 
 
 def add_arguments(parser):
@@ -63,6 +67,12 @@ def load_data(args):
     n = min(args.eval_size, len(eval_codes))
     logger.info("data %s: train %s, eval %s x %d", args.data, tuple(codes.shape), args.eval_split, n)
     return codes, labels, eval_codes[:n], eval_labels[:n], meta
+
+
+def check_args(parser, args):
+    """Usage error before any data loads: `--dim` must split into `--n-head` heads (also the draft and t2i tasks)."""
+    if args.dim % args.n_head:
+        parser.error(f"argument --n-head: --dim {args.dim} is not divisible by --n-head {args.n_head}")
 
 
 def build_gpt(args, vocab_size, block_size, null_prob, **condition):

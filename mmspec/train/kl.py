@@ -24,11 +24,15 @@ from mmspec.models.kl_vae import AutoencoderKL
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    declare_paths,
+    mnist_splits,
+    not_run_defining,
     random_batch_indices,
     save_model,
     seed_everything,
     train_and_save,
     write_model_card,
+    zoo_folder,
 )
 from mmspec.train.data import MNIST_PAD, load_mnist
 from mmspec.train.vq import psnr_from_mse
@@ -41,7 +45,9 @@ GRID_IMAGE = "reconstructions.png"
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=1100, batch_size=32, lr=1e-3, warmup_steps=100, checkpoint_every=100, threads=1)
-    parser.add_argument("--data", default="train", help="MNIST split(s) to train on, e.g. train or train+val")
+    parser.add_argument(
+        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
+    )
     parser.add_argument("--ch", type=positive_int, default=32)
     parser.add_argument("--ch-mult", type=positive_int, nargs="+", default=[1, 2, 2])
     parser.add_argument("--num-res-blocks", type=positive_int, default=1)
@@ -53,14 +59,16 @@ def add_arguments(parser):
     parser.add_argument(
         "--scale-images", type=positive_int, default=10000, help="training images whose latents set scale_factor"
     )
-    parser.add_argument("--eval-split", default="test")
+    parser.add_argument("--eval-split", type=mnist_splits, default="test")
     parser.add_argument(
         "--eval-images", type=positive_int, default=10000, help="first images of the eval split to reconstruct"
     )
-    parser.add_argument("--classifier", default="assets/mnist-classifier", help="zoo classifier for the evaluation")
+    parser.add_argument("--classifier", default=zoo_folder("mnist-classifier"), help="classifier for the evaluation")
+    declare_paths(parser, model_folders=("classifier",))
     parser.add_argument(
         "--classifier-images", type=positive_int, default=1000, help="eval images classified after reconstruction"
     )
+    not_run_defining(parser, "scale_images", "eval_split", "eval_images", "classifier", "classifier_images")
 
 
 @torch.no_grad()

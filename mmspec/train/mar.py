@@ -21,10 +21,13 @@ from mmspec.cli import non_negative_int, positive_float, positive_int
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    declare_paths,
+    not_run_defining,
     random_batch_indices,
     seed_everything,
     train_and_save,
     write_model_card,
+    zoo_folder,
 )
 
 
@@ -39,8 +42,9 @@ PRESETS = {
 def add_arguments(parser):
     add_common_arguments(parser, steps=3000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=250, threads=1)
     parser.set_defaults(weight_decay=0.02)
-    parser.add_argument("--kl", default="assets/mnist-kl", help="the KL autoencoder folder (mmspec.train kl)")
+    parser.add_argument("--kl", default=zoo_folder("mnist-kl"), help="the KL autoencoder folder (mmspec.train kl)")
     parser.add_argument("--cache", default="runs/mnist-kl-latents.pt", help="cached posterior statistics")
+    declare_paths(parser, model_folders=("kl",), output_files=("cache",))
     parser.add_argument("--preset", choices=sorted(PRESETS), default="target", help="model size")
     for name in ("dim", "depth", "heads", "head_depth", "head_width"):
         parser.add_argument(
@@ -55,6 +59,7 @@ def add_arguments(parser):
     parser.add_argument("--eval-samples", type=non_negative_int, default=500, help="samples for the card's accuracy")
     parser.add_argument("--eval-cfg", type=positive_float, default=3.0)
     parser.add_argument("--eval-num-iter", type=positive_int, default=64)
+    not_run_defining(parser, "eval_samples", "eval_cfg", "eval_num_iter")
 
 
 @torch.no_grad()
@@ -117,6 +122,13 @@ def sample_accuracy(model_folder, kl_folder, num, cfg, num_iter, seed=0, batch_s
         images = pipe(labels, guidance_scale=cfg, num_ar_steps=num_iter, generator=gen, output_type="pt").images
         correct += int((classifier(images * 2 - 1).argmax(-1) == torch.tensor(labels)).sum())
     return correct / max(num, 1)
+
+
+def check_args(parser, args):
+    """Usage error before any data loads: the model width must split into its heads (preset or flags)."""
+    size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in PRESETS[args.preset].items()}
+    if size["dim"] % size["heads"]:
+        parser.error(f"argument --heads: --dim {size['dim']} is not divisible by --heads {size['heads']}")
 
 
 def run(args):

@@ -21,6 +21,8 @@ from mmspec.models.vq import LlamaGenVQ
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    mnist_splits,
+    not_run_defining,
     random_batch_indices,
     seed_everything,
     train_and_save,
@@ -36,7 +38,9 @@ GRID_IMAGE = "reconstructions.png"
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=1500, batch_size=32, lr=1e-3, warmup_steps=100, checkpoint_every=250, threads=2)
-    parser.add_argument("--data", default="train", help="MNIST split(s) to train on, e.g. train or train+val")
+    parser.add_argument(
+        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
+    )
     parser.add_argument("--ch", type=positive_int, default=32)
     parser.add_argument("--ch-mult", type=positive_int, nargs="+", default=[1, 1, 2])
     parser.add_argument("--num-res-blocks", type=positive_int, default=1)
@@ -53,7 +57,8 @@ def add_arguments(parser):
     parser.add_argument(
         "--restart-until", type=probability, default=0.8, help="stop restarts after this fraction of steps"
     )
-    parser.add_argument("--eval-split", default="test")
+    parser.add_argument("--eval-split", type=mnist_splits, default="test")
+    not_run_defining(parser, "eval_split")
 
 
 class CodeUsage:

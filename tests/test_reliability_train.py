@@ -274,3 +274,51 @@ def test_training_record_json_is_untouched_by_a_plain_resume(tmp_path):
     assert result.segments == [{"from_step": 0, "total_steps": 2}]
     write_model_card(tmp_path, title="t", model=model, data="d", wall_time_s=1.0, metrics={}, args=args)
     assert "steps_schedule" not in json.loads((tmp_path / "training.json").read_text())["extra"]
+
+
+def _fake_checkpoint(path, task, argv, step, total_steps):
+    """A checkpoint as `train_loop` writes it for `task` parsed from `argv` (weights do not matter here)."""
+    import importlib
+
+    from mmspec.train.common import run_flags
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(train_main.TASKS[task][0]).add_arguments(parser)
+    flags = run_flags(parser.parse_args(argv))
+    save_checkpoint(path, {"model": {}, "optimizer": {}, "step": step, "total_steps": total_steps, "rng": {},
+                           "wall_time_s": 0.0, "history": [], "window": {}, "run_flags": flags})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "task, checkpoint, argv, message",
+    [("c2i", "checkpoint.pt", ["--lr", "0.5"], "--lr 0.5 differs from the checkpoint's --lr 0.001"),
+     ("c2i", "checkpoint.pt", ["--steps", "2"], "--steps 2 is below the checkpoint's step 3"),
+     ("c2i", "checkpoint.pt", ["--seed", "7"], "--seed 7 differs from the checkpoint's --seed 0"),
+     ("vq", "checkpoint.pt", ["--data", "train+val"], "--data train+val differs from the checkpoint's --data train"),
+     ("vlm", "work/stage1/checkpoint.pt", ["--stage1-steps", "1"], "--stage1-steps 1 is below the checkpoint's"),
+     ("vlm", "work/stage2/checkpoint.pt", ["--digit-weight", "2"], "--digit-weight 2.0 differs"),
+     ("vlm-answers", "out.pt", ["--seed", "5"], "--seed 5 differs from the checkpoint's --seed 1234")],
+)  # fmt: skip
+def test_resume_with_changed_flags_is_refused_before_anything_loads(no_run, paths, capsys, tmp_path, task,
+                                                                     checkpoint, argv, message):  # fmt: skip
+    out = tmp_path / ("out.pt" if task == "vlm-answers" else "out")
+    base = [task, "--out", str(out), "--quiet"] + (["--data", paths["FILE"]] if task == "c2i" else [])
+    base += ["--work", str(tmp_path / "work")] if task == "vlm" else []
+    if task == "vlm-answers":
+        from mmspec.train.common import run_flags
+        from mmspec.train.vlm_answers import add_arguments
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        save_checkpoint(
+            out, {"rows": [[1]], "prompt_lengths": [1], "run_flags": run_flags(parser.parse_args(base[1:]))}
+        )
+    else:
+        _fake_checkpoint(tmp_path / checkpoint if task == "vlm" else out / checkpoint, task, base[1:], 3, 4)
+    with pytest.raises(Ran):  # the same flags (and cosmetic changes) go through
+        train_main.main([*base, "--threads", "3"])
+    with pytest.raises(SystemExit) as exit_:
+        train_main.main([*base, *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "cannot resume" in err[-1], err

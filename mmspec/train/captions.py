@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from mmspec.cli import non_negative_int, positive_int
-from mmspec.train.common import configure_threads, declare_paths, save_checkpoint
+from mmspec.train.common import check_train_args, configure_threads, declare_paths, save_checkpoint
 
 
 logger = logging.getLogger(__name__)
@@ -388,6 +388,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args(argv)
+    check_train_args(parser, args)  # bad paths: usage errors before anything loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     run(args)
 

@@ -105,6 +105,7 @@ def add_common_arguments(
     """
     parser.add_argument("--out", default=out, required=out is None, help="output model folder (also holds checkpoint)")
     declare_paths(parser, output_folders=("out",))
+    parser.set_defaults(_checkpoints=(("out", "", "steps", ()),))  # checked by `check_resumable`
     parser.add_argument(
         "--seed", type=int_in_range(0, 2**63 - 1), default=0, help="seed (torch.Generator + torch.manual_seed)"
     )
@@ -193,6 +194,7 @@ def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             if Path(value).is_dir():
                 parser.error(f"argument {_flag(dest)}: {str(value)!r} is a folder, not a file")
             _check_writable(parser, _flag(dest), Path(value))
+    check_resumable(parser, args)
 
 
 def mnist_splits(text: str) -> str:
@@ -203,6 +205,23 @@ def mnist_splits(text: str) -> str:
     if not all(part in SPLITS for part in parts):
         raise argparse.ArgumentTypeError(f"{text!r} is not MNIST splits: use {', '.join(SPLITS)} joined with '+'")
     return text
+
+
+def check_resumable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage error (exit 2, one line) when a checkpoint this command would resume cannot be resumed with its flags
+    (`check_resume`): the same check `train_loop` makes, done before any model or data loads. The checkpoints are
+    those of `args._checkpoints`: `(folder dest, subfolder, steps dest, run-flag names not compared)` entries
+    (`add_common_arguments`: `<--out>/checkpoint.pt` with `--steps`)."""
+    for folder_dest, sub, steps_dest, not_compared in getattr(args, "_checkpoints", ()):
+        path = Path(getattr(args, folder_dest)) / sub / CHECKPOINT_NAME
+        if not path.is_file():
+            continue
+        try:
+            flags = {k: v for k, v in run_flags(args).items() if k not in not_compared}
+            check_resume(load_checkpoint(path), path, getattr(args, steps_dest), flags, _flag(steps_dest),
+                         _flag(folder_dest))  # fmt: skip
+        except ValueError as err:
+            parser.error(str(err))
 
 
 def zoo_folder(name: str) -> str:
@@ -423,6 +442,45 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"cannot read checkpoint {str(path)!r}: {err}") from err
 
 
+def check_resume(
+    ckpt: Any,
+    ckpt_path: str | os.PathLike,
+    total_steps: int,
+    run_flags: Mapping[str, Any] | None,
+    steps_flag: str = "--steps",
+    out_flag: str = "--out",
+) -> list[dict[str, int]]:
+    """Check that `ckpt` (read from `ckpt_path`) can be resumed by a run of `total_steps` steps with `run_flags`.
+
+    Returns the run's step segments (`TrainResult.segments`), one more when `total_steps` changed (allowed from the
+    checkpoint's step on: the learning-rate schedule changes there, and it is recorded).
+
+    Raises:
+        ValueError: not a training checkpoint, `total_steps` below its step, or other run flags (`check_run_flags`).
+    """
+    keys = ("model", "optimizer", "step", "rng", "wall_time_s", "history", "window")
+    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, Mapping) else list(keys)
+    if missing:
+        raise ValueError(f"checkpoint {str(ckpt_path)!r} is not a training checkpoint (missing {missing}): delete "
+                         f"it to start over, or use another {out_flag}")  # fmt: skip
+    done, planned = int(ckpt["step"]), int(ckpt.get("total_steps", total_steps))
+    if total_steps < done:
+        raise ValueError(f"cannot resume {str(ckpt_path)!r}: {steps_flag} {total_steps} is below the checkpoint's "
+                         f"step {done} (of {planned}): pass {steps_flag} {planned}, or start a new run with another "
+                         f"{out_flag}")  # fmt: skip
+    segments = [dict(seg) for seg in ckpt.get("segments") or [{"from_step": 0, "total_steps": planned}]]
+    if total_steps != planned:  # allowed (e.g. to train on), but the schedule changes from here: recorded
+        logger.warning("%s: %s changed from %d to %d at step %d: the learning-rate schedule changes from here "
+                       "(recorded in the checkpoint and the model card)", ckpt_path, steps_flag, planned,
+                       total_steps, done)  # fmt: skip
+        segments.append({"from_step": done, "total_steps": total_steps})
+    if run_flags is not None:
+        steps_key = steps_flag.lstrip("-").replace("-", "_")  # checked above
+        given = {k: v for k, v in _jsonable(dict(run_flags)).items() if k != steps_key}
+        check_run_flags(ckpt.get("run_flags"), given, ckpt_path, out_flag)
+    return segments
+
+
 def train_loop(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -491,26 +549,8 @@ def train_loop(
     segments: list[dict[str, int]] = []
     if ckpt_path.is_file():
         ckpt = load_checkpoint(ckpt_path)
-        keys = ("model", "optimizer", "step", "rng", "wall_time_s", "history", "window")
-        missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, Mapping) else list(keys)
-        if missing:
-            raise ValueError(f"checkpoint {str(ckpt_path)!r} is not a training checkpoint (missing {missing}): delete "
-                             f"it to start over, or use another {out_flag}")  # fmt: skip
-        done, planned = int(ckpt["step"]), int(ckpt.get("total_steps", total_steps))
-        if total_steps < done:
-            raise ValueError(f"cannot resume {str(ckpt_path)!r}: {steps_flag} {total_steps} is below the checkpoint's "
-                             f"step {done} (of {planned}): pass {steps_flag} {planned}, or start a new run with another "
-                             f"{out_flag}")  # fmt: skip
-        segments = list(ckpt.get("segments") or [{"from_step": 0, "total_steps": planned}])
-        if total_steps != planned:  # allowed (e.g. to train on), but the schedule changes from here: recorded
-            logger.warning("%s: %s changed from %d to %d at step %d: the learning-rate schedule changes from here "
-                           "(recorded in the checkpoint and the model card)", ckpt_path, steps_flag, planned,
-                           total_steps, done)  # fmt: skip
-            segments.append({"from_step": done, "total_steps": total_steps})
-        if run_flags is not None:
-            steps_key = steps_flag.lstrip("-").replace("-", "_")  # checked above
-            given = {k: v for k, v in run_flags.items() if k != steps_key}
-            check_run_flags(ckpt.get("run_flags"), given, ckpt_path, out_flag)
+        segments = check_resume(ckpt, ckpt_path, total_steps, run_flags, steps_flag, out_flag)
+        done = int(ckpt["step"])
         try:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])

@@ -60,6 +60,7 @@ def add_arguments(parser):
     parser.set_defaults(log_every=10)
     parser.add_argument("--work", default="runs/mnist-vlm", help="checkpoints of both stages (kept out of --out)")
     declare_paths(parser, output_folders=("work",))
+    parser.set_defaults(_checkpoints=(("work", "stage1", "stage1_steps", ("steps",)), ("work", "stage2", "steps", ())))
     parser.add_argument("--hidden", type=positive_int, default=192, help="vision tower width")
     parser.add_argument("--layers", type=positive_int, default=4, help="vision tower depth")
     parser.add_argument("--heads", type=positive_int, default=6, help="vision tower heads")

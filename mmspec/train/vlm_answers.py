@@ -68,6 +68,15 @@ def pad_cat(rows, pad):
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
+def check_args(parser, args):
+    """Usage error (before any model loads) when `--out` holds answers made with other flags, or is broken."""
+    if Path(args.out).is_file():
+        try:
+            load_answers(Path(args.out), run_flags(args))
+        except ValueError as err:
+            parser.error(str(err))
+
+
 def load_answers(path: Path, flags: dict) -> dict:
     """The (partial) answers file `path` of an earlier run, checked against this run's `flags`.
 

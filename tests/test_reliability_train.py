@@ -322,3 +322,17 @@ def test_resume_with_changed_flags_is_refused_before_anything_loads(no_run, path
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "cannot resume" in err[-1], err
+
+
+def test_a_truncated_latent_cache_names_its_file(tmp_path):
+    import hashlib
+
+    from mmspec.train.mar import encode_dataset
+
+    kl = Path(DEFAULT_ZOO) / "mnist-kl"
+    digest = hashlib.sha256(next(kl.glob("*.safetensors")).read_bytes()).hexdigest()[:16]
+    cache = tmp_path / f"latents-train-{digest}.pt"
+    save_checkpoint(cache, {"mean": torch.zeros(4, 3)})
+    cache.write_bytes(cache.read_bytes()[:100])  # killed while copying
+    with pytest.raises(ValueError, match=str(cache)):
+        encode_dataset(kl, tmp_path / "latents.pt")

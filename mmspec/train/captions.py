@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from mmspec.cli import non_negative_int, positive_int
-from mmspec.train.common import check_train_args, configure_threads, declare_paths, save_checkpoint
+from mmspec.train.common import check_train_args, configure_threads, declare_paths, load_checkpoint, save_checkpoint
 
 
 logger = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ def build_captions(codes_path, out_path, *, seed: int = 0, prompts_per_image: in
     """
     from mmspec.train.data import load_mnist
 
-    meta = torch.load(codes_path, map_location="cpu", weights_only=True)
+    meta = load_checkpoint(codes_path)
     images, labels = [], []
     for name in meta["splits"]:
         x, y = load_mnist(name)
@@ -321,7 +321,7 @@ def load_captions(path, codes_path=None) -> dict:
     except Exception as err:
         raise ValueError(f"cannot read captions file {str(path)!r}: {err}") from err
     if codes_path is not None:
-        meta = torch.load(codes_path, map_location="cpu", weights_only=True)
+        meta = load_checkpoint(codes_path)
         if not torch.equal(data["labels"], meta["labels"].long()) or data["vq_sha256"] != meta.get("vq_sha256", ""):
             raise ValueError(f"captions file {str(path)!r} was not built for {str(codes_path)!r}: rebuild it "
                              "(delete it; the t2i task rebuilds it)")  # fmt: skip

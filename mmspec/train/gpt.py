@@ -22,6 +22,7 @@ from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
     declare_paths,
+    load_checkpoint,
     not_run_defining,
     random_batch_indices,
     seed_everything,
@@ -63,7 +64,7 @@ def load_data(args):
 
     codes, labels = load_codes(args.data, split=args.train_split)
     eval_codes, eval_labels = load_codes(args.data, split=args.eval_split)
-    meta = torch.load(args.data, map_location="cpu", weights_only=True)
+    meta = load_checkpoint(args.data)
     n = min(args.eval_size, len(eval_codes))
     logger.info("data %s: train %s, eval %s x %d", args.data, tuple(codes.shape), args.eval_split, n)
     return codes, labels, eval_codes[:n], eval_labels[:n], meta

@@ -22,6 +22,7 @@ from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
     declare_paths,
+    load_checkpoint,
     not_run_defining,
     random_batch_indices,
     seed_everything,
@@ -72,7 +73,7 @@ def encode_dataset(kl_folder, cache_path, split="train", batch_size=500):
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
     cache = Path(cache_path).with_name(f"{Path(cache_path).stem}-{split}-{digest}.pt")
     if cache.is_file():
-        data = torch.load(cache, map_location="cpu", weights_only=True)
+        data = load_checkpoint(cache)
         return data["mean"], data["std"], data["labels"], digest
     kl = load(kl_folder).eval()
     images, labels = load_mnist(split)

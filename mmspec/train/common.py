@@ -7,6 +7,13 @@ The contract of a training task:
 * resumable: `train_loop(...)` writes `<out>/checkpoint.pt` (model + optimizer + step + RNG states + running metrics +
   any extra stateful objects) every `checkpoint_every` steps and at the end; re-running the same command resumes from it
   and, for a deterministic `step_fn`, gives bit-identical weights to an uninterrupted run;
+* guarded: the checkpoint records the flags that define the run (`run_flags(args)`: every flag but
+  `NOT_RUN_DEFINING` and the task's `not_run_defining` evaluation flags; input files / model folders by sha256); a
+  resume with other ones is refused naming the flag, both values and what to do (`check_run_flags`), at parse time
+  (`check_train_args` -> `check_resumable`) and again in `train_loop`. `--steps` below the checkpoint's step is
+  refused; another `--steps` above it continues the run and the card records the schedule (`steps_schedule`);
+* checked before work: `declare_paths` names a task's input / output paths and `check_train_args` turns a missing
+  input, a file where a folder is expected or an unwritable output into a usage error before anything loads;
 * documented: `write_model_card(...)` writes `<out>/README.md` (human model card) and `<out>/training.json`
   (machine-readable) with data, exact command line, seed, wall time, final losses/metrics, parameter count and extras;
 * a plain diffusers model folder: `save_model(model, out)` calls `save_pretrained` (optionally float16 weights;

@@ -164,6 +164,14 @@ TRIALS = {
     "vlm-eagle": [(["--target", "DIR"], "--target"), (["--data", "DIR"], "--data"),
                   (["--data", "FILE", "--draft-vocab", "-1"], "--draft-vocab")],
 }  # fmt: skip
+HUGE = "1000000000"  # a size typo: refused before it costs all the memory
+for task, flag in [("vq", "--codebook-size"), ("vq", "--ch"), ("classifier", "--feature-dim"), ("kl", "--ch"),
+                   ("kl", "--eval-images"), ("c2i", "--dim"), ("c2i", "--eval-size"), ("draft", "--n-layer"),
+                   ("eagle", "--unroll"), ("mar", "--eval-samples"), ("mar", "--buffer-size"), ("vlm", "--hidden"),
+                   ("vlm", "--stage1-batch-size"), ("t2i", "--sample-size"), ("tokenize", "--batch-size"),
+                   ("vlm-draft", "--eval-items"), ("vlm-eagle", "--ce-positions")]:  # fmt: skip
+    TRIALS[task].append(((C2I_DATA if task in ("c2i", "draft", "eagle", "t2i", "vlm-draft", "vlm-eagle") else [])
+                         + [flag, HUGE], flag))  # fmt: skip
 COMMON_TASKS = ["vq", "classifier", "kl", "c2i", "draft", "eagle", "mar", "vlm", "t2i", "vlm-draft", "vlm-eagle"]
 CASES = [(task, argv, flag) for task, trials in TRIALS.items() for argv, flag in trials]
 CASES += [(task, C2I_DATA + argv if task in ("c2i", "draft", "eagle", "t2i", "vlm-draft", "vlm-eagle") else argv, flag)

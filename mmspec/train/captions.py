@@ -56,8 +56,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mmspec.cli import non_negative_int, positive_int
-from mmspec.train.common import check_train_args, configure_threads, declare_paths, load_checkpoint, save_checkpoint
+from mmspec.cli import int_in_range, non_negative_int
+from mmspec.train.common import (
+    MAX_THREADS,
+    check_train_args,
+    configure_threads,
+    declare_paths,
+    load_checkpoint,
+    save_checkpoint,
+    size_int,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -343,8 +351,8 @@ def add_caption_arguments(parser: argparse.ArgumentParser, out: str = "runs/mnis
     """Options shared with the t2i task: where the captions file is and how it is built."""
     parser.add_argument("--captions", default=out, help="captions file (built from --data when missing)")
     parser.add_argument("--caption-seed", type=non_negative_int, default=0, help="seed of the prompt draws")
-    parser.add_argument("--prompts-per-image", type=positive_int, default=4, help="prompts drawn per image")
-    parser.add_argument("--max-text-tokens", type=positive_int, default=DEFAULT_MAX_LENGTH,
+    parser.add_argument("--prompts-per-image", type=size_int, default=4, help="prompts drawn per image")
+    parser.add_argument("--max-text-tokens", type=size_int, default=DEFAULT_MAX_LENGTH,
                         help="MiniLM tokens per prompt incl. [CLS]/[SEP] (= cls_token_num of the t2i model)")  # fmt: skip
     declare_paths(parser, output_files=("captions",))
 
@@ -374,7 +382,9 @@ def add_arguments(parser):
     parser.add_argument("--data", default="runs/mnist-codes.pt", help="tokenized MNIST (mmspec.train tokenize)")
     add_caption_arguments(parser)
     declare_paths(parser, input_files=("data",))
-    parser.add_argument("--threads", type=non_negative_int, default=2, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=int_in_range(0, MAX_THREADS), default=2, help="torch CPU threads (0: torch's default)"
+    )
 
 
 def run(args):

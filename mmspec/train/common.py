@@ -78,6 +78,10 @@ TRAINING_JSON = "training.json"
 
 #: Upper bounds of the shared flags (a typo must not cost hours or all the memory): steps, batch size, threads.
 MAX_STEPS, MAX_BATCH, MAX_THREADS = 10_000_000, 65_536, 1024
+#: Upper bound of the tasks' size and count flags (widths, layers, heads, codebook size, evaluation sizes).
+MAX_SIZE = 1 << 20
+size_int = int_in_range(1, MAX_SIZE)  # argparse `type`: an integer in [1, MAX_SIZE]
+count_int = int_in_range(0, MAX_SIZE)  # argparse `type`: an integer in [0, MAX_SIZE]
 
 
 def bounded_float(low: float, high: float, low_open: bool = False):

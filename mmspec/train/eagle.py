@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, positive_int, probability
+from mmspec.cli import non_negative_float, probability
 from mmspec.models.eagle import EagleHead
 from mmspec.train.common import (
     add_common_arguments,
@@ -25,6 +25,7 @@ from mmspec.train.common import (
     declare_paths,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
     zoo_folder,
@@ -56,7 +57,7 @@ def add_arguments(parser):
     parser.add_argument("--null-prob", type=probability, default=0.1, help="fraction of rows on the null class")
     parser.add_argument(
         "--unroll",
-        type=positive_int,
+        type=size_int,
         default=1,
         help="training-time-test steps (1 = EAGLE-1; >1 feeds the head its own features)",
     )

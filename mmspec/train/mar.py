@@ -17,15 +17,17 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import non_negative_int, positive_float, positive_int
+from mmspec.cli import positive_float
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    count_int,
     declare_paths,
     load_checkpoint,
     not_run_defining,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
     zoo_folder,
@@ -48,18 +50,16 @@ def add_arguments(parser):
     declare_paths(parser, model_folders=("kl",), output_files=("cache",))
     parser.add_argument("--preset", choices=sorted(PRESETS), default="target", help="model size")
     for name in ("dim", "depth", "heads", "head_depth", "head_width"):
-        parser.add_argument(
-            "--" + name.replace("_", "-"), type=positive_int, default=None, help="overrides the preset"
-        )
-    parser.add_argument("--buffer-size", type=positive_int, default=4, help="class buffer tokens (upstream 64)")
+        parser.add_argument("--" + name.replace("_", "-"), type=size_int, default=None, help="overrides the preset")
+    parser.add_argument("--buffer-size", type=size_int, default=4, help="class buffer tokens (upstream 64)")
     parser.add_argument("--sampling-steps", default="50", help="respaced diffusion steps saved in the config")
-    parser.add_argument("--diffusion-batch-mul", type=positive_int, default=2)
+    parser.add_argument("--diffusion-batch-mul", type=size_int, default=2)
     parser.add_argument("--clip-denoised", type=positive_float, default=6.0,
                         help="x_start clamp while sampling (tokens have unit std; see DiffLossHead)")  # fmt: skip
     parser.add_argument("--ema", type=positive_float, default=0.999, help="EMA rate of the saved weights")
-    parser.add_argument("--eval-samples", type=non_negative_int, default=500, help="samples for the card's accuracy")
+    parser.add_argument("--eval-samples", type=count_int, default=500, help="samples for the card's accuracy")
     parser.add_argument("--eval-cfg", type=positive_float, default=3.0)
-    parser.add_argument("--eval-num-iter", type=positive_int, default=64)
+    parser.add_argument("--eval-num-iter", type=size_int, default=64)
     not_run_defining(parser, "eval_samples", "eval_cfg", "eval_num_iter")
 
 

@@ -26,14 +26,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, non_negative_int, positive_float, positive_int, weights_of
+from mmspec.cli import int_in_range, non_negative_float, positive_float, weights_of
 from mmspec.train.common import (
+    MAX_STEPS,
     add_common_arguments,
     configure_threads,
+    count_int,
     declare_paths,
     not_run_defining,
     run_flags,
     seed_everything,
+    size_int,
     steps_schedule,
     train_loop,
     warmup_cosine_lr,
@@ -61,11 +64,11 @@ def add_arguments(parser):
     parser.add_argument("--work", default="runs/mnist-vlm", help="checkpoints of both stages (kept out of --out)")
     declare_paths(parser, output_folders=("work",))
     parser.set_defaults(_checkpoints=(("work", "stage1", "stage1_steps", ("steps",)), ("work", "stage2", "steps", ())))
-    parser.add_argument("--hidden", type=positive_int, default=192, help="vision tower width")
-    parser.add_argument("--layers", type=positive_int, default=4, help="vision tower depth")
-    parser.add_argument("--heads", type=positive_int, default=6, help="vision tower heads")
-    parser.add_argument("--stage1-steps", type=positive_int, default=3400)
-    parser.add_argument("--stage1-batch-size", type=positive_int, default=32)
+    parser.add_argument("--hidden", type=size_int, default=192, help="vision tower width")
+    parser.add_argument("--layers", type=size_int, default=4, help="vision tower depth")
+    parser.add_argument("--heads", type=size_int, default=6, help="vision tower heads")
+    parser.add_argument("--stage1-steps", type=int_in_range(1, MAX_STEPS), default=3400)
+    parser.add_argument("--stage1-batch-size", type=size_int, default=32)
     parser.add_argument("--stage1-lr", type=positive_float, default=2e-3)
     parser.add_argument("--mse-weight", type=non_negative_float, default=1.0, help="stage 1 embedding MSE weight")
     parser.add_argument(
@@ -81,9 +84,9 @@ def add_arguments(parser):
     )
     parser.add_argument("--count-weights", type=weights_of(4), default="1,2,3,4",
                         help="stage 2 odds of canvases with 1,2,3,4 digits")  # fmt: skip
-    parser.add_argument("--eval-which", type=non_negative_int, default=200, help="held-out 'which digit' questions")
-    parser.add_argument("--eval-count", type=non_negative_int, default=100, help="held-out 'how many' questions")
-    parser.add_argument("--eval-batch-size", type=positive_int, default=25)
+    parser.add_argument("--eval-which", type=count_int, default=200, help="held-out 'which digit' questions")
+    parser.add_argument("--eval-count", type=count_int, default=100, help="held-out 'how many' questions")
+    parser.add_argument("--eval-batch-size", type=size_int, default=25)
     not_run_defining(parser, "eval_which", "eval_count", "eval_batch_size")
 
 

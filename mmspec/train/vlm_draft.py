@@ -13,13 +13,13 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import positive_int
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
     declare_paths,
     load_checkpoint,
     seed_everything,
+    size_int,
     train_with_args,
     write_model_card,
     zoo_folder,
@@ -35,9 +35,9 @@ def add_arguments(parser):
     parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
     parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output")
     declare_paths(parser, model_folders=("target",), input_files=("data",))
-    parser.add_argument("--num-layers", type=positive_int, default=4, help="decoder layers the draft keeps")
-    parser.add_argument("--train-layers", type=positive_int, default=1, help="last kept layers that are fine-tuned")
-    parser.add_argument("--eval-items", type=positive_int, default=32, help="held-back answers for the metrics")
+    parser.add_argument("--num-layers", type=size_int, default=4, help="decoder layers the draft keeps")
+    parser.add_argument("--train-layers", type=size_int, default=1, help="last kept layers that are fine-tuned")
+    parser.add_argument("--eval-items", type=size_int, default=32, help="held-back answers for the metrics")
 
 
 def check_args(parser, args):

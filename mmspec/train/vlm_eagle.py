@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import int_in_range, non_negative_float, positive_int
+from mmspec.cli import int_in_range, non_negative_float
 from mmspec.train.common import (
     add_common_arguments,
     check_run_flags,
@@ -29,6 +29,7 @@ from mmspec.train.common import (
     load_checkpoint,
     run_flags,
     seed_everything,
+    size_int,
     train_with_args,
     write_model_card,
     zoo_folder,
@@ -43,12 +44,12 @@ def add_arguments(parser):
     parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
     parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output")
     declare_paths(parser, model_folders=("target",), input_files=("data",))
-    parser.add_argument("--eval-items", type=positive_int, default=32, help="held-back answers for the metrics")
+    parser.add_argument("--eval-items", type=size_int, default=32, help="held-back answers for the metrics")
     parser.add_argument("--p-weight", type=non_negative_float, default=0.5)
     parser.add_argument("--noise", type=non_negative_float, default=0.05, help="uniform input-feature noise")
-    parser.add_argument("--unroll", type=positive_int, default=3, help="training-time-test steps")
+    parser.add_argument("--unroll", type=size_int, default=3, help="training-time-test steps")
     parser.add_argument("--step-decay", type=non_negative_float, default=0.8)
-    parser.add_argument("--ce-positions", type=positive_int, default=24, help="soft-CE positions per row and step")
+    parser.add_argument("--ce-positions", type=size_int, default=24, help="soft-CE positions per row and step")
     parser.add_argument("--draft-vocab", type=int_in_range(0, 1 << 20), default=2048,
                         help="tokens the head scores (most frequent in the answers; 0 = the full vocabulary)")  # fmt: skip
 

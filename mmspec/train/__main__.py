@@ -1,7 +1,8 @@
 """Training entry point: `python -m mmspec.train TASK [options]`.
 
 Each task lives in its own module exposing `add_arguments(parser)` and `run(args)`; runs are seeded,
-checkpoint as they go (re-running the same command resumes), show a progress bar (`--quiet`: none), and write a
+checkpoint as they go (re-running the same command resumes; a resume with other flags that change the result is
+refused), show a progress bar (`--quiet`: none), and write a
 model card into `--out`. Only the chosen task's module is imported.
 """
 
@@ -34,13 +35,22 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mmspec train", description=__doc__)
     sub = parser.add_subparsers(dest="task", required=True)
+    chosen = None
     for name, (module_name, help_text) in TASKS.items():
         task_parser = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
         if argv and argv[0] == name:  # only the chosen task's module (torch, diffusers) is imported
             module = importlib.import_module(module_name)
             module.add_arguments(task_parser)
             task_parser.set_defaults(_run=module.run)
+            chosen = (task_parser, module)
     args = parser.parse_args(argv)
+    if chosen is not None:  # bad paths and inconsistent flags: usage errors before any model or data loads
+        from mmspec.train.common import check_train_args
+
+        task_parser, module = chosen
+        check_train_args(task_parser, args)
+        if hasattr(module, "check_args"):
+            module.check_args(task_parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args._run(args)
 

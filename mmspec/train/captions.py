@@ -56,8 +56,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mmspec.cli import non_negative_int, positive_int
-from mmspec.train.common import configure_threads, save_checkpoint
+from mmspec.cli import int_in_range, non_negative_int
+from mmspec.train.common import (
+    MAX_THREADS,
+    check_train_args,
+    configure_threads,
+    declare_paths,
+    load_checkpoint,
+    save_checkpoint,
+    size_int,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -251,7 +259,7 @@ def build_captions(codes_path, out_path, *, seed: int = 0, prompts_per_image: in
     """
     from mmspec.train.data import load_mnist
 
-    meta = torch.load(codes_path, map_location="cpu", weights_only=True)
+    meta = load_checkpoint(codes_path)
     images, labels = [], []
     for name in meta["splits"]:
         x, y = load_mnist(name)
@@ -321,7 +329,7 @@ def load_captions(path, codes_path=None) -> dict:
     except Exception as err:
         raise ValueError(f"cannot read captions file {str(path)!r}: {err}") from err
     if codes_path is not None:
-        meta = torch.load(codes_path, map_location="cpu", weights_only=True)
+        meta = load_checkpoint(codes_path)
         if not torch.equal(data["labels"], meta["labels"].long()) or data["vq_sha256"] != meta.get("vq_sha256", ""):
             raise ValueError(f"captions file {str(path)!r} was not built for {str(codes_path)!r}: rebuild it "
                              "(delete it; the t2i task rebuilds it)")  # fmt: skip
@@ -343,9 +351,10 @@ def add_caption_arguments(parser: argparse.ArgumentParser, out: str = "runs/mnis
     """Options shared with the t2i task: where the captions file is and how it is built."""
     parser.add_argument("--captions", default=out, help="captions file (built from --data when missing)")
     parser.add_argument("--caption-seed", type=non_negative_int, default=0, help="seed of the prompt draws")
-    parser.add_argument("--prompts-per-image", type=positive_int, default=4, help="prompts drawn per image")
-    parser.add_argument("--max-text-tokens", type=positive_int, default=DEFAULT_MAX_LENGTH,
+    parser.add_argument("--prompts-per-image", type=size_int, default=4, help="prompts drawn per image")
+    parser.add_argument("--max-text-tokens", type=size_int, default=DEFAULT_MAX_LENGTH,
                         help="MiniLM tokens per prompt incl. [CLS]/[SEP] (= cls_token_num of the t2i model)")  # fmt: skip
+    declare_paths(parser, output_files=("captions",))
 
 
 def ensure_captions(args) -> dict:
@@ -372,7 +381,10 @@ def ensure_captions(args) -> dict:
 def add_arguments(parser):
     parser.add_argument("--data", default="runs/mnist-codes.pt", help="tokenized MNIST (mmspec.train tokenize)")
     add_caption_arguments(parser)
-    parser.add_argument("--threads", type=non_negative_int, default=2, help="torch CPU threads (0: torch's default)")
+    declare_paths(parser, input_files=("data",))
+    parser.add_argument(
+        "--threads", type=int_in_range(0, MAX_THREADS), default=2, help="torch CPU threads (0: torch's default)"
+    )
 
 
 def run(args):
@@ -386,6 +398,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args(argv)
+    check_train_args(parser, args)  # bad paths: usage errors before anything loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     run(args)
 

@@ -11,13 +11,16 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_int, positive_int, probability
+from mmspec.cli import probability
 from mmspec.models.classifier import MNISTClassifier
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    count_int,
+    mnist_splits,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
 )
@@ -29,9 +32,11 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=3000, batch_size=64, lr=2e-3, warmup_steps=100, checkpoint_every=500, threads=1)
-    parser.add_argument("--data", default="train", help="MNIST split(s) to train on, e.g. train or train+val")
-    parser.add_argument("--feature-dim", type=positive_int, default=128)
-    parser.add_argument("--max-shift", type=non_negative_int, default=2, help="random translation in pixels (0: off)")
+    parser.add_argument(
+        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
+    )
+    parser.add_argument("--feature-dim", type=size_int, default=128)
+    parser.add_argument("--max-shift", type=count_int, default=2, help="random translation in pixels (0: off)")
     parser.add_argument("--label-smoothing", type=probability, default=0.05)
 
 

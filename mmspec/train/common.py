@@ -7,6 +7,13 @@ The contract of a training task:
 * resumable: `train_loop(...)` writes `<out>/checkpoint.pt` (model + optimizer + step + RNG states + running metrics +
   any extra stateful objects) every `checkpoint_every` steps and at the end; re-running the same command resumes from it
   and, for a deterministic `step_fn`, gives bit-identical weights to an uninterrupted run;
+* guarded: the checkpoint records the flags that define the run (`run_flags(args)`: every flag but
+  `NOT_RUN_DEFINING` and the task's `not_run_defining` evaluation flags; input files / model folders by sha256); a
+  resume with other ones is refused naming the flag, both values and what to do (`check_run_flags`), at parse time
+  (`check_train_args` -> `check_resumable`) and again in `train_loop`. `--steps` below the checkpoint's step is
+  refused; another `--steps` above it continues the run and the card records the schedule (`steps_schedule`);
+* checked before work: `declare_paths` names a task's input / output paths and `check_train_args` turns a missing
+  input, a file where a folder is expected or an unwritable output into a usage error before anything loads;
 * documented: `write_model_card(...)` writes `<out>/README.md` (human model card) and `<out>/training.json`
   (machine-readable) with data, exact command line, seed, wall time, final losses/metrics, parameter count and extras;
 * a plain diffusers model folder: `save_model(model, out)` calls `save_pretrained` (optionally float16 weights;
@@ -38,6 +45,7 @@ Typical task (sketch):
 import argparse
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -56,7 +64,7 @@ import torch
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from mmspec.cli import non_negative_float, non_negative_int, positive_float, positive_int
+from mmspec.cli import DEFAULT_ZOO, finite_float, int_in_range, non_negative_float
 
 
 logger = logging.getLogger(__name__)
@@ -67,6 +75,26 @@ TRAINING_JSON = "training.json"
 
 
 # ----------------------------------------------------------------------------- CLI / process setup
+
+#: Upper bounds of the shared flags (a typo must not cost hours or all the memory): steps, batch size, threads.
+MAX_STEPS, MAX_BATCH, MAX_THREADS = 10_000_000, 65_536, 1024
+#: Upper bound of the tasks' size and count flags (widths, layers, heads, codebook size, evaluation sizes).
+MAX_SIZE = 1 << 20
+size_int = int_in_range(1, MAX_SIZE)  # argparse `type`: an integer in [1, MAX_SIZE]
+count_int = int_in_range(0, MAX_SIZE)  # argparse `type`: an integer in [0, MAX_SIZE]
+
+
+def bounded_float(low: float, high: float, low_open: bool = False):
+    """argparse `type` factory: a finite number in [low, high] ((low, high] with `low_open`)."""
+
+    def parse(text):
+        value = finite_float(text)
+        if value < low or (low_open and value == low) or value > high:
+            left = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"{text!r} is not in {left}{low:g}, {high:g}]")
+        return value
+
+    return parse
 
 
 def add_common_arguments(
@@ -87,19 +115,31 @@ def add_common_arguments(
     --quiet (no progress bar). Numbers are range-checked by their argparse types (a bad value is a usage error).
     """
     parser.add_argument("--out", default=out, required=out is None, help="output model folder (also holds checkpoint)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed (torch.Generator + torch.manual_seed)")
-    parser.add_argument("--steps", type=positive_int, default=steps, help="total optimisation steps")
-    parser.add_argument("--batch-size", type=positive_int, default=batch_size)
-    parser.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate (warmup + cosine decay)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=warmup_steps)
-    parser.add_argument("--weight-decay", type=non_negative_float, default=0.0)
+    declare_paths(parser, output_folders=("out",))
+    parser.set_defaults(_checkpoints=(("out", "", "steps", ()),))  # checked by `check_resumable`
+    parser.add_argument(
+        "--seed", type=int_in_range(0, 2**63 - 1), default=0, help="seed (torch.Generator + torch.manual_seed)"
+    )
+    parser.add_argument("--steps", type=int_in_range(1, MAX_STEPS), default=steps, help="total optimisation steps")
+    parser.add_argument("--batch-size", type=int_in_range(1, MAX_BATCH), default=batch_size)
+    parser.add_argument(
+        "--lr",
+        type=bounded_float(0, 10.0, low_open=True),
+        default=lr,
+        help="peak learning rate (warmup + cosine decay)",
+    )
+    parser.add_argument("--warmup-steps", type=int_in_range(0, MAX_STEPS), default=warmup_steps)
+    parser.add_argument("--weight-decay", type=bounded_float(0, 10.0), default=0.0)
     parser.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max grad norm (0 disables)")
     parser.add_argument(
-        "--checkpoint-every", type=positive_int, default=checkpoint_every, help="steps between checkpoints"
+        "--checkpoint-every",
+        type=int_in_range(1, MAX_STEPS),
+        default=checkpoint_every,
+        help="steps between checkpoints",
     )
-    parser.add_argument("--log-every", type=positive_int, default=100, help="steps between log lines")
+    parser.add_argument("--log-every", type=int_in_range(1, MAX_STEPS), default=100, help="steps between log lines")
     parser.add_argument(
-        "--threads", type=non_negative_int, default=threads, help="torch CPU threads (0: torch's default)"
+        "--threads", type=int_in_range(0, MAX_THREADS), default=threads, help="torch CPU threads (0: torch's default)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -111,6 +151,94 @@ def add_common_arguments(
     parser.add_argument("--note", default="", help="free text recorded in the model card (e.g. how a run was resumed)")
     parser.set_defaults(fp16_weights=True)
     return parser
+
+
+def declare_paths(
+    parser: argparse.ArgumentParser,
+    *,
+    model_folders: tuple[str, ...] = (),
+    input_files: tuple[str, ...] = (),
+    output_folders: tuple[str, ...] = (),
+    output_files: tuple[str, ...] = (),
+) -> None:
+    """Declare which flags (argparse dest names) name paths, so `check_train_args` checks them before any work:
+    `model_folders` must hold a `config.json`, `input_files` must be files, `output_folders` / `output_files` must be
+    folders / files (or not exist yet) whose nearest existing parent is a writable folder. An input a task builds when
+    it is missing (a cache) is an output file."""
+    for key, dests in (("_model_folders", model_folders), ("_input_files", input_files),
+                       ("_output_folders", output_folders), ("_output_files", output_files)):  # fmt: skip
+        parser.set_defaults(**{key: tuple(parser.get_default(key) or ()) + tuple(dests)})
+
+
+def _check_writable(parser, flag: str, path: Path) -> None:
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        parser.error(f"argument {flag}: cannot create {str(path)!r}: {str(parent)!r} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        parser.error(f"argument {flag}: cannot create {str(path)!r}: {str(parent)!r} is not writable")
+
+
+def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit 2, one line naming the flag) for the paths declared with `declare_paths`: run by
+    `python -m mmspec.train` right after parsing, before any model or data loads."""
+    for dest in getattr(args, "_model_folders", ()):
+        value = getattr(args, dest)
+        if value is not None and not (Path(value) / "config.json").is_file():
+            why = "does not exist" if not Path(value).exists() else "is not a model folder (no config.json)"
+            parser.error(f"argument {_flag(dest)}: {str(value)!r} {why}")
+    for dest in getattr(args, "_input_files", ()):
+        value = getattr(args, dest)
+        if value is not None and not Path(value).is_file():
+            why = "is a folder, not a file" if Path(value).is_dir() else "does not exist"
+            parser.error(f"argument {_flag(dest)}: {str(value)!r} {why}")
+    for dest in getattr(args, "_output_folders", ()):
+        value = getattr(args, dest)
+        if value is not None:
+            if Path(value).exists() and not Path(value).is_dir():
+                parser.error(f"argument {_flag(dest)}: {str(value)!r} is a file, not a folder")
+            _check_writable(parser, _flag(dest), Path(value))
+    for dest in getattr(args, "_output_files", ()):
+        value = getattr(args, dest)
+        if value is not None:
+            if Path(value).is_dir():
+                parser.error(f"argument {_flag(dest)}: {str(value)!r} is a folder, not a file")
+            _check_writable(parser, _flag(dest), Path(value))
+    check_resumable(parser, args)
+
+
+def mnist_splits(text: str) -> str:
+    """argparse `type`: MNIST split names joined with "+" ("train", "train+val"; see `mmspec.train.data.SPLITS`)."""
+    from mmspec.train.data import SPLITS
+
+    parts = text.split("+")
+    if not all(part in SPLITS for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not MNIST splits: use {', '.join(SPLITS)} joined with '+'")
+    return text
+
+
+def check_resumable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage error (exit 2, one line) when a checkpoint this command would resume cannot be resumed with its flags
+    (`check_resume`): the same check `train_loop` makes, done before any model or data loads. The checkpoints are
+    those of `args._checkpoints`: `(folder dest, subfolder, steps dest, run-flag names not compared)` entries
+    (`add_common_arguments`: `<--out>/checkpoint.pt` with `--steps`)."""
+    for folder_dest, sub, steps_dest, not_compared in getattr(args, "_checkpoints", ()):
+        path = Path(getattr(args, folder_dest)) / sub / CHECKPOINT_NAME
+        if not path.is_file():
+            continue
+        try:
+            flags = {k: v for k, v in run_flags(args).items() if k not in not_compared}
+            check_resume(load_checkpoint(path), path, getattr(args, steps_dest), flags, _flag(steps_dest),
+                         _flag(folder_dest))  # fmt: skip
+        except ValueError as err:
+            parser.error(str(err))
+
+
+def zoo_folder(name: str) -> str:
+    """The shipped zoo's folder `name` (absolute, `DEFAULT_ZOO`): the default of the input-model flags, so a task
+    runs from any working directory."""
+    return str(Path(DEFAULT_ZOO) / name)
 
 
 def configure_threads(num_threads: int) -> None:
@@ -157,6 +285,100 @@ def random_batch_indices(num_items: int, batch_size: int, generator: torch.Gener
     return torch.randint(num_items, (batch_size,), generator=generator)
 
 
+# ----------------------------------------------------------------------------- the flags that define a run
+
+#: Flags that never change what a run computes (where it writes, how it reports, how fast it runs, how the final
+#: weights are stored): a resumed run may change them freely.
+NOT_RUN_DEFINING = frozenset(
+    {"out", "work", "quiet", "note", "threads", "log_every", "checkpoint_every", "fp16_weights", "task"}
+)
+#: Flags naming an input file or folder: recorded by the sha256 of their content (a moved copy is the same input, a
+#: retrained model behind the same path is not).
+INPUT_FLAGS = ("target", "data", "kl", "cache", "classifier", "init", "init_from", "vq", "captions")
+_NOT_HASHED = {"README.md", "training.json", "sample_eval.json", CHECKPOINT_NAME, CHECKPOINT_NAME + ".tmp"}
+
+
+def not_run_defining(parser: argparse.ArgumentParser, *dests: str) -> None:
+    """Mark `dests` (argparse dest names, e.g. "eval_size") as flags a resumed run may change: they only set up the
+    evaluation after training. Every other flag of a task (but `NOT_RUN_DEFINING`) must match the checkpoint."""
+    parser.set_defaults(_not_run_defining=tuple(parser.get_default("_not_run_defining") or ()) + dests)
+
+
+def input_sha256(path: str | os.PathLike) -> str:
+    """sha256 of an input file, or of a model folder's files (names + bytes; cards, records, images and
+    checkpoints left out)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(
+        f for f in path.rglob("*") if f.is_file() and f.name not in _NOT_HASHED and f.suffix not in {".png", ".jpg"}
+    )  # fmt: skip
+    for f in files:
+        if f is not path:
+            digest.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def run_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of `args` that define what a run computes (JSON values): everything but `NOT_RUN_DEFINING`, the
+    task's `not_run_defining` flags and private entries; an existing input path (`INPUT_FLAGS`) is recorded as
+    `{"path": ..., "sha256": ...}`. Stored in the checkpoint and compared on resume (`check_run_flags`)."""
+    skip = NOT_RUN_DEFINING | set(getattr(args, "_not_run_defining", ()))
+    flags = {}
+    for name, value in sorted(vars(args).items()):
+        if name.startswith("_") or name in skip or callable(value):
+            continue
+        if name in INPUT_FLAGS and isinstance(value, (str, os.PathLike)) and Path(value).exists():
+            value = {"path": str(value), "sha256": input_sha256(value)}
+        flags[name] = _jsonable(value)
+    return flags
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_run_flags(
+    stored: Mapping[str, Any] | None, given: Mapping[str, Any], where: str | os.PathLike, out_flag: str = "--out"
+) -> None:
+    """Refuse to resume `where` (a checkpoint) with flags that differ from those it was made with.
+
+    Raises a ValueError naming the first changed flag, its stored and given values and what to do. Flags only one
+    side knows (a checkpoint of an older mmspec) are not compared.
+    """
+    if stored is None:
+        logger.warning("%s records no run flags (older mmspec): cannot check that this run uses the same ones", where)
+        return
+    for name, value in given.items():
+        if name not in stored or stored[name] == value:
+            continue
+        old = stored[name]
+        if isinstance(old, Mapping) and isinstance(value, Mapping) and "sha256" in old and "sha256" in value:
+            if old["sha256"] == value["sha256"]:
+                continue  # the same input under another path
+            raise ValueError(
+                f"cannot resume {str(where)!r}: the input of {_flag(name)} ({value['path']!r}) is not the one the "
+                f"checkpoint was trained from ({old['path']!r}, sha256 {old['sha256'][:12]}..., now "
+                f"{value['sha256'][:12]}...): pass that input again, or start a new run with another {out_flag}"
+            )
+        shown = old["path"] if isinstance(old, Mapping) and "path" in old else old
+        raise ValueError(
+            f"cannot resume {str(where)!r}: {_flag(name)} {_cli_value(value)} differs from the checkpoint's "
+            f"{_flag(name)} {_cli_value(shown)}: resume with {_flag(name)} {_cli_value(shown)}, or start a new run "
+            f"with another {out_flag}"
+        )
+
+
+def _cli_value(value) -> str:
+    if isinstance(value, Mapping) and "path" in value:
+        value = value["path"]
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
 # ----------------------------------------------------------------------------- LR schedule
 
 
@@ -198,6 +420,8 @@ class TrainResult:
         history: one dict per log line: {"step": ..., "lr": ..., <metric>: mean over the window}.
         wall_time_s: training wall time summed over all (resumed) runs, in seconds.
         resumed_from: step the run resumed from (0 for a fresh run).
+        segments: `{"from_step", "total_steps"}` per part of the run trained under one `total_steps` (more than one
+            when a resume changed it: the learning-rate schedule changed there); `steps_schedule` describes them.
     """
 
     step: int
@@ -205,6 +429,7 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     wall_time_s: float = 0.0
     resumed_from: int = 0
+    segments: list[dict[str, int]] = field(default_factory=list)
 
 
 def _as_float(value) -> float:
@@ -228,6 +453,45 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"cannot read checkpoint {str(path)!r}: {err}") from err
 
 
+def check_resume(
+    ckpt: Any,
+    ckpt_path: str | os.PathLike,
+    total_steps: int,
+    run_flags: Mapping[str, Any] | None,
+    steps_flag: str = "--steps",
+    out_flag: str = "--out",
+) -> list[dict[str, int]]:
+    """Check that `ckpt` (read from `ckpt_path`) can be resumed by a run of `total_steps` steps with `run_flags`.
+
+    Returns the run's step segments (`TrainResult.segments`), one more when `total_steps` changed (allowed from the
+    checkpoint's step on: the learning-rate schedule changes there, and it is recorded).
+
+    Raises:
+        ValueError: not a training checkpoint, `total_steps` below its step, or other run flags (`check_run_flags`).
+    """
+    keys = ("model", "optimizer", "step", "rng", "wall_time_s", "history", "window")
+    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, Mapping) else list(keys)
+    if missing:
+        raise ValueError(f"checkpoint {str(ckpt_path)!r} is not a training checkpoint (missing {missing}): delete "
+                         f"it to start over, or use another {out_flag}")  # fmt: skip
+    done, planned = int(ckpt["step"]), int(ckpt.get("total_steps", total_steps))
+    if total_steps < done:
+        raise ValueError(f"cannot resume {str(ckpt_path)!r}: {steps_flag} {total_steps} is below the checkpoint's "
+                         f"step {done} (of {planned}): pass {steps_flag} {planned}, or start a new run with another "
+                         f"{out_flag}")  # fmt: skip
+    segments = [dict(seg) for seg in ckpt.get("segments") or [{"from_step": 0, "total_steps": planned}]]
+    if total_steps != planned:  # allowed (e.g. to train on), but the schedule changes from here: recorded
+        logger.warning("%s: %s changed from %d to %d at step %d: the learning-rate schedule changes from here "
+                       "(recorded in the checkpoint and the model card)", ckpt_path, steps_flag, planned,
+                       total_steps, done)  # fmt: skip
+        segments.append({"from_step": done, "total_steps": total_steps})
+    if run_flags is not None:
+        steps_key = steps_flag.lstrip("-").replace("-", "_")  # checked above
+        given = {k: v for k, v in _jsonable(dict(run_flags)).items() if k != steps_key}
+        check_run_flags(ckpt.get("run_flags"), given, ckpt_path, out_flag)
+    return segments
+
+
 def train_loop(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -243,6 +507,9 @@ def train_loop(
     extra_state: Mapping[str, Any] | None = None,
     after_step: Callable[[int, Mapping[str, float]], None] | None = None,
     progress: bool = False,
+    run_flags: Mapping[str, Any] | None = None,
+    steps_flag: str = "--steps",
+    out_flag: str = "--out",
 ) -> TrainResult:
     """Run (or resume) `total_steps` optimisation steps, checkpointing to `<out_dir>/checkpoint.pt`.
 
@@ -272,6 +539,14 @@ def train_loop(
         after_step: hook called after each optimizer step with the step's float metrics (e.g. codebook restarts).
         progress: show a tqdm bar over the steps (postfix: the running means of the last log window); log lines are
             printed above it.
+        run_flags: the flags that define the run (`run_flags(args)`), stored in the checkpoint; resuming a
+            checkpoint made with other ones is a ValueError naming the flag (`check_run_flags`).
+        steps_flag, out_flag: the names of the flags behind `total_steps` and `out_dir`, for those errors.
+
+    Raises:
+        ValueError: the checkpoint cannot be read or does not match this run: another model / optimizer, other
+            `run_flags`, or a `total_steps` below the checkpoint's step (done steps cannot be undone). Another
+            `total_steps` above it continues the run and is recorded (`TrainResult.segments`).
 
     Returns:
         `TrainResult` (step, final running metrics, log history, wall time, resumed_from).
@@ -281,8 +556,12 @@ def train_loop(
     extra_state = dict(extra_state or {})
     step, wall_time, history = 0, 0.0, []
     window: dict[str, list[float]] = {}
+    run_flags = None if run_flags is None else _jsonable(dict(run_flags))
+    segments: list[dict[str, int]] = []
     if ckpt_path.is_file():
         ckpt = load_checkpoint(ckpt_path)
+        segments = check_resume(ckpt, ckpt_path, total_steps, run_flags, steps_flag, out_flag)
+        done = int(ckpt["step"])
         try:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
@@ -290,13 +569,18 @@ def train_loop(
                 obj.load_state_dict(ckpt["extra"][name])
         except (KeyError, RuntimeError, ValueError) as err:
             raise ValueError(f"checkpoint {str(ckpt_path)!r} does not match this run: {err}") from err
-        step, wall_time, history = int(ckpt["step"]), float(ckpt["wall_time_s"]), list(ckpt["history"])
+        step, wall_time, history = done, float(ckpt["wall_time_s"]), list(ckpt["history"])
         window = {k: list(v) for k, v in ckpt["window"].items()}
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if generator is not None and "generator" in ckpt["rng"]:
-            generator.set_state(ckpt["rng"]["generator"])
+        try:
+            torch.set_rng_state(ckpt["rng"]["torch"])
+            if generator is not None and "generator" in ckpt["rng"]:
+                generator.set_state(ckpt["rng"]["generator"])
+        except (KeyError, RuntimeError, TypeError) as err:
+            raise ValueError(f"checkpoint {str(ckpt_path)!r} holds broken random states: {err}") from err
         logger.info("resuming from %s at step %d / %d", ckpt_path, step, total_steps)
     resumed_from = step
+    if not segments:
+        segments = [{"from_step": 0, "total_steps": total_steps}]
 
     def checkpoint():
         rng = {"torch": torch.get_rng_state()}
@@ -307,12 +591,15 @@ def train_loop(
             "optimizer": optimizer.state_dict(),
             "step": step,
             "total_steps": total_steps,
+            "segments": segments,
             "rng": rng,
             "wall_time_s": wall_time + (time.perf_counter() - start),
             "history": history,
             "window": window,
             "extra": {name: obj.state_dict() for name, obj in extra_state.items()},
         }
+        if run_flags is not None:
+            state["run_flags"] = run_flags
         save_checkpoint(ckpt_path, state)
 
     model.train()
@@ -358,7 +645,8 @@ def train_loop(
     wall_time += time.perf_counter() - start
     metrics = {k: sum(v) / len(v) for k, v in window.items() if v}
     model.eval()
-    return TrainResult(step=step, metrics=metrics, history=history, wall_time_s=wall_time, resumed_from=resumed_from)
+    return TrainResult(step=step, metrics=metrics, history=history, wall_time_s=wall_time, resumed_from=resumed_from,
+                       segments=segments)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- saving + model card
@@ -382,9 +670,10 @@ def save_model(model, out_dir: str | os.PathLike, dtype: torch.dtype | None = to
 
 def train_with_args(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0.1, **loop_kwargs) -> TrainResult:
     """`train_loop` with the common options of `add_common_arguments`: `--steps` into `--out`, warmup + cosine
-    schedule from `--lr` / `--warmup-steps`, grad clip, checkpoint / log cadence, progress bar unless `--quiet`.
+    schedule from `--lr` / `--warmup-steps`, grad clip, checkpoint / log cadence, progress bar unless `--quiet`;
+    the checkpoint records `run_flags(args)` and a resume with other ones is refused.
     `loop_kwargs` go to `train_loop` (e.g. `extra_state`, `after_step`)."""
-    return train_loop(
+    result = train_loop(
         model,
         optimizer,
         step_fn,
@@ -396,8 +685,22 @@ def train_with_args(model, optimizer, step_fn, args, generator, *, min_lr_ratio=
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
         progress=not getattr(args, "quiet", False),
+        run_flags=run_flags(args),
         **loop_kwargs,
     )
+    args._steps_schedule = steps_schedule(result.segments)
+    return result
+
+
+def steps_schedule(segments: list[Mapping[str, int]], flag: str = "--steps") -> str | None:
+    """How a run's steps were scheduled when a resume changed `flag` (None when it never changed), e.g.
+    "steps 0-400 under --steps 400, steps 400-600 under --steps 600 (resumed)"."""
+    if len(segments) < 2:
+        return None
+    ends = [int(seg["from_step"]) for seg in segments[1:]] + [int(segments[-1]["total_steps"])]
+    parts = [f"steps {int(seg['from_step'])}-{end} under {flag} {int(seg['total_steps'])}"
+             for seg, end in zip(segments, ends)]  # fmt: skip
+    return ", ".join(parts) + " (the learning-rate schedule changed at each resume)"
 
 
 def train_and_save(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0.1, **loop_kwargs):
@@ -467,7 +770,8 @@ def write_model_card(
         hyperparameters: e.g. `vars(args)` (non-JSON values are stringified).
         extra: any other fields (name -> value), listed in the card and stored in the JSON.
         args: the task's parsed arguments (`add_common_arguments`); fills `seed` and `hyperparameters` when they
-            are not given, and appends the stored weights dtype and the run's `--note` to `extra`.
+            are not given, and appends the stored weights dtype, the run's `--note` and, when a resume changed
+            `--steps`, the `steps_schedule` (set by `train_with_args`) to `extra`.
         images: {relative file name: caption}, embedded in the card (e.g. a reconstruction grid).
         history: `TrainResult.history` (stored in the JSON only).
     """
@@ -479,6 +783,8 @@ def write_model_card(
         extra["weights_dtype"] = "float16 (loaded as float32)" if args.fp16_weights else "float32"
         if getattr(args, "note", ""):
             extra["note"] = args.note
+        if getattr(args, "_steps_schedule", None):
+            extra["steps_schedule"] = args._steps_schedule
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {

@@ -13,19 +13,23 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, positive_int, probability
+from mmspec.cli import non_negative_float, probability
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    declare_paths,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
+    zoo_folder,
 )
 from mmspec.train.gpt import (
     add_data_arguments,
     build_gpt,
     build_optimizer,
+    check_args,  # noqa: F401  (the task's usage checks: --dim / --n-head)
     evaluate_nll,
     load_data,
     load_target,
@@ -41,12 +45,13 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser):
     add_common_arguments(parser, steps=4000, batch_size=64, lr=2e-3, warmup_steps=200, checkpoint_every=500, threads=2)
     parser.set_defaults(weight_decay=0.05)
-    parser.add_argument("--target", default="assets/mnist-c2i", help="trained target model folder")
+    parser.add_argument("--target", default=zoo_folder("mnist-c2i"), help="trained target model folder")
+    declare_paths(parser, model_folders=("target",))
     add_data_arguments(parser)
-    parser.add_argument("--dim", type=positive_int, default=128)
-    parser.add_argument("--n-layer", type=positive_int, default=2)
-    parser.add_argument("--n-head", type=positive_int, default=4)
-    parser.add_argument("--multiple-of", type=positive_int, default=128, help="SwiGLU width rounding (dim 128 -> 384)")
+    parser.add_argument("--dim", type=size_int, default=128)
+    parser.add_argument("--n-layer", type=size_int, default=2)
+    parser.add_argument("--n-head", type=size_int, default=4)
+    parser.add_argument("--multiple-of", type=size_int, default=128, help="SwiGLU width rounding (dim 128 -> 384)")
     parser.add_argument("--dropout", type=probability, default=0.0)
     parser.add_argument("--null-prob", type=probability, default=0.1, help="fraction of rows on the null class")
     parser.add_argument(

@@ -17,15 +17,18 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, positive_int, probability
+from mmspec.cli import non_negative_float, probability
 from mmspec.models.eagle import EagleHead
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    declare_paths,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
+    zoo_folder,
 )
 from mmspec.train.gpt import (
     add_data_arguments,
@@ -44,7 +47,8 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser):
     add_common_arguments(parser, steps=4000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=500, threads=2)
     parser.set_defaults(grad_clip=0.5)
-    parser.add_argument("--target", default="assets/mnist-c2i", help="trained target model folder")
+    parser.add_argument("--target", default=zoo_folder("mnist-c2i"), help="trained target model folder")
+    declare_paths(parser, model_folders=("target",))
     add_data_arguments(parser)
     parser.add_argument(
         "--p-weight", type=non_negative_float, default=0.1, help="weight of the soft cross-entropy term"
@@ -53,7 +57,7 @@ def add_arguments(parser):
     parser.add_argument("--null-prob", type=probability, default=0.1, help="fraction of rows on the null class")
     parser.add_argument(
         "--unroll",
-        type=positive_int,
+        type=size_int,
         default=1,
         help="training-time-test steps (1 = EAGLE-1; >1 feeds the head its own features)",
     )
@@ -61,6 +65,7 @@ def add_arguments(parser):
         "--step-decay", type=non_negative_float, default=0.8, help="loss weight decay per unrolled step"
     )
     parser.add_argument("--init", default=None, help="start from this trained head folder (fine-tuning)")
+    declare_paths(parser, model_folders=("init",))
 
 
 def eagle_losses(head, target, x, y, drop, noise=0.0, generator=None, unroll=1, step_decay=1.0):

@@ -16,13 +16,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import positive_int, probability
+from mmspec.cli import probability
 from mmspec.models.llamagen import LlamaGenGPT
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    declare_paths,
+    load_checkpoint,
+    not_run_defining,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
 )
@@ -35,17 +39,19 @@ def add_data_arguments(parser, **defaults):
     parser.add_argument("--data", default="runs/mnist-codes.pt", help="tokenized MNIST (mmspec.train tokenize)")
     parser.add_argument("--train-split", default="train", help="'+'-joined splits to train on")
     parser.add_argument("--eval-split", default="val", help="split for the held-out metrics")
-    parser.add_argument("--eval-size", type=positive_int, default=2000, help="held-out items evaluated at the end")
+    parser.add_argument("--eval-size", type=size_int, default=2000, help="held-out items evaluated at the end")
+    not_run_defining(parser, "eval_split", "eval_size")
+    declare_paths(parser, input_files=("data",))
 
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=6000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=500, threads=2)
     parser.set_defaults(weight_decay=0.05)
     add_data_arguments(parser)
-    parser.add_argument("--dim", type=positive_int, default=256)
-    parser.add_argument("--n-layer", type=positive_int, default=8)
-    parser.add_argument("--n-head", type=positive_int, default=8)
-    parser.add_argument("--multiple-of", type=positive_int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
+    parser.add_argument("--dim", type=size_int, default=256)
+    parser.add_argument("--n-layer", type=size_int, default=8)
+    parser.add_argument("--n-head", type=size_int, default=8)
+    parser.add_argument("--multiple-of", type=size_int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
     parser.add_argument(
         "--dropout", type=probability, default=0.1, help="token / residual / FFN dropout (upstream 0.1)"
     )
@@ -59,10 +65,16 @@ def load_data(args):
 
     codes, labels = load_codes(args.data, split=args.train_split)
     eval_codes, eval_labels = load_codes(args.data, split=args.eval_split)
-    meta = torch.load(args.data, map_location="cpu", weights_only=True)
+    meta = load_checkpoint(args.data)
     n = min(args.eval_size, len(eval_codes))
     logger.info("data %s: train %s, eval %s x %d", args.data, tuple(codes.shape), args.eval_split, n)
     return codes, labels, eval_codes[:n], eval_labels[:n], meta
+
+
+def check_args(parser, args):
+    """Usage error before any data loads: `--dim` must split into `--n-head` heads (also the draft and t2i tasks)."""
+    if args.dim % args.n_head:
+        parser.error(f"argument --n-head: --dim {args.dim} is not divisible by --n-head {args.n_head}")
 
 
 def build_gpt(args, vocab_size, block_size, null_prob, **condition):

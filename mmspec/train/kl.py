@@ -19,16 +19,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, positive_int
+from mmspec.cli import non_negative_float
 from mmspec.models.kl_vae import AutoencoderKL
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    declare_paths,
+    mnist_splits,
+    not_run_defining,
     random_batch_indices,
     save_model,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
+    zoo_folder,
 )
 from mmspec.train.data import MNIST_PAD, load_mnist
 from mmspec.train.vq import psnr_from_mse
@@ -41,26 +46,30 @@ GRID_IMAGE = "reconstructions.png"
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=1100, batch_size=32, lr=1e-3, warmup_steps=100, checkpoint_every=100, threads=1)
-    parser.add_argument("--data", default="train", help="MNIST split(s) to train on, e.g. train or train+val")
-    parser.add_argument("--ch", type=positive_int, default=32)
-    parser.add_argument("--ch-mult", type=positive_int, nargs="+", default=[1, 2, 2])
-    parser.add_argument("--num-res-blocks", type=positive_int, default=1)
-    parser.add_argument("--embed-dim", type=positive_int, default=4, help="latent channels = token dimension")
-    parser.add_argument("--num-groups", type=positive_int, default=8, help="GroupNorm groups")
+    parser.add_argument(
+        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
+    )
+    parser.add_argument("--ch", type=size_int, default=32)
+    parser.add_argument("--ch-mult", type=size_int, nargs="+", default=[1, 2, 2])
+    parser.add_argument("--num-res-blocks", type=size_int, default=1)
+    parser.add_argument("--embed-dim", type=size_int, default=4, help="latent channels = token dimension")
+    parser.add_argument("--num-groups", type=size_int, default=8, help="GroupNorm groups")
     parser.add_argument(
         "--kl-weight", type=non_negative_float, default=1e-3, help="weight of the per-element KL next to L1 + L2"
     )
     parser.add_argument(
-        "--scale-images", type=positive_int, default=10000, help="training images whose latents set scale_factor"
+        "--scale-images", type=size_int, default=10000, help="training images whose latents set scale_factor"
     )
-    parser.add_argument("--eval-split", default="test")
+    parser.add_argument("--eval-split", type=mnist_splits, default="test")
     parser.add_argument(
-        "--eval-images", type=positive_int, default=10000, help="first images of the eval split to reconstruct"
+        "--eval-images", type=size_int, default=10000, help="first images of the eval split to reconstruct"
     )
-    parser.add_argument("--classifier", default="assets/mnist-classifier", help="zoo classifier for the evaluation")
+    parser.add_argument("--classifier", default=zoo_folder("mnist-classifier"), help="classifier for the evaluation")
+    declare_paths(parser, model_folders=("classifier",))
     parser.add_argument(
-        "--classifier-images", type=positive_int, default=1000, help="eval images classified after reconstruction"
+        "--classifier-images", type=size_int, default=1000, help="eval images classified after reconstruction"
     )
+    not_run_defining(parser, "scale_images", "eval_split", "eval_images", "classifier", "classifier_images")
 
 
 @torch.no_grad()

@@ -17,14 +17,20 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import non_negative_int, positive_float, positive_int
+from mmspec.cli import positive_float
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    count_int,
+    declare_paths,
+    load_checkpoint,
+    not_run_defining,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
+    zoo_folder,
 )
 
 
@@ -39,22 +45,22 @@ PRESETS = {
 def add_arguments(parser):
     add_common_arguments(parser, steps=3000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=250, threads=1)
     parser.set_defaults(weight_decay=0.02)
-    parser.add_argument("--kl", default="assets/mnist-kl", help="the KL autoencoder folder (mmspec.train kl)")
+    parser.add_argument("--kl", default=zoo_folder("mnist-kl"), help="the KL autoencoder folder (mmspec.train kl)")
     parser.add_argument("--cache", default="runs/mnist-kl-latents.pt", help="cached posterior statistics")
+    declare_paths(parser, model_folders=("kl",), output_files=("cache",))
     parser.add_argument("--preset", choices=sorted(PRESETS), default="target", help="model size")
     for name in ("dim", "depth", "heads", "head_depth", "head_width"):
-        parser.add_argument(
-            "--" + name.replace("_", "-"), type=positive_int, default=None, help="overrides the preset"
-        )
-    parser.add_argument("--buffer-size", type=positive_int, default=4, help="class buffer tokens (upstream 64)")
+        parser.add_argument("--" + name.replace("_", "-"), type=size_int, default=None, help="overrides the preset")
+    parser.add_argument("--buffer-size", type=size_int, default=4, help="class buffer tokens (upstream 64)")
     parser.add_argument("--sampling-steps", default="50", help="respaced diffusion steps saved in the config")
-    parser.add_argument("--diffusion-batch-mul", type=positive_int, default=2)
+    parser.add_argument("--diffusion-batch-mul", type=size_int, default=2)
     parser.add_argument("--clip-denoised", type=positive_float, default=6.0,
                         help="x_start clamp while sampling (tokens have unit std; see DiffLossHead)")  # fmt: skip
     parser.add_argument("--ema", type=positive_float, default=0.999, help="EMA rate of the saved weights")
-    parser.add_argument("--eval-samples", type=non_negative_int, default=500, help="samples for the card's accuracy")
+    parser.add_argument("--eval-samples", type=count_int, default=500, help="samples for the card's accuracy")
     parser.add_argument("--eval-cfg", type=positive_float, default=3.0)
-    parser.add_argument("--eval-num-iter", type=positive_int, default=64)
+    parser.add_argument("--eval-num-iter", type=size_int, default=64)
+    not_run_defining(parser, "eval_samples", "eval_cfg", "eval_num_iter")
 
 
 @torch.no_grad()
@@ -67,7 +73,7 @@ def encode_dataset(kl_folder, cache_path, split="train", batch_size=500):
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
     cache = Path(cache_path).with_name(f"{Path(cache_path).stem}-{split}-{digest}.pt")
     if cache.is_file():
-        data = torch.load(cache, map_location="cpu", weights_only=True)
+        data = load_checkpoint(cache)
         return data["mean"], data["std"], data["labels"], digest
     kl = load(kl_folder).eval()
     images, labels = load_mnist(split)
@@ -117,6 +123,13 @@ def sample_accuracy(model_folder, kl_folder, num, cfg, num_iter, seed=0, batch_s
         images = pipe(labels, guidance_scale=cfg, num_ar_steps=num_iter, generator=gen, output_type="pt").images
         correct += int((classifier(images * 2 - 1).argmax(-1) == torch.tensor(labels)).sum())
     return correct / max(num, 1)
+
+
+def check_args(parser, args):
+    """Usage error before any data loads: the model width must split into its heads (preset or flags)."""
+    size = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in PRESETS[args.preset].items()}
+    if size["dim"] % size["heads"]:
+        parser.error(f"argument --heads: --dim {size['dim']} is not divisible by --heads {size['heads']}")
 
 
 def run(args):

@@ -34,18 +34,30 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_int, positive_float, positive_int, probability
+from mmspec.cli import positive_float, probability
 from mmspec.models.llamagen import LlamaGenGPT
 from mmspec.train.captions import add_caption_arguments, attribute_labels, ensure_captions, split_rows
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    count_int,
+    declare_paths,
+    not_run_defining,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
+    zoo_folder,
 )
-from mmspec.train.gpt import add_data_arguments, build_gpt, build_optimizer, evaluate_nll, load_data
+from mmspec.train.gpt import (
+    add_data_arguments,
+    build_gpt,
+    build_optimizer,
+    check_args,  # noqa: F401  (the task's usage checks: --dim / --n-head)
+    evaluate_nll,
+    load_data,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -56,20 +68,22 @@ def add_arguments(parser):
     parser.set_defaults(weight_decay=0.05)
     add_data_arguments(parser)
     add_caption_arguments(parser)
-    parser.add_argument("--dim", type=positive_int, default=256)
-    parser.add_argument("--n-layer", type=positive_int, default=8)
-    parser.add_argument("--n-head", type=positive_int, default=8)
-    parser.add_argument("--multiple-of", type=positive_int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
+    parser.add_argument("--dim", type=size_int, default=256)
+    parser.add_argument("--n-layer", type=size_int, default=8)
+    parser.add_argument("--n-head", type=size_int, default=8)
+    parser.add_argument("--multiple-of", type=size_int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
     parser.add_argument("--dropout", type=probability, default=0.0, help="token / residual / FFN dropout")
     parser.add_argument("--class-dropout", type=probability, default=0.1, help="probability of the null caption (CFG)")
     parser.add_argument("--init-from", default=None, help="LlamaGen GPT folder to start from (not its cond. embedder)")
     parser.add_argument("--vq", default=None, help="VQ folder for the sample evaluation (default: the codes' VQ)")
-    parser.add_argument("--classifier", default="assets/mnist-classifier", help="zoo classifier for the evaluation")
+    parser.add_argument("--classifier", default=zoo_folder("mnist-classifier"), help="classifier for the evaluation")
+    declare_paths(parser, model_folders=("init_from", "vq", "classifier"))
     parser.add_argument(
-        "--sample-size", type=non_negative_int, default=500, help="images sampled at the end (0: no sampling)"
+        "--sample-size", type=count_int, default=500, help="images sampled at the end (0: no sampling)"
     )
     parser.add_argument("--guidance-scale", type=positive_float, default=2.0, help="CFG scale of the evaluation")
-    parser.add_argument("--sample-batch-size", type=positive_int, default=250)
+    parser.add_argument("--sample-batch-size", type=size_int, default=250)
+    not_run_defining(parser, "vq", "classifier", "sample_size", "guidance_scale", "sample_batch_size")
 
 
 # ----------------------------------------------------------------------------- helpers

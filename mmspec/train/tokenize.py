@@ -25,8 +25,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import non_negative_int, positive_int
-from mmspec.train.common import configure_threads, save_checkpoint
+from mmspec.cli import int_in_range, non_negative_int
+from mmspec.train.common import (
+    MAX_STEPS,
+    MAX_THREADS,
+    configure_threads,
+    declare_paths,
+    mnist_splits,
+    save_checkpoint,
+    size_int,
+    zoo_folder,
+)
 from mmspec.train.data import load_mnist
 
 
@@ -34,13 +43,23 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser):
-    parser.add_argument("--vq", default="assets/mnist-vq", help="VQ model folder")
+    parser.add_argument("--vq", default=zoo_folder("mnist-vq"), help="VQ model folder")
     parser.add_argument("--out", default="runs/mnist-codes.pt", help="output torch file")
-    parser.add_argument("--splits", default="train+val+test", help="'+'-joined MNIST splits to encode")
-    parser.add_argument("--batch-size", type=positive_int, default=500, help="encoding batch size")
-    parser.add_argument("--steps", type=int, default=0, help="unused (tokenizing is deterministic); for CLI symmetry")
-    parser.add_argument("--seed", type=int, default=0, help="unused (tokenizing is deterministic); for CLI symmetry")
-    parser.add_argument("--threads", type=non_negative_int, default=2, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--splits", type=mnist_splits, default="train+val+test", help="'+'-joined MNIST splits")
+    declare_paths(parser, model_folders=("vq",), output_files=("out",))
+    parser.add_argument("--batch-size", type=size_int, default=500, help="encoding batch size")
+    parser.add_argument(
+        "--steps",
+        type=int_in_range(0, MAX_STEPS),
+        default=0,
+        help="unused (tokenizing is deterministic); for CLI symmetry",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="unused (tokenizing is deterministic); for CLI symmetry"
+    )
+    parser.add_argument(
+        "--threads", type=int_in_range(0, MAX_THREADS), default=2, help="torch CPU threads (0: torch's default)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

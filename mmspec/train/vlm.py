@@ -26,11 +26,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, non_negative_int, positive_float, positive_int, weights_of
+from mmspec.cli import int_in_range, non_negative_float, positive_float, weights_of
 from mmspec.train.common import (
+    MAX_STEPS,
     add_common_arguments,
     configure_threads,
+    count_int,
+    declare_paths,
+    not_run_defining,
+    run_flags,
     seed_everything,
+    size_int,
+    steps_schedule,
     train_loop,
     warmup_cosine_lr,
     write_model_card,
@@ -55,11 +62,13 @@ def add_arguments(parser):
                          checkpoint_every=25, threads=2)  # fmt: skip
     parser.set_defaults(log_every=10)
     parser.add_argument("--work", default="runs/mnist-vlm", help="checkpoints of both stages (kept out of --out)")
-    parser.add_argument("--hidden", type=positive_int, default=192, help="vision tower width")
-    parser.add_argument("--layers", type=positive_int, default=4, help="vision tower depth")
-    parser.add_argument("--heads", type=positive_int, default=6, help="vision tower heads")
-    parser.add_argument("--stage1-steps", type=positive_int, default=3400)
-    parser.add_argument("--stage1-batch-size", type=positive_int, default=32)
+    declare_paths(parser, output_folders=("work",))
+    parser.set_defaults(_checkpoints=(("work", "stage1", "stage1_steps", ("steps",)), ("work", "stage2", "steps", ())))
+    parser.add_argument("--hidden", type=size_int, default=192, help="vision tower width")
+    parser.add_argument("--layers", type=size_int, default=4, help="vision tower depth")
+    parser.add_argument("--heads", type=size_int, default=6, help="vision tower heads")
+    parser.add_argument("--stage1-steps", type=int_in_range(1, MAX_STEPS), default=3400)
+    parser.add_argument("--stage1-batch-size", type=size_int, default=32)
     parser.add_argument("--stage1-lr", type=positive_float, default=2e-3)
     parser.add_argument("--mse-weight", type=non_negative_float, default=1.0, help="stage 1 embedding MSE weight")
     parser.add_argument(
@@ -75,9 +84,16 @@ def add_arguments(parser):
     )
     parser.add_argument("--count-weights", type=weights_of(4), default="1,2,3,4",
                         help="stage 2 odds of canvases with 1,2,3,4 digits")  # fmt: skip
-    parser.add_argument("--eval-which", type=non_negative_int, default=200, help="held-out 'which digit' questions")
-    parser.add_argument("--eval-count", type=non_negative_int, default=100, help="held-out 'how many' questions")
-    parser.add_argument("--eval-batch-size", type=positive_int, default=25)
+    parser.add_argument("--eval-which", type=count_int, default=200, help="held-out 'which digit' questions")
+    parser.add_argument("--eval-count", type=count_int, default=100, help="held-out 'how many' questions")
+    parser.add_argument("--eval-batch-size", type=size_int, default=25)
+    not_run_defining(parser, "eval_which", "eval_count", "eval_batch_size")
+
+
+def check_args(parser, args):
+    """Usage error before any model loads: the vision tower width must split into its heads."""
+    if args.hidden % args.heads:
+        parser.error(f"argument --heads: --hidden {args.hidden} is not divisible by --heads {args.heads}")
 
 
 # ----------------------------------------------------------------------------- stage 1: layout text as embeddings
@@ -188,7 +204,9 @@ def run_stage1(args, model, tokenizer, images, labels, generator):
     return train_loop(module, optimizer, step_fn, total_steps=args.stage1_steps, out_dir=Path(args.work) / "stage1",
                       generator=generator, grad_clip=args.grad_clip, checkpoint_every=200, log_every=100,
                       lr_fn=lambda s: warmup_cosine_lr(s, args.stage1_steps, args.stage1_lr, 100, min_lr_ratio=0.05),
-                      progress=not args.quiet)  # fmt: skip
+                      progress=not args.quiet, steps_flag="--stage1-steps",
+                      run_flags={k: v for k, v in run_flags(args).items() if k != "steps"},  # stage 2's length
+                      out_flag="--work")  # fmt: skip
 
 
 @torch.no_grad()
@@ -269,7 +287,7 @@ def run_stage2(args, model, processor, images, labels, generator):
 
     return train_loop(module, optimizer, step_fn, total_steps=args.steps, out_dir=Path(args.work) / "stage2",
                       generator=generator, grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every,
-                      log_every=args.log_every, progress=not args.quiet,
+                      log_every=args.log_every, progress=not args.quiet, run_flags=run_flags(args), out_flag="--work",
                       lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps))  # fmt: skip
 
 
@@ -352,6 +370,8 @@ def run(args):
     model.eval()
     save_vlm_parts(model, processor, args.out, dtype=torch.float16 if args.fp16_weights else None)
     saved, saved_processor = load_vlm(args.out)
+    args._steps_schedule = "; ".join(f"stage {i}: {text}" for i, text in (
+        (1, steps_schedule(stage1.segments, "--stage1-steps")), (2, steps_schedule(stage2.segments))) if text)  # fmt: skip
     metrics = {f"stage1_final_{k}": v for k, v in stage1.metrics.items()}
     metrics["stage1_heldout_digit_slot_accuracy"] = stage1_acc
     metrics.update({f"stage2_final_{k}": v for k, v in stage2.metrics.items()})

@@ -16,6 +16,7 @@ Examples:
 """
 
 import logging
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -72,12 +73,51 @@ def mnist_digits(split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample_layout(
-    labels: torch.Tensor, generator: torch.Generator, max_digits: int = 4, count_weights: torch.Tensor | None = None
+    labels: torch.Tensor,
+    generator: torch.Generator,
+    max_digits: int = 4,
+    count_weights: torch.Tensor | None = None,
+    min_digits: int = 1,
 ) -> Layout:
     """Draw 1..`max_digits` filled cells, each with a random digit of `labels` (its split), size, stroke, offset.
 
-    `count_weights` [max_digits]: relative odds of 1..max_digits digits (default uniform).
+    `count_weights` [max_digits]: relative odds of 1..max_digits digits (default uniform). `min_digits`: redraw until
+    the layout has at least that many digits (the same random stream as drawing and rejecting by hand).
+
+    Raises:
+        ValueError: `max_digits` / `min_digits` outside 1..4 (a canvas has 4 cells) or `min_digits > max_digits`, or
+            `count_weights` that give no layout with `min_digits`..`max_digits` digits (it would never finish).
     """
+    cells_per_canvas = len(POSITIONS)
+    if (
+        isinstance(max_digits, bool)
+        or not isinstance(max_digits, numbers.Integral)
+        or not 1 <= max_digits <= cells_per_canvas
+    ):
+        raise ValueError(f"max_digits={max_digits!r}: a canvas holds 1 to {cells_per_canvas} digits")
+    if (
+        isinstance(min_digits, bool)
+        or not isinstance(min_digits, numbers.Integral)
+        or not 1 <= min_digits <= max_digits
+    ):
+        raise ValueError(f"min_digits={min_digits!r}: must be an integer in [1, max_digits={max_digits}] (a canvas "
+                         f"holds at most {cells_per_canvas} digits)")  # fmt: skip
+    if count_weights is not None:
+        weights = torch.as_tensor(count_weights, dtype=torch.float)
+        if weights.dim() != 1 or len(weights) < max_digits:
+            raise ValueError(f"count_weights: expected {max_digits} odds (1..max_digits digits), got shape "
+                             f"{tuple(weights.shape)}")  # fmt: skip
+        if not torch.isfinite(weights).all() or (weights < 0).any() or weights[min_digits - 1 : max_digits].sum() <= 0:
+            raise ValueError(f"count_weights={weights.tolist()}: need finite odds >= 0, some > 0 for "
+                             f"{min_digits}..{max_digits} digits")  # fmt: skip
+        count_weights = weights
+    while True:
+        layout = _draw_layout(labels, generator, max_digits, count_weights)
+        if layout.count >= min_digits:
+            return layout
+
+
+def _draw_layout(labels, generator, max_digits, count_weights) -> Layout:
     if count_weights is None:
         num = int(torch.randint(1, max_digits + 1, (), generator=generator))
     else:
@@ -124,9 +164,13 @@ def sample_batch(
     labels: torch.Tensor,
     generator: torch.Generator,
     count_weights: torch.Tensor | None = None,
+    min_digits: int = 1,
 ):
-    """`num` random layouts and their canvases: (list[Layout], float32 [num, 64, 64] in [0, 1])."""
-    layouts = [sample_layout(labels, generator, count_weights=count_weights) for _ in range(num)]
+    """`num` random layouts (at least `min_digits` digits each) and their canvases: (list[Layout], float32
+    [num, 64, 64] in [0, 1])."""
+    layouts = [
+        sample_layout(labels, generator, count_weights=count_weights, min_digits=min_digits) for _ in range(num)
+    ]
     return layouts, torch.stack([render(layout, images) for layout in layouts])
 
 

@@ -13,13 +13,16 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import positive_int
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
+    declare_paths,
+    load_checkpoint,
     seed_everything,
+    size_int,
     train_with_args,
     write_model_card,
+    zoo_folder,
 )
 from mmspec.train.vlm_eagle import answer_mask
 
@@ -29,11 +32,26 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=300, batch_size=4, lr=3e-4, warmup_steps=30, checkpoint_every=50, threads=2)
-    parser.add_argument("--target", default="assets/mnist-vlm", help="the VLM zoo folder")
+    parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
     parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output")
-    parser.add_argument("--num-layers", type=positive_int, default=4, help="decoder layers the draft keeps")
-    parser.add_argument("--train-layers", type=positive_int, default=1, help="last kept layers that are fine-tuned")
-    parser.add_argument("--eval-items", type=positive_int, default=32, help="held-back answers for the metrics")
+    declare_paths(parser, model_folders=("target",), input_files=("data",))
+    parser.add_argument("--num-layers", type=size_int, default=4, help="decoder layers the draft keeps")
+    parser.add_argument("--train-layers", type=size_int, default=1, help="last kept layers that are fine-tuned")
+    parser.add_argument("--eval-items", type=size_int, default=32, help="held-back answers for the metrics")
+
+
+def check_args(parser, args):
+    """Usage errors before any model loads: the draft keeps at most the target's decoder layers and fine-tunes at
+    most the layers it keeps."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(args.target) / "config.json").read_text())
+    layers = config.get("text_config", config).get("num_hidden_layers")
+    if layers is not None and args.num_layers > layers:
+        parser.error(f"argument --num-layers: {args.num_layers} is more than the target's {layers} decoder layers")
+    if args.train_layers > args.num_layers:
+        parser.error(f"argument --train-layers: {args.train_layers} is more than --num-layers {args.num_layers}")
 
 
 def pixel_values(processor, canvases, dtype):
@@ -60,7 +78,7 @@ def run(args):
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
-    data = torch.load(args.data, weights_only=True)
+    data = load_checkpoint(args.data)
     target, processor = load_vlm(args.target)
     draft = truncated_draft(target, args.num_layers)
     del target

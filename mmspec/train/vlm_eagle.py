@@ -20,13 +20,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, positive_int
+from mmspec.cli import int_in_range, non_negative_float
 from mmspec.train.common import (
     add_common_arguments,
+    check_run_flags,
     configure_threads,
+    declare_paths,
+    load_checkpoint,
+    run_flags,
     seed_everything,
+    size_int,
     train_with_args,
     write_model_card,
+    zoo_folder,
 )
 
 
@@ -35,15 +41,16 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=600, batch_size=4, lr=5e-4, warmup_steps=50, checkpoint_every=100, threads=2)
-    parser.add_argument("--target", default="assets/mnist-vlm", help="the VLM zoo folder")
+    parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
     parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output")
-    parser.add_argument("--eval-items", type=positive_int, default=32, help="held-back answers for the metrics")
+    declare_paths(parser, model_folders=("target",), input_files=("data",))
+    parser.add_argument("--eval-items", type=size_int, default=32, help="held-back answers for the metrics")
     parser.add_argument("--p-weight", type=non_negative_float, default=0.5)
     parser.add_argument("--noise", type=non_negative_float, default=0.05, help="uniform input-feature noise")
-    parser.add_argument("--unroll", type=positive_int, default=3, help="training-time-test steps")
+    parser.add_argument("--unroll", type=size_int, default=3, help="training-time-test steps")
     parser.add_argument("--step-decay", type=non_negative_float, default=0.8)
-    parser.add_argument("--ce-positions", type=positive_int, default=24, help="soft-CE positions per row and step")
-    parser.add_argument("--draft-vocab", type=int, default=2048,
+    parser.add_argument("--ce-positions", type=size_int, default=24, help="soft-CE positions per row and step")
+    parser.add_argument("--draft-vocab", type=int_in_range(0, 1 << 20), default=2048,
                         help="tokens the head scores (most frequent in the answers; 0 = the full vocabulary)")  # fmt: skip
 
 
@@ -64,15 +71,22 @@ def answer_mask(lengths, prompt_lengths, width):
 
 
 @torch.no_grad()
-def target_features(model, processor, data, path, batch_size=8, quiet=False):
+def target_features(model, processor, data, path, batch_size=8, quiet=False, inputs=None):
     """Final-norm hidden states `[N, T, dim]` (float16) of the target over every answer sequence, cached at `path`
-    (chunks appended; re-running resumes)."""
+    (chunks appended; re-running resumes). `inputs`: what the features depend on (the run flags of the target and
+    the data, with their hashes), stored in the cache; a cache made from other inputs is refused."""
     from tqdm.auto import tqdm
 
     from mmspec.train.vlm_data import to_pil
 
     path = Path(path)
-    done = torch.load(path, weights_only=True) if path.is_file() else {"features": []}
+    done = {"features": [], "inputs": inputs}
+    if path.is_file():
+        done = load_checkpoint(path)
+        if not isinstance(done, dict) or "features" not in done:
+            raise ValueError(f"{str(path)!r} is not a target-features cache: delete it (it is rebuilt)")
+        if inputs is not None:
+            check_run_flags(done.get("inputs"), inputs, path, "--out")
     ids, lengths = data["input_ids"], data["lengths"]
     n = len(ids)
     start = sum(len(f) for f in done["features"])
@@ -147,12 +161,14 @@ def run(args):
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
-    data = torch.load(args.data, weights_only=True)
+    data = load_checkpoint(args.data)
     model, processor = load_vlm(args.target)
     for p in model.parameters():
         p.requires_grad_(False)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    features = target_features(model, processor, data, Path(args.out) / "features.pt", quiet=args.quiet)
+    flags = run_flags(args)
+    features = target_features(model, processor, data, Path(args.out) / "features.pt", quiet=args.quiet,
+                               inputs={k: flags[k] for k in ("target", "data")})  # fmt: skip
     ids, lengths, prompt_lengths = data["input_ids"], data["lengths"], torch.tensor(data["prompt_lengths"])
     weight = answer_mask(lengths, prompt_lengths, ids.shape[1])
     n_eval = min(args.eval_items, len(ids) // 4)

@@ -16,13 +16,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, non_negative_int, positive_int, probability
+from mmspec.cli import int_in_range, non_negative_float, probability
 from mmspec.models.vq import LlamaGenVQ
 from mmspec.train.common import (
+    MAX_STEPS,
     add_common_arguments,
     configure_threads,
+    mnist_splits,
+    not_run_defining,
     random_batch_indices,
     seed_everything,
+    size_int,
     train_and_save,
     write_model_card,
 )
@@ -36,24 +40,30 @@ GRID_IMAGE = "reconstructions.png"
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=1500, batch_size=32, lr=1e-3, warmup_steps=100, checkpoint_every=250, threads=2)
-    parser.add_argument("--data", default="train", help="MNIST split(s) to train on, e.g. train or train+val")
-    parser.add_argument("--ch", type=positive_int, default=32)
-    parser.add_argument("--ch-mult", type=positive_int, nargs="+", default=[1, 1, 2])
-    parser.add_argument("--num-res-blocks", type=positive_int, default=1)
-    parser.add_argument("--z-channels", type=positive_int, default=64)
-    parser.add_argument("--codebook-size", type=positive_int, default=256)
-    parser.add_argument("--codebook-dim", type=positive_int, default=8)
+    parser.add_argument(
+        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
+    )
+    parser.add_argument("--ch", type=size_int, default=32)
+    parser.add_argument("--ch-mult", type=size_int, nargs="+", default=[1, 1, 2])
+    parser.add_argument("--num-res-blocks", type=size_int, default=1)
+    parser.add_argument("--z-channels", type=size_int, default=64)
+    parser.add_argument("--codebook-size", type=size_int, default=256)
+    parser.add_argument("--codebook-dim", type=size_int, default=8)
     parser.add_argument("--beta", type=non_negative_float, default=0.25, help="commitment loss weight")
     parser.add_argument(
         "--entropy-weight", type=non_negative_float, default=0.0, help="codebook entropy loss ratio (0: off)"
     )
     parser.add_argument(
-        "--restart-every", type=non_negative_int, default=50, help="steps between dead-code restarts (0: off)"
+        "--restart-every",
+        type=int_in_range(0, MAX_STEPS),
+        default=50,
+        help="steps between dead-code restarts (0: off)",
     )
     parser.add_argument(
         "--restart-until", type=probability, default=0.8, help="stop restarts after this fraction of steps"
     )
-    parser.add_argument("--eval-split", default="test")
+    parser.add_argument("--eval-split", type=mnist_splits, default="test")
+    not_run_defining(parser, "eval_split")
 
 
 class CodeUsage:

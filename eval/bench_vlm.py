@@ -25,6 +25,7 @@ verification round, bonus included) and ``tau_without_bonus`` (accepted drafts p
 """
 
 import argparse
+import json
 import logging
 import platform
 import statistics
@@ -125,12 +126,24 @@ def check_args(parser, args):
     if not args.prompt.strip():
         parser.error("argument --prompt: is empty")
     missing = {m for folder, names in DRAFTER_FOLDERS.items() if not (Path(args.zoo) / folder).is_dir() for m in names}
+    explicit = args.methods is not None
     if args.methods is None:
         args.methods = [m for m in METHODS if m not in missing]
     elif missing & set(args.methods):
         folders = sorted(f for f, names in DRAFTER_FOLDERS.items() if missing & set(names) & set(args.methods))
         parser.error(f"argument --methods: {','.join(sorted(missing & set(args.methods)))} need(s) the zoo folder(s) "
                      f"{', '.join(str(Path(args.zoo) / f) for f in folders)}, which do not exist")  # fmt: skip
+    eagle_config = Path(args.zoo) / "mnist-vlm-eagle" / "config.json"
+    if "draft-model-frspec" in args.methods and eagle_config.is_file():
+        try:
+            vocab = json.loads(eagle_config.read_text()).get("draft_vocab_size", 0)
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+            parser.error(f"argument --zoo: {str(eagle_config)!r} is not a JSON object ({err})")
+        if not vocab:
+            if explicit:
+                parser.error("argument --methods: draft-model-frspec needs an EAGLE head with a draft vocabulary "
+                             f"(draft_vocab_size > 0 in {str(eagle_config)!r})")  # fmt: skip
+            args.methods.remove("draft-model-frspec")
     big = [b for b in args.batch_size if b > args.num_prompts]
     if big:
         parser.error(f"argument --batch-size: {big[0]} is more than --num-prompts {args.num_prompts}")

@@ -15,6 +15,7 @@ import mmspec.cli as cli
 import mmspec.models
 import mmspec.pipelines
 from mmspec.eval import bench_ar_image, bench_continuous, bench_verify, bench_vlm, zoo_eval
+from mmspec.methods import KNOBS, check_knob
 
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -52,6 +53,7 @@ ZOOS = {  # name -> zoo folders (one thing missing each)
     "ar-no-classifier": [f for f in AR if f != "mnist-classifier"],
     "mar-no-draft": ["mnist-mar", "mnist-kl", "mnist-classifier"],
     "vlm-no-eagle": ["mnist-vlm", "mnist-vlm-draft"],
+    "vlm-eagle-without-draft-vocab": ["mnist-vlm", "mnist-vlm-draft", "mnist-vlm-eagle"],
 }
 
 # (entry point, argv, the flag the one-line error must name); `{zoo:NAME}` is a zoo of ZOOS[NAME], `{tmp}` tmp_path
@@ -141,6 +143,11 @@ CASES = [
     ("cli", ["bench", "vlm", "--batch-size", ","], "--batch-size"),
     ("cli", ["bench", "vlm", "--num-prompts", "1000000000"], "--num-prompts"),
     ("cli", ["bench", "vlm", "--zoo", "{zoo:vlm-no-eagle}", "--methods", "plain,eagle"], "--methods"),
+    (
+        "cli",
+        ["bench", "vlm", "--zoo", "{zoo:vlm-eagle-without-draft-vocab}", "--methods", "draft-model-frspec"],
+        "--methods",
+    ),  # fmt: skip
     ("cli", ["bench", "vlm", "--zoo", "{tmp}/no-such-zoo"], "--zoo"),
     ("cli", ["bench", "vlm", "--prompt", "  "], "--prompt"),
     ("cli", ["bench", "vlm", "--device", "warp-drive"], "--device"),
@@ -177,12 +184,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("name", [n for n, k in KNOBS.items() if k.kind is int])
+def test_every_int_knob_has_an_upper_bound(name):
+    """A typo like 100000 (tree_top_k: 21 GB) is refused by the registry, so by every pipeline and every flag."""
+    with pytest.raises(ValueError, match=name):
+        check_knob(name, 10**6)
+
+
 def _fill(argv, tmp_path):
     out = []
     for arg in argv:
         if arg.startswith("{zoo:"):
             name = arg[5:-1]
             arg = _zoo(tmp_path / name, ZOOS[name])
+            if name == "vlm-eagle-without-draft-vocab":
+                config = Path(arg) / "mnist-vlm-eagle" / "config.json"
+                config.write_text(json.dumps(json.loads(config.read_text()) | {"draft_vocab_size": 0}))
         out.append(arg.replace("{tmp}", str(tmp_path)))
     return out
 

@@ -8,7 +8,10 @@ The method options come from the registry `mmspec.methods`: `--acceptance` / `--
 `ACCEPTANCES` / `DRAFTERS`, one flag per pipeline knob of `KNOBS` (`add_knob_arguments`, shared with the
 benchmarks), so an unknown method or an out-of-range knob is a usage error (exit 2) before anything is loaded.
 Every other `generate` option is checked up front too (class ids against the zoo's `config.json`, the output path,
-the device) so a bad command line never costs a model load. This module imports nothing heavy at import time
+the device, knob flags the chosen method never reads) so a bad command line never costs a model load. Shared with
+every command: `seed_int` / `threads_int` (bounded by `MAX_SEED` / `MAX_THREADS`), `int_in_range` for counts that cost
+memory or time, `check_output_file`, `check_device`, `check_zoo_folders` and `write_json` (atomic: temp file +
+rename, so a finished report is never left truncated). This module imports nothing heavy at import time
 (`mmspec --help` does not import torch); the registry is imported when a parser needs it.
 """
 

@@ -2,7 +2,11 @@
 
 Subcommands are one line each in ``SUBCOMMANDS``: ``name -> ("module[:attribute]", help)``, naming an object (a
 module, or an attribute of one) with ``add_arguments(parser)`` and ``run(args) -> dict``; only the chosen one is
-imported. The dict is written to ``--json PATH`` if given. Timings use `time.perf_counter` around each call, after
+imported. The module may also define ``check_args(parser, args)``: the checks that need more than one flag or a cheap
+look at the disk (zoo folders, device, output paths), run before ``run`` so a bad command line is a usage error
+(exit 2) before any model loads; and ``finish(args, report)``: optional extras (plots) made after the report is
+written. The dict is written to ``--json PATH`` if given (checked up front; written atomically, before the extras,
+so a finished report is never lost). Timings use `time.perf_counter` around each call, after
 warm-up calls, with a device synchronise on accelerators, and report the median (plus p10/p90) over repeats.
 
 ``verify`` (`mmspec.eval.bench_verify`): cost per call of every `mmspec.verify` rule at batch 1 and 16, K=8 draft
@@ -11,10 +15,11 @@ tokens, V=16384 (LlamaGen's codebook), float32 on CPU by default. This module im
 
 import argparse
 import importlib
-import json
 import logging
 import sys
 from pathlib import Path
+
+from mmspec.cli import HelpFormatter, check_output_file, write_json
 
 
 logger = logging.getLogger(__name__)
@@ -44,20 +49,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mmspec bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    bench = chosen = None
     for name, (spec, help_text) in SUBCOMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if argv and argv[0] == name:  # only the chosen subcommand's module is imported
-            bench = _subcommand(spec)
-            cmd.add_argument("--json", type=Path, default=None, help="write the report here")
+            bench, chosen = _subcommand(spec), cmd
+            cmd.add_argument("--json", type=Path, default=None,
+                             help="write the report here (.json, in an existing folder)")  # fmt: skip
             bench.add_arguments(cmd)
-            cmd.set_defaults(_run=bench.run)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    report = args._run(args)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        check_output_file(chosen, "--json", args.json, (".json",))
+    if hasattr(bench, "check_args"):
+        bench.check_args(chosen, args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    report = bench.run(args)
+    if args.json is not None:
+        write_json(args.json, report)
         logger.info("wrote %s", args.json)
+    if hasattr(bench, "finish"):
+        bench.finish(args, report)
     return 0
 
 

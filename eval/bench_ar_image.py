@@ -17,7 +17,6 @@ its slowest row); `row_step_compression` = the same per row, averaged (each row'
 counted with `torch.cuda.set_sync_debug_mode`.
 """
 
-import argparse
 import inspect
 import logging
 import platform
@@ -28,22 +27,23 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import add_knob_arguments, knob_values, names_of, non_negative_int, positive_int, sampling_type
+from mmspec.cli import (
+    DEFAULT_ZOO,
+    MAX_BATCH,
+    add_knob_arguments,
+    check_device,
+    check_zoo_folders,
+    int_in_range,
+    knob_values,
+    names_of,
+    sampling_type,
+    seed_int,
+    threads_int,
+)
 from mmspec.methods import PRESETS
 
 
 logger = logging.getLogger(__name__)
-
-
-def _zoo(text):
-    """argparse `type` of `--zoo`: a folder with the zoo's c2i and vq folders (nothing is loaded here)."""
-    from mmspec.models import zoo_folders
-
-    try:
-        zoo_folders(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
 
 
 # `--model t2i`: digit d is requested as DIGIT_PROMPTS[d]
@@ -51,24 +51,58 @@ DIGIT_PROMPTS = [f"a handwritten {w}" for w in
                  ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")]  # fmt: skip
 
 
+MAX_IMAGES = 10_000  # `--num-images` per method per repeat
+MAX_REPEATS = 1000
+
+
 def add_arguments(parser):
-    parser.add_argument("--zoo", type=_zoo, default=str(Path(__file__).resolve().parent.parent / "assets"))
+    parser.add_argument("--zoo", default=DEFAULT_ZOO,
+                        help="folder with mnist-c2i (or mnist-t2i), mnist-vq, mnist-classifier and the drafters")  # fmt: skip
     parser.add_argument("--model", default="c2i", choices=("c2i", "t2i"),
                         help="the zoo's class-conditional (mnist-c2i) or text-to-image (mnist-t2i, prompts "
                              "'a handwritten <digit>') target")  # fmt: skip
-    parser.add_argument("--batch-size", type=positive_int, default=1)
-    parser.add_argument("--num-images", type=positive_int, default=40, help="images per method per repeat")
-    parser.add_argument("--repeats", type=positive_int, default=2)
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--batch-size", type=int_in_range(1, MAX_BATCH), default=1,
+                        help="images per call (at most --num-images)")  # fmt: skip
+    parser.add_argument("--num-images", type=int_in_range(1, MAX_IMAGES), default=40,
+                        help="images per method per repeat (a multiple of --batch-size)")  # fmt: skip
+    parser.add_argument("--repeats", type=int_in_range(1, MAX_REPEATS), default=2)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--methods", type=names_of(PRESETS), default=",".join(PRESETS),
                         help="comma-separated subset of " + ",".join(PRESETS))  # fmt: skip
     parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0)
     parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
     parser.add_argument("--top-k", type=sampling_type("top_k", int), default=None)
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--threads", type=threads_int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
     add_knob_arguments(parser)
+
+
+def check_args(parser, args):
+    """Before any model loads: the zoo has the target, VQ, classifier and every drafter the methods need; the
+    methods accept the sampling settings; the batch size divides the images; the device exists."""
+    from mmspec.methods import ACCEPTANCES, resolve_drafter
+    from mmspec.models import read_config, zoo_folders
+
+    try:
+        folders = zoo_folders(args.zoo, kind=args.model)
+        for folder in folders.values():
+            read_config(folder)
+    except ValueError as err:
+        parser.error(f"argument --zoo: {err}")
+    check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
+    for name in args.methods:
+        preset = PRESETS[name]
+        try:
+            resolve_drafter(preset["acceptance"], preset.get("drafter"), set(folders))
+        except ValueError as err:
+            parser.error(f"argument --methods: {name}: {err}: the zoo {args.zoo!r} lacks its drafter folder")
+        if ACCEPTANCES[preset["acceptance"]].sampling_only and args.temperature == 0:
+            parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling method {name}")
+    if args.batch_size > args.num_images or args.num_images % args.batch_size:
+        parser.error(f"argument --batch-size: {args.batch_size} does not divide --num-images {args.num_images} "
+                     "(every method must generate exactly --num-images images per repeat)")  # fmt: skip
+    check_device(parser, args.device)
 
 
 def _knobs(args):

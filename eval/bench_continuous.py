@@ -26,7 +26,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import non_negative_int, positive_int, positive_int_list
+from mmspec.cli import (
+    DEFAULT_ZOO,
+    MAX_BATCH,
+    MAX_THREADS,
+    check_device,
+    check_output_file,
+    check_zoo_folders,
+    finite_float,
+    int_in_range,
+    positive_float,
+    positive_int,
+    positive_int_list,
+    probability,
+    seed_int,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -40,28 +54,99 @@ def _modes(text):
     return modes
 
 
+MAX_IMAGES = 100_000  # `--num-images` per method for quality
+MAX_TIMING_BATCHES = 1000
+MAX_INFERENCE_STEPS = 1000  # the head's respaced diffusion steps: at most its 1000 training steps
+REFERENCE = Path("reference-stats") / "mnist-test-classifier.npz"  # in the zoo
+
+
+def _batch_sizes(text):
+    """argparse `type` of `--batch-size`: a non-empty comma list of ints in [1, MAX_BATCH]."""
+    sizes = positive_int_list(text)
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated batch sizes, got {text!r}")
+    if max(sizes) > MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"batch sizes must be in [1, {MAX_BATCH}], got {max(sizes)}")
+    return sizes
+
+
 def add_arguments(parser):
-    parser.add_argument("--zoo", default="assets", help="folder with mnist-mar, mnist-kl, mnist-mar-draft")
-    parser.add_argument("--batch-size", type=positive_int_list, default=[1], help="images per timed call (comma list)")
-    parser.add_argument("--timing-batches", type=positive_int, default=8, help="timed calls per method")
-    parser.add_argument("--num-images", type=non_negative_int, default=1000, help="images per method for quality")
-    parser.add_argument("--quality-batch-size", type=positive_int, default=100)
+    parser.add_argument("--zoo", default=DEFAULT_ZOO,
+                        help="folder with mnist-mar, mnist-kl, mnist-mar-draft, mnist-classifier and "
+                             f"{REFERENCE}")  # fmt: skip
+    parser.add_argument("--batch-size", type=_batch_sizes, default=[1], help="images per timed call (comma list)")
+    parser.add_argument("--timing-batches", type=int_in_range(1, MAX_TIMING_BATCHES), default=8,
+                        help="timed calls per method")  # fmt: skip
+    parser.add_argument("--num-images", type=int_in_range(0, MAX_IMAGES), default=1000,
+                        help="images per method for quality (0: speed only; else >= 2 for the FID)")  # fmt: skip
+    parser.add_argument("--quality-batch-size", type=int_in_range(1, MAX_BATCH), default=100)
     parser.add_argument("--skip-quality", default="", help="comma list of methods timed but not scored (e.g. "
                         "cspd-exact: lossless, so its expected FID is plain's, and slow on a CPU)")  # fmt: skip
-    parser.add_argument("--num-ar-steps", type=positive_int, default=64)
+    parser.add_argument("--num-ar-steps", type=positive_int, default=64, help="AR steps, in [1, the zoo's tokens]")
     parser.add_argument(
         "--fewer-steps", type=positive_int_list, default=[32, 16], help="AR steps of the fewer-steps runs"
     )
     parser.add_argument("--verify-modes", type=_modes, default=["block", "exact"])
-    parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="AR steps per CSpD block")
-    parser.add_argument("--prefill-ratio", type=float, default=0.15)
-    parser.add_argument("--num-inference-steps", type=positive_int, default=None, help="head steps (config default)")
-    parser.add_argument("--guidance-scale", type=float, default=3.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=4,
+                        help="AR steps per CSpD block (at most --num-ar-steps)")  # fmt: skip
+    parser.add_argument("--prefill-ratio", type=probability, default=0.15)
+    parser.add_argument("--num-inference-steps", type=int_in_range(2, MAX_INFERENCE_STEPS), default=None,
+                        help="head steps (config default)")  # fmt: skip
+    parser.add_argument("--guidance-scale", type=_at_least_one, default=3.0, help="CFG scale (>= 1; 1 = off)")
+    parser.add_argument("--temperature", type=positive_float, default=1.0)
+    parser.add_argument("--seed", type=seed_int, default=0)
+    parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=0,
+                        help="torch CPU threads (0: default)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--plot", type=Path, default=None, help="speed-vs-FID plot (PNG) of every batch size")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="speed-vs-FID plot (PNG) of every batch size (needs --num-images)")  # fmt: skip
+
+
+def _at_least_one(text):
+    value = finite_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
+    return value
+
+
+def check_args(parser, args):
+    """Before any model loads: the zoo's folders and reference statistics, step counts against the zoo's token
+    grid, method names, the output plot and the device."""
+    from mmspec.models import read_config
+
+    check_zoo_folders(parser, args.zoo, ["mnist-mar", "mnist-kl", "mnist-classifier"])
+    if args.verify_modes:
+        check_zoo_folders(parser, args.zoo, ["mnist-mar-draft"], flag="--verify-modes (CSpD needs a draft)")
+    try:
+        config = read_config(Path(args.zoo) / "mnist-mar")
+        read_config(Path(args.zoo) / "mnist-kl")
+        if args.verify_modes:
+            read_config(Path(args.zoo) / "mnist-mar-draft")
+    except ValueError as err:
+        parser.error(f"argument --zoo: {err}")
+    seq_len = config.get("seq_h", 16) * config.get("seq_w", 16)
+    for flag, steps in (("--num-ar-steps", [args.num_ar_steps]), ("--fewer-steps", args.fewer_steps)):
+        bad = [n for n in steps if n > seq_len]
+        if bad:
+            parser.error(f"argument {flag}: {bad[0]} AR steps, but the zoo's images have {seq_len} tokens")
+    if args.verify_modes and args.num_draft_tokens > args.num_ar_steps:
+        parser.error(f"argument --num-draft-tokens: {args.num_draft_tokens} is more than --num-ar-steps "
+                     f"{args.num_ar_steps}")  # fmt: skip
+    known = set(methods(args))
+    skip = [m.strip() for m in args.skip_quality.split(",") if m.strip()]
+    unknown = sorted(set(skip) - known)
+    if unknown:
+        parser.error(f"argument --skip-quality: unknown methods {unknown}; this run has {','.join(known)}")
+    if args.num_images:
+        if args.num_images < 2:
+            parser.error("argument --num-images: the FID needs at least 2 images (0: speed only)")
+        if not (Path(args.zoo) / REFERENCE).is_file():
+            parser.error(f"argument --zoo: {str(Path(args.zoo) / REFERENCE)!r} does not exist (the FID reference)")
+    if args.plot is not None:
+        if not args.num_images:
+            parser.error("argument --plot: needs --num-images > 0 (the plot shows the FID)")
+        check_output_file(parser, "--plot", args.plot, "image")
+    check_device(parser, args.device)
 
 
 def methods(args) -> dict[str, dict]:
@@ -168,8 +253,6 @@ def run(args):
         logger.info("%-16s latency %.3fs speedup %.2fx acc %s fid %s accept %s", name, entry["latency_s"],
                     entry["speedup"], entry.get("accuracy"), entry.get("fid_in_domain"), entry["acceptance_rate"])  # fmt: skip
     pareto = {str(bs): pareto_report(report, bs) for bs in args.batch_size} if args.num_images else {}
-    if args.plot is not None and args.num_images:
-        plot(report, args.batch_size, args.plot)
     return {
         "bench": "continuous",
         "pareto": pareto,
@@ -184,6 +267,13 @@ def run(args):
         "torch": torch.__version__,
         "methods": report,
     }
+
+
+def finish(args, report):
+    """After the report is written (`mmspec bench`): the `--plot`."""
+    if args.plot is not None and args.num_images:
+        plot(report["methods"], args.batch_size, args.plot)
+        logger.info("wrote %s", args.plot)
 
 
 def _quantiles(values):
@@ -243,6 +333,5 @@ def plot(report, batch_sizes, path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from mmspec.cli import MAX_BATCH, check_device, int_in_range, non_negative_int, seed_int, threads_int
+
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +55,41 @@ def _eagle_like_tree(num_nodes: int = 59) -> list[int]:
     return parents
 
 
+# the cases `_verify_cases` builds, in order (`--rules` picks among them)
+CASES = ("greedy", "exact", "exact_no_validate", "exact_point_mass", "tree_deterministic_8", "tree_iid_8",
+         "tree_without_replacement_8", "tree_deterministic_59", "relaxed_point_mass", "relaxed_sampled",
+         "relaxed_tree_59", "grouped_point_mass", "grouped_sampled", "grouped_sampled_gstar", "jacobi",
+         "jacobi_coupled", "continuous")  # fmt: skip
+MAX_ELEMENTS = 2**30  # float32 elements of one batch's inputs (4 GiB): more is a typo, not a benchmark
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--num-draft", "-k", type=int, default=8, help="K draft tokens (chain) / nodes (small tree)")
-    parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--codebook-dim", type=int, default=8, help="VQ codebook / embedding dim (LlamaGen: 8)")
-    parser.add_argument("--neighbours", type=int, default=1000, help="LANTERN k")
-    parser.add_argument("--value-dim", type=int, default=16, help="continuous token dim (MAR: 16)")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: unchanged)")
+    parser.add_argument("--batch-sizes", type=int_in_range(1, MAX_BATCH), nargs="+", default=[1, 16])
+    parser.add_argument("--num-draft", "-k", type=int_in_range(1, 256), default=8,
+                        help="K draft tokens (chain) / nodes (small tree)")  # fmt: skip
+    parser.add_argument("--vocab", type=int_in_range(2, 2**20), default=16384)
+    parser.add_argument("--codebook-dim", type=int_in_range(1, 4096), default=8,
+                        help="VQ codebook / embedding dim (LlamaGen: 8)")  # fmt: skip
+    parser.add_argument("--neighbours", type=non_negative_int, default=1000, help="LANTERN k (at most --vocab - 1)")
+    parser.add_argument("--value-dim", type=int_in_range(1, 4096), default=16, help="continuous token dim (MAR: 16)")
+    parser.add_argument("--repeats", type=int_in_range(1, 100_000), default=20)
+    parser.add_argument("--warmup", type=int_in_range(0, 10_000), default=3)
+    parser.add_argument("--threads", type=threads_int, default=None, help="torch.set_num_threads (default: unchanged)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rules", nargs="*", default=None, help="subset of case names to run")
+    parser.add_argument("--seed", type=seed_int, default=0)
+    parser.add_argument("--rules", nargs="*", default=None, choices=CASES, metavar="CASE",
+                        help=f"subset of case names to run: {', '.join(CASES)}")  # fmt: skip
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Before any tensor is made: LANTERN's k fits the vocabulary, one batch's inputs fit in memory, the device."""
+    if args.neighbours > args.vocab - 1:
+        parser.error(f"argument --neighbours: {args.neighbours} is more than --vocab - 1 = {args.vocab - 1}")
+    elements = max(args.batch_sizes) * (2 * args.num_draft + 1 + 60) * args.vocab + args.neighbours * args.vocab
+    if elements > MAX_ELEMENTS:
+        parser.error(f"arguments --batch-sizes / --num-draft / --vocab / --neighbours: one batch would need "
+                     f"{elements * 4 / 2**30:.1f} GiB of inputs (at most {MAX_ELEMENTS * 4 / 2**30:.0f} GiB)")  # fmt: skip
+    check_device(parser, args.device)
 
 
 def _verify_cases(batch: int, args: argparse.Namespace, shared: dict) -> dict[str, Callable[[], object]]:

@@ -24,15 +24,30 @@ verification round, bonus included) and ``tau_without_bonus`` (accepted drafts p
 ``matches_plain`` (every greedy answer identical to plain's), ``mean_new_tokens``.
 """
 
+import argparse
+import json
 import logging
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import names_of, non_negative_int, positive_int, positive_int_list, probability
+from mmspec.cli import (
+    DEFAULT_ZOO,
+    MAX_BATCH,
+    MAX_THREADS,
+    check_device,
+    check_zoo_folders,
+    finite_float,
+    int_in_range,
+    names_of,
+    positive_int_list,
+    seed_int,
+)
+from mmspec.methods import VLM_LIMITS
 
 
 logger = logging.getLogger(__name__)
@@ -49,33 +64,108 @@ METHODS = (
 )
 
 
+MAX_PROMPTS = 10_000  # `--num-prompts`
+MAX_DIGITS = 4  # a canvas has 4 cells (`mmspec.train.vlm_data.sample_layout`): at most 4 digits
+DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
+                                       "draft-model-frspec"), "mnist-vlm-eagle": ("eagle", "draft-model-frspec")}  # fmt: skip
+
+
+def _batch_sizes(text):
+    """argparse `type` of `--batch-size`: a non-empty comma list of ints in [1, MAX_BATCH]."""
+    sizes = positive_int_list(text)
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated batch sizes, got {text!r}")
+    if max(sizes) > MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"batch sizes must be in [1, {MAX_BATCH}], got {max(sizes)}")
+    return sizes
+
+
+def _confidence(text):
+    """argparse `type` of `--draft-confidence`: a number in (0, 1), as the draft LM's chains take it."""
+    value = finite_float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}")
+    return value
+
+
 def add_arguments(parser):
-    parser.add_argument("--zoo", default="assets", help="folder with mnist-vlm, mnist-vlm-draft, mnist-vlm-eagle")
-    parser.add_argument(
-        "--batch-size", type=positive_int_list, default=[1], help="answers per timed call (comma list)"
-    )
-    parser.add_argument("--num-prompts", type=positive_int, default=8, help="canvases (one answer each)")
+    nodes, depth, top_k = (int_in_range(1, VLM_LIMITS[k]) for k in ("num_draft_tokens", "tree_depth", "tree_top_k"))
+    parser.add_argument("--zoo", default=DEFAULT_ZOO, help="folder with mnist-vlm, mnist-vlm-draft, mnist-vlm-eagle")
+    parser.add_argument("--batch-size", type=_batch_sizes, default=[1],
+                        help="answers per timed call (comma list; each at most --num-prompts)")  # fmt: skip
+    parser.add_argument("--num-prompts", type=int_in_range(1, MAX_PROMPTS), default=8,
+                        help="canvases (one answer each)")  # fmt: skip
     parser.add_argument("--prompt", default="Describe the image.")
-    parser.add_argument("--methods", type=names_of(METHODS), default=",".join(METHODS))
-    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
-    parser.add_argument("--num-draft-tokens", type=positive_int, default=4, help="draft-model chain length")
-    parser.add_argument("--confident-draft-tokens", type=positive_int, default=8, help="draft-model-confident K")
-    parser.add_argument("--draft-confidence", type=probability, default=0.4, help="draft-model-confident stop")
-    parser.add_argument("--model-tree-depth", type=positive_int, default=5, help="draft-model-tree depth")
-    parser.add_argument("--model-tree-top-k", type=positive_int, default=2, help="draft-model-tree children per node")
-    parser.add_argument("--model-tree-nodes", type=positive_int, default=10, help="draft-model-tree nodes")
-    parser.add_argument("--tree-depth", type=positive_int, default=6, help="EAGLE chain length / tree depth")
-    parser.add_argument("--tree-top-k", type=positive_int, default=1, help="1: EAGLE chain; > 1: EAGLE-2 tree")
-    parser.add_argument("--tree-nodes", type=positive_int, default=24, help="EAGLE-2 tree nodes (tree-top-k > 1)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="canvas seed")
-    parser.add_argument("--min-digits", type=positive_int, default=4, help="digits per canvas at least (1-4)")
-    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--methods", type=names_of(METHODS), default=None,
+                        help=f"comma list of {','.join(METHODS)} (default: every one the zoo has drafters for)")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int_in_range(1, VLM_LIMITS["max_new_tokens"]), default=96)
+    parser.add_argument("--num-draft-tokens", type=nodes, default=4, help="draft-model chain length")
+    parser.add_argument("--confident-draft-tokens", type=nodes, default=8, help="draft-model-confident K")
+    parser.add_argument("--draft-confidence", type=_confidence, default=0.4, help="draft-model-confident stop")
+    parser.add_argument("--model-tree-depth", type=depth, default=5, help="draft-model-tree depth")
+    parser.add_argument("--model-tree-top-k", type=top_k, default=2, help="draft-model-tree children per node")
+    parser.add_argument("--model-tree-nodes", type=nodes, default=10, help="draft-model-tree nodes")
+    parser.add_argument("--tree-depth", type=depth, default=6, help="EAGLE chain length / tree depth")
+    parser.add_argument("--tree-top-k", type=top_k, default=1, help="1: EAGLE chain; > 1: EAGLE-2 tree")
+    parser.add_argument("--tree-nodes", type=nodes, default=24, help="EAGLE-2 tree nodes (tree-top-k > 1)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="canvas seed")
+    parser.add_argument("--min-digits", type=int_in_range(1, MAX_DIGITS), default=4,
+                        help=f"digits per canvas at least (1-{MAX_DIGITS})")  # fmt: skip
+    parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=0,
+                        help="torch CPU threads (0: default)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_args(parser, args):
+    """Before any model loads: the zoo has the VLM and the drafters of every method asked for (`--methods` unset:
+    the methods whose drafters it has), the prompt is not empty, the batch sizes fit the prompts, the answer fits the
+    model's context, and the device exists."""
+    from mmspec.models import read_config
+
+    check_zoo_folders(parser, args.zoo, ["mnist-vlm"])
+    if not args.prompt.strip():
+        parser.error("argument --prompt: is empty")
+    missing = {m for folder, names in DRAFTER_FOLDERS.items() if not (Path(args.zoo) / folder).is_dir() for m in names}
+    explicit = args.methods is not None
+    if args.methods is None:
+        args.methods = [m for m in METHODS if m not in missing]
+    elif missing & set(args.methods):
+        folders = sorted(f for f, names in DRAFTER_FOLDERS.items() if missing & set(names) & set(args.methods))
+        parser.error(f"argument --methods: {','.join(sorted(missing & set(args.methods)))} need(s) the zoo folder(s) "
+                     f"{', '.join(str(Path(args.zoo) / f) for f in folders)}, which do not exist")  # fmt: skip
+    eagle_config = Path(args.zoo) / "mnist-vlm-eagle" / "config.json"
+    if "draft-model-frspec" in args.methods and eagle_config.is_file():
+        try:
+            vocab = json.loads(eagle_config.read_text()).get("draft_vocab_size", 0)
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+            parser.error(f"argument --zoo: {str(eagle_config)!r} is not a JSON object ({err})")
+        if not vocab:
+            if explicit:
+                parser.error("argument --methods: draft-model-frspec needs an EAGLE head with a draft vocabulary "
+                             f"(draft_vocab_size > 0 in {str(eagle_config)!r})")  # fmt: skip
+            args.methods.remove("draft-model-frspec")
+    big = [b for b in args.batch_size if b > args.num_prompts]
+    if big:
+        parser.error(f"argument --batch-size: {big[0]} is more than --num-prompts {args.num_prompts}")
+    try:
+        config = read_config(Path(args.zoo) / "mnist-vlm")
+    except ValueError as err:
+        parser.error(f"argument --zoo: {err}")
+    context = config.get("text_config", {}).get("max_position_embeddings")
+    image_tokens = config.get("image_seq_length", 0)
+    if context is not None and args.max_new_tokens + image_tokens >= context:
+        parser.error(f"argument --max-new-tokens: {args.max_new_tokens} new tokens and {image_tokens} image tokens "
+                     f"do not fit the model's context of {context} tokens")  # fmt: skip
+    check_device(parser, args.device)
+
+
 def held_out_canvases(num, seed, min_digits=3):
-    """`num` PIL canvases of MNIST test digits with at least `min_digits` digits (long descriptions)."""
+    """`num` PIL canvases of MNIST test digits with at least `min_digits` digits (long descriptions; a canvas holds
+    at most `MAX_DIGITS`)."""
     from mmspec.train.vlm_data import mnist_digits, render, sample_layout, to_pil
+
+    if isinstance(min_digits, bool) or not isinstance(min_digits, int) or not 1 <= min_digits <= MAX_DIGITS:
+        raise ValueError(f"min_digits must be an int in [1, {MAX_DIGITS}] (digits a canvas holds), got {min_digits!r}")
 
     images, labels = mnist_digits("test")
     generator = torch.Generator().manual_seed(seed)
@@ -118,6 +208,8 @@ def build_pipeline(args):
 
 
 def run(args, pipe=None, canvases=None):
+    if args.methods is None:  # not through `mmspec bench` (no check_args): every method the pipeline can run
+        args.methods = list(METHODS)
     if not args.batch_size:
         raise ValueError("--batch-size needs at least one batch size")
     if args.threads:

@@ -14,11 +14,23 @@ from pathlib import Path
 
 import torch
 
-from mmspec.methods import ACCEPTANCES
+from mmspec.cli import (
+    DEFAULT_ZOO,
+    MAX_BATCH,
+    check_device,
+    check_output_file,
+    check_zoo_folders,
+    int_in_range,
+    sampling_type,
+    seed_int,
+    write_json,
+)
+from mmspec.methods import ACCEPTANCES, resolve_drafter
 
 
 logger = logging.getLogger(__name__)
 CARD_MARKER = "<!-- sample-eval -->"
+MAX_PER_CLASS = 10_000
 
 
 @torch.no_grad()
@@ -56,19 +68,47 @@ def _update_card(model_dir, result):
     card.write_text(text)
 
 
+def check_args(parser, args):
+    """Before any model loads: the zoo's folders (and drafter, for a speculative `--acceptance`), the sampling
+    settings the rule takes, the device, and (unless `--no-write`) that the model folder's outputs can be written."""
+    from mmspec.models import read_config, zoo_folders
+
+    try:
+        folders = zoo_folders(args.zoo, prefix=args.prefix)
+        for folder in folders.values():
+            read_config(folder)
+    except ValueError as err:
+        parser.error(f"argument --zoo: {err} (--prefix {args.prefix})")
+    check_zoo_folders(parser, args.zoo, [f"{args.prefix}-classifier"])
+    try:
+        resolve_drafter(args.acceptance, None, set(folders))
+    except ValueError as err:
+        parser.error(f"argument --acceptance: {err}: the zoo {args.zoo!r} lacks its drafter folder")
+    if ACCEPTANCES[args.acceptance].sampling_only and args.temperature == 0:
+        parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling rule --acceptance "
+                     f"{args.acceptance}")  # fmt: skip
+    check_device(parser, args.device)
+    if not args.no_write:
+        model_dir = Path(args.zoo) / f"{args.prefix}-c2i"
+        for name, kind in (("sample_eval.json", (".json",)), ("samples.png", "image"), ("README.md", (".md",))):
+            check_output_file(parser, "--zoo", model_dir / name, kind)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mmspec.eval.zoo_eval", description=__doc__)
-    parser.add_argument("--zoo", default="assets")
-    parser.add_argument("--prefix", default="mnist")
-    parser.add_argument("--per-class", type=int, default=100)
-    parser.add_argument("--guidance-scale", type=float, default=2.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser = argparse.ArgumentParser(prog="python -m mmspec.eval.zoo_eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--zoo", default=DEFAULT_ZOO, help="the zoo folder (default: the shipped zoo)")
+    parser.add_argument("--prefix", default="mnist", help="zoo folders <prefix>-c2i, <prefix>-vq, <prefix>-classifier")
+    parser.add_argument("--per-class", type=int_in_range(1, MAX_PER_CLASS), default=100)
+    parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0)
+    parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
     parser.add_argument("--acceptance", default="none", choices=list(ACCEPTANCES))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=250)
+    parser.add_argument("--seed", type=seed_int, default=0)
+    parser.add_argument("--batch-size", type=int_in_range(1, MAX_BATCH), default=250)
     parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
     parser.add_argument("--no-write", action="store_true", help="only print; do not touch the model folder")
     args = parser.parse_args(argv)
+    check_args(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     from mmspec.eval.images import make_grid
@@ -102,8 +142,8 @@ def main(argv=None):
         n_classes = pipe.transformer.config.num_classes
         show = min(10, args.per_class)
         rows = [images[labels == c][:show] for c in range(n_classes)]
+        write_json(model_dir / "sample_eval.json", result)  # the report first: the extras below cannot lose it
         make_grid(to_pil(torch.cat(rows)), show).save(model_dir / "samples.png")
-        (model_dir / "sample_eval.json").write_text(json.dumps(result, indent=2))
         _update_card(model_dir, result)
     return result
 

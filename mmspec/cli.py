@@ -8,7 +8,10 @@ The method options come from the registry `mmspec.methods`: `--acceptance` / `--
 `ACCEPTANCES` / `DRAFTERS`, one flag per pipeline knob of `KNOBS` (`add_knob_arguments`, shared with the
 benchmarks), so an unknown method or an out-of-range knob is a usage error (exit 2) before anything is loaded.
 Every other `generate` option is checked up front too (class ids against the zoo's `config.json`, the output path,
-the device) so a bad command line never costs a model load. This module imports nothing heavy at import time
+the device, knob flags the chosen method never reads) so a bad command line never costs a model load. Shared with
+every command: `seed_int` / `threads_int` (bounded by `MAX_SEED` / `MAX_THREADS`), `int_in_range` for counts that cost
+memory or time, `check_output_file`, `check_device`, `check_zoo_folders` and `write_json` (atomic: temp file +
+rename, so a finished report is never left truncated). This module imports nothing heavy at import time
 (`mmspec --help` does not import torch); the registry is imported when a parser needs it.
 """
 
@@ -29,6 +32,8 @@ __all__ = [
     "COMMANDS",
     "HelpFormatter",
     "DEFAULT_ZOO",
+    "MAX_SEED",
+    "MAX_THREADS",
     "add_knob_arguments",
     "check_device",
     "check_output_file",
@@ -43,6 +48,9 @@ __all__ = [
     "positive_int",
     "probability",
     "sampling_type",
+    "seed_int",
+    "threads_int",
+    "write_json",
 ]
 
 # command -> ("module:function" called with the remaining arguments, help); `eval`, `demo` go here, one line each
@@ -55,6 +63,12 @@ COMMANDS = {
 }
 NUM_PER_CLASS = 2  # `mmspec generate` default
 DEFAULT_ZOO = str(Path(__file__).resolve().parent.parent / "assets")  # = mmspec.models.DEFAULT_ZOO (no torch import)
+# `torch.Generator.manual_seed` takes seeds below 2**64; commands add image / repeat offsets to `--seed`, so half of
+# that range keeps every derived seed valid
+MAX_SEED = 2**63 - 1
+MAX_THREADS = 1024  # `--threads`: torch.set_num_threads far past any machine is a typo
+MAX_IMAGES = 10_000  # `mmspec generate`: images in one grid (each costs a full decode and grid memory)
+MAX_BATCH = 1024  # images per pipeline call (KV caches grow with it)
 
 
 def _entry_point(spec):
@@ -104,6 +118,30 @@ def positive_int_list(text):
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
     return values
+
+
+def int_in_range(low, high):
+    """argparse `type` factory: an integer in [low, high] (an upper bound keeps a typo from costing memory or hours)."""
+
+    def parse(text):
+        value = _int_at_least(text, low)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
+def seed_int(text):
+    """argparse `type` of `--seed`: an integer in [0, MAX_SEED] (a larger one overflows `manual_seed` after the
+    models loaded)."""
+    return int_in_range(0, MAX_SEED)(text)
+
+
+def threads_int(text):
+    """argparse `type` of `--threads`: an integer in [1, MAX_THREADS]."""
+    return int_in_range(1, MAX_THREADS)(text)
 
 
 def names_of(choices):
@@ -235,6 +273,18 @@ def add_knob_arguments(parser, names=None):
                                help=help_text)  # fmt: skip
 
 
+def check_knobs_used(parser, knobs, acceptance, drafter):
+    """Usage error for a knob flag that the method (`acceptance` run on `drafter`) never reads (`Knob.used_by`):
+    it would be silently ignored, and the run would not be the one asked for."""
+    from mmspec.methods import KNOBS
+
+    for name in knobs:
+        used_by = KNOBS[name].used_by
+        if used_by and acceptance not in used_by and drafter not in used_by:
+            method = f"--acceptance {acceptance}" + (f" with the {drafter} drafter" if drafter else "")
+            parser.error(f"argument --{name.replace('_', '-')}: is read only by {', '.join(used_by)}, not by {method}")
+
+
 def knob_values(args):
     """The knob flags of `add_knob_arguments` that were set, as pipeline keywords."""
     from mmspec.methods import KNOBS
@@ -274,12 +324,12 @@ def _generate_args(parser):
                         help="text-to-image: a prompt for the zoo's t2i model (<zoo>/mnist-t2i); repeat the flag for "
                              "several prompts (one grid row each); replaces --classes")  # fmt: skip
     count = parser.add_mutually_exclusive_group()
-    count.add_argument("--num-per-class", type=positive_int, default=None, metavar="N",  # None: see --num-images
+    count.add_argument("--num-per-class", type=int_in_range(1, MAX_IMAGES), default=None, metavar="N",  # None: see --num-images
                        help=f"images per class id; the grid has one row per class id (default: {NUM_PER_CLASS})")  # fmt: skip
-    count.add_argument("--num-images", type=positive_int, default=None, metavar="N",
+    count.add_argument("--num-images", type=int_in_range(1, MAX_IMAGES), default=None, metavar="N",
                        help="instead of --num-per-class: N images in all, image i of class id i mod (number of "
                             "--classes ids), so the grid has one column per class id")  # fmt: skip
-    parser.add_argument("--batch-size", type=positive_int, default=1, metavar="N",
+    parser.add_argument("--batch-size", type=int_in_range(1, MAX_BATCH), default=1, metavar="N",
                         help="images per pipeline call (1 = the latency regime speculative decoding targets)")  # fmt: skip
     parser.add_argument("--acceptance", default="jacobi", choices=list(ACCEPTANCES),
                         help="acceptance rule (jacobi: SJD + SCD coupling, lossless)")  # fmt: skip
@@ -291,27 +341,14 @@ def _generate_args(parser):
                         help="sampling temperature (>= 0; 0 = greedy, not allowed for sampling-only rules)")  # fmt: skip
     parser.add_argument("--top-k", type=sampling_type("top_k", int), default=None, metavar="K",
                         help="keep the K most likely tokens (>= 1; unset: off)")  # fmt: skip
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="the call starting at image i uses seed + i")
+    parser.add_argument("--seed", type=seed_int, default=0, help="the call starting at image i uses seed + i")
     parser.add_argument("--device", default="cpu", help="device the models run on (and the generators live on)")
-    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+    parser.add_argument("--threads", type=threads_int, default=None, metavar="N",
                         help="torch CPU threads (torch.set_num_threads; unset: torch's default)")  # fmt: skip
     parser.add_argument("--out", default="mmspec_samples.png", help="image grid to write (PNG; folder must exist)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-AR comparison run")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_knob_arguments(parser)
-
-
-def int_in_range(low, high):
-    """argparse `type` factory: an integer in [low, high] (an upper bound keeps a typo from costing memory or hours)."""
-
-    def parse(text):
-        value = _int_at_least(text, low)
-        if value > high:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {value}")
-        return value
-
-    parse.__name__ = f"int in [{low}, {high}]"
-    return parse
 
 
 def check_output_file(parser, flag, out, extensions=None):
@@ -336,6 +373,23 @@ def check_output_file(parser, flag, out, extensions=None):
             parser.error(f"argument {flag}: {str(out)!r} needs an image extension PIL can write, e.g. .png")
     elif extensions is not None and path.suffix.lower() not in extensions:
         parser.error(f"argument {flag}: {str(out)!r} needs the extension {' or '.join(extensions)}")
+
+
+def write_json(path, report):
+    """Write `report` as indented JSON to `path` atomically: a temporary file in the same folder, then a rename, so
+    an interrupted or failed write never leaves a truncated report (nor destroys the previous one)."""
+    import tempfile
+
+    path = Path(path)
+    text = json.dumps(report, indent=2)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _check_out(parser, out):
@@ -395,9 +449,10 @@ def check_generate_args(parser, args):
             f"(ids 0..{num_classes - 1})"
         )
     try:
-        resolve_drafter(args.acceptance, args.drafter, set(folders))
+        drafter = resolve_drafter(args.acceptance, args.drafter, set(folders))
     except ValueError as err:
         parser.error(f"argument --drafter: {err} (zoo: {args.zoo})")
+    check_knobs_used(parser, knob_values(args), args.acceptance, drafter)
     if ACCEPTANCES[args.acceptance].sampling_only and args.temperature == 0:
         parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling rule --acceptance "
                      f"{args.acceptance}")  # fmt: skip

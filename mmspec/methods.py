@@ -7,7 +7,9 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
 * `DRAFTERS`: name -> `DrafterSpec` (the pipeline component it needs, if any).
 * `KNOBS`: pipeline keyword -> `Knob` (type, default, range check, which methods read it). Rule knobs take their
   defaults from the rule classes of `mmspec.verify` (the one place they are defined).
-* `VLM_LIMITS`: upper bounds of the VLM pipeline's size knobs (checked by the pipeline and by every CLI flag).
+* `VLM_LIMITS`: upper bounds of the VLM pipeline's size knobs (checked by the pipeline and by every CLI flag); the
+  shared knobs (`num_draft_tokens`, `tree_depth`, `tree_top_k`) have the same bounds in `KNOBS`, `IMAGE_LIMITS`
+  bound the image-only ones (`jacobi_window`, `relaxation_top_k`, `group_size`).
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
 """
 
@@ -25,6 +27,7 @@ __all__ = [
     "DRAFTERS",
     "KNOBS",
     "PRESETS",
+    "IMAGE_LIMITS",
     "VLM_LIMITS",
     "Acceptance",
     "DrafterSpec",
@@ -103,12 +106,27 @@ class Knob:
     used_by: tuple[str, ...] = ()  # acceptances or drafters that read it (empty: all)
 
 
+# Upper bounds of the VLM pipeline's size knobs: each costs memory and time linearly (a tree's target forward scores
+# every node), far past any useful setting (EAGLE-2: depth 6, top-k 10, 60 nodes), so a typo is refused instead of
+# allocating gigabytes. `max_new_tokens` is also bounded by the model's context (prompt + new tokens).
+VLM_LIMITS = {"num_draft_tokens": 256, "tree_depth": 32, "tree_top_k": 32, "max_new_tokens": 32768}
+
+# Upper bounds of the image-side knobs that cost memory or time: the Jacobi window scores window x vocabulary
+# logits per forward (1024 = every token of a 512 px LlamaGen image), LANTERN's neighbourhood holds k neighbours of
+# every codebook entry, GSD's group is a rank window over the vocabulary.
+IMAGE_LIMITS = {"jacobi_window": 1024, "relaxation_top_k": 4096, "group_size": 1024}
+
+
 def _rule_default(rule, name):
     return RULE_CLASSES[rule].__dataclass_fields__[name].default
 
 
+def _int_range(low, high):
+    """(check, bound) of a Knob: an int in [low, high]."""
+    return (lambda v: low <= v <= high), f"in [{low}, {high}]"
+
+
 def _knobs():
-    pos = (lambda v: v >= 1, ">= 1")
     return {
         k.name: k
         for k in (
@@ -117,7 +135,7 @@ def _knobs():
                 int,
                 None,
                 "draft chain length K (model drafter, default 4) or EAGLE-2 tree nodes (default 24)",
-                *pos,
+                *_int_range(1, VLM_LIMITS["num_draft_tokens"]),
                 optional=True,
                 used_by=("model", "eagle"),
             ),
@@ -126,7 +144,7 @@ def _knobs():
                 int,
                 None,
                 "EAGLE chain length / tree depth (default 5; 7 for relaxed, grouped)",
-                *pos,
+                *_int_range(1, VLM_LIMITS["tree_depth"]),
                 optional=True,
                 used_by=("eagle",),
             ),
@@ -135,7 +153,7 @@ def _knobs():
                 int,
                 1,
                 "EAGLE: 1 = sampled chain, > 1 = EAGLE-2 tree with top-k children",
-                *pos,
+                *_int_range(1, VLM_LIMITS["tree_top_k"]),
                 used_by=("eagle",),
             ),
             Knob(
@@ -143,8 +161,7 @@ def _knobs():
                 int,
                 16,
                 "LANTERN neighbourhood size k (capped at V - 1)",
-                lambda v: v >= 0,
-                ">= 0",
+                *_int_range(0, IMAGE_LIMITS["relaxation_top_k"]),
                 used_by=("relaxed",),
             ),
             Knob(
@@ -171,7 +188,7 @@ def _knobs():
                 int,
                 _rule_default("grouped", "group_size"),
                 "GSD group (rank window) size",
-                *pos,
+                *_int_range(1, IMAGE_LIMITS["group_size"]),
                 used_by=("grouped",),
             ),
             Knob(
@@ -192,7 +209,14 @@ def _knobs():
                 ">= 0",
                 used_by=("grouped",),
             ),
-            Knob("jacobi_window", int, 16, "SJD window: draft tokens per forward", *pos, used_by=("jacobi",)),
+            Knob(
+                "jacobi_window",
+                int,
+                16,
+                "SJD window: draft tokens per forward",
+                *_int_range(1, IMAGE_LIMITS["jacobi_window"]),
+                used_by=("jacobi",),
+            ),
             Knob("jacobi_init", ("repeat", "random"), "repeat", "SJD fresh-token initialisation", used_by=("jacobi",)),
             Knob("coupling", bool, True, "SCD maximal-coupling re-drafts (lossless)", used_by=("jacobi",)),
             Knob(
@@ -207,12 +231,6 @@ def _knobs():
 
 
 KNOBS: dict[str, Knob] = _knobs()
-
-# Upper bounds of the VLM pipeline's size knobs: each costs memory and time linearly (a tree's target forward scores
-# every node), far past any useful setting (EAGLE-2: depth 6, top-k 10, 60 nodes), so a typo is refused instead of
-# allocating gigabytes. `max_new_tokens` is also bounded by the model's context (prompt + new tokens).
-VLM_LIMITS = {"num_draft_tokens": 256, "tree_depth": 32, "tree_top_k": 32, "max_new_tokens": 32768}
-
 
 PRESETS = {
     "plain": dict(acceptance="none"),

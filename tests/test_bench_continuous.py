@@ -66,6 +66,24 @@ def test_bench_continuous_writes_every_method(zoo, tmp_path):
         assert m["latency_s"] > 0
 
 
+def test_bench_continuous_writes_the_report_before_the_plot(zoo, tmp_path, monkeypatch):
+    """A plot that fails after the whole bench ran must not lose the finished JSON report."""
+    from mmspec.eval import bench_continuous
+
+    def broken_plot(*args, **kwargs):
+        raise OSError("plot failed")
+
+    monkeypatch.setattr(bench_continuous, "plot", broken_plot)
+    out = tmp_path / "bench.json"
+    args = ["continuous", "--zoo", str(zoo), "--json", str(out), "--timing-batches", "1", "--num-images", "2",
+            "--quality-batch-size", "2", "--num-ar-steps", "2", "--fewer-steps", "1", "--verify-modes", "block",
+            "--num-draft-tokens", "1", "--threads", "1", "--device", "cpu", "--plot", str(tmp_path / "p.png")]  # fmt: skip
+    with pytest.raises(OSError, match="plot failed"):
+        bench_main(args)
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"plain", "fewer-steps-1", "cspd-block"} and report["num_images"] == 2
+
+
 def test_bench_continuous_usage_errors(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_main(["continuous", "--verify-modes", "fast"])

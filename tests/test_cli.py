@@ -59,14 +59,14 @@ def _usage_error(argv, capsys, match):
     [
         (["generate", "--acceptance", "foo"], "--acceptance: invalid choice: 'foo'"),
         (["generate", "--drafter", "foo"], "--drafter: invalid choice: 'foo'"),
-        (["generate", "--tree-depth", "0"], "tree_depth must be >= 1"),
+        (["generate", "--tree-depth", "0"], "tree_depth must be in [1, 32]"),
         (["generate", "--jacobi-window", "2.5"], "--jacobi-window"),
         (["generate", "--relaxation-delta", "nan"], "relaxation_delta"),
         (["generate", "--resample", "foo"], "--resample: invalid choice"),
         (["warp-drive"], "invalid choice: 'warp-drive'"),
         ([], "COMMAND"),
         (["bench", "warp-drive"], "invalid choice: 'warp-drive'"),
-        (["bench", "ar-image", "--jacobi-window", "-1"], "jacobi_window must be >= 1"),
+        (["bench", "ar-image", "--jacobi-window", "-1"], "jacobi_window must be in [1, 1024]"),
         (["bench", "ar-image", "--tree-top-k", "x"], "--tree-top-k"),
         (["bench", "ar-image", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
         (["bench", "ar-image", "--num-images", "0"], "argument --num-images: must be an integer >= 1"),
@@ -91,11 +91,13 @@ def test_generate_choices_and_knob_flags_come_from_the_registry(parsed, monkeypa
     for drafter in DRAFTERS:
         cli.main(["generate", "--acceptance", "exact", "--drafter", drafter])
     assert [a.acceptance for a in parsed[: len(ACCEPTANCES)]] == list(ACCEPTANCES)
-    monkeypatch.setitem(ACCEPTANCES, "new-rule", Acceptance("new-rule", "a rule added later", True, ("model",)))
-    cli.main(["generate", "--acceptance", "new-rule", "--tree-depth", "3", "--no-coupling", "--resample", "released"])
+    monkeypatch.setitem(ACCEPTANCES, "new-rule", Acceptance("new-rule", "a rule added later", True, ("jacobi",)))
+    cli.main(
+        ["generate", "--acceptance", "new-rule", "--jacobi-window", "3", "--no-coupling", "--jacobi-init", "random"]
+    )
     args = parsed[-1]
     assert args.acceptance == "new-rule"
-    assert cli.knob_values(args) == {"tree_depth": 3, "coupling": False, "resample": "released"}
+    assert cli.knob_values(args) == {"jacobi_window": 3, "coupling": False, "jacobi_init": "random"}
     cli.main(["generate"])
     assert cli.knob_values(parsed[-1]) == {} and parsed[-1].acceptance == "jacobi"  # unset: pipeline defaults
 

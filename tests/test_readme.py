@@ -84,6 +84,7 @@ def test_the_readme_has_the_blocks_and_commands_this_test_runs():
     assert len(COMMANDS) >= 20 and any(module for _, module, _ in COMMANDS)
 
 
+@pytest.mark.zoo
 @pytest.mark.parametrize("line, code, official", BLOCKS, ids=[f"README.md:{line}" for line, _, _ in BLOCKS])
 def test_python_block_runs_as_pasted(line, code, official, tmp_path):
     prelude = ""

@@ -10,10 +10,15 @@ Conventions (both are reported, since papers disagree):
 
 Rounds are logged as tensor references during decoding (no work and no host sync per round) and added up into
 plain lists by `finalize()`, which the pipelines call before returning.
+
+Timing: `time_prefill_s`, `time_decode_s` and `time_total_s` are measured once per call. The per-round phases
+(`time_draft_s`, `time_verify_s`) need a device sync at each phase boundary (six per round on CUDA), so they are
+opt-in: `SpecStats(..., time_phases=True)`; without it the loop's rounds are not timed and both fields are None
+(absent from the report, not zeros).
 """
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -27,6 +32,9 @@ class SpecStats:
         batch_size: number of generated sequences (rows), CFG streams not counted.
         num_draft_tokens: the draft budget K per round (sizes the acceptance histogram).
         extra: method-specific fields (e.g. residual fallbacks of a continuous rule), reported as they are.
+        time_phases: time the decoding loop's per-round phases (`time_draft_s`, `time_verify_s`; a CUDA sync on
+            entry and exit of each phase). Off by default, so the hot loop keeps its one host sync per round; the
+            phase times are then None.
     """
 
     batch_size: int
@@ -40,13 +48,19 @@ class SpecStats:
     rounds: list[int] = field(default_factory=list)  # [B] verification rounds the row took part in
     accept_histogram: list[int] = field(default_factory=list)  # [K+1] rounds with exactly k accepted drafts
     time_prefill_s: float = 0.0
-    time_draft_s: float = 0.0
-    time_verify_s: float = 0.0
+    time_draft_s: float | None = None  # None unless time_phases
+    time_verify_s: float | None = None  # None unless time_phases
     time_decode_s: float = 0.0
     time_total_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    time_phases: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.time_phases, bool):
+            raise TypeError(f"time_phases must be a bool, got {self.time_phases!r}")
+        if self.time_phases:
+            self.time_draft_s = self.time_draft_s or 0.0
+            self.time_verify_s = self.time_verify_s or 0.0
         b, k = self.batch_size, self.num_draft_tokens
         self.drafted_tokens = self.drafted_tokens or [0] * b
         self.accepted_tokens = self.accepted_tokens or [0] * b
@@ -91,9 +105,15 @@ class SpecStats:
         self.accept_histogram = [a + b for a, b in zip(self.accept_histogram, hist.tolist())]
         return self
 
+    def phase(self, phase, device=None):
+        """Time one per-round phase of the decoding loop (`"draft"`, `"verify"`) into `time_<phase>_s` when
+        `time_phases` is on (a `timer`, syncing CUDA around the block); otherwise a no-op: no sync, no clock."""
+        return self.timer(phase, device) if self.time_phases else nullcontext()
+
     @contextmanager
     def timer(self, phase, device=None):
-        """Accumulate wall time of a block into `time_<phase>_s` (synchronising CUDA around it)."""
+        """Accumulate wall time of a block into `time_<phase>_s` (synchronising CUDA around it). For once-per-call
+        spans (prefill, decode, total); the loop's per-round phases go through `phase`."""
         if device is not None and torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -103,7 +123,7 @@ class SpecStats:
             if device is not None and torch.device(device).type == "cuda":
                 torch.cuda.synchronize(device)
             attr = f"time_{phase}_s"
-            setattr(self, attr, getattr(self, attr) + time.perf_counter() - start)
+            setattr(self, attr, (getattr(self, attr) or 0.0) + time.perf_counter() - start)
 
     @property
     def mean_accepted_length(self):

@@ -100,12 +100,26 @@ def test_load_official_formats(tmp_path, model_type, wrapper):
     assert model.prefill(cond, cache).logits.shape == (2, 1, 64)
 
 
-def test_upstream_only_buffers_are_dropped(tmp_path):
+def test_upstream_only_buffers_are_dropped(tmp_path, caplog):
+    """Upstream's rope table and KV caches in the file are dropped: the model holds exactly the checkpoint's weights
+    and computes as the same checkpoint without them (a zero rope table or cache read in would change the logits)."""
     state = synthetic_state()
-    state["freqs_cis"] = torch.zeros(17, 4, 2)
-    state["layers.0.attention.kv_cache.k_cache"] = torch.zeros(1, 4, 24, 8)
-    torch.save({"model": state}, tmp_path / "c.pt")
-    load_official_gpt(tmp_path / "c.pt", "GPT-B", **tiny_kwargs())
+    torch.save({"model": state}, tmp_path / "clean.pt")
+    extra = {"freqs_cis": torch.zeros(17, 4, 2), "layers.0.attention.kv_cache.k_cache": torch.zeros(1, 4, 24, 8)}
+    torch.save({"model": {**state, **extra}}, tmp_path / "c.pt")
+    with caplog.at_level("INFO", logger="mmspec.models.checkpoints"):
+        model = load_official_gpt(tmp_path / "c.pt", "GPT-B", **tiny_kwargs())
+    assert "dropped 2 non-parameter upstream entries" in caplog.text
+    loaded = model.state_dict()
+    assert set(loaded) == set(state)  # no upstream buffer became part of the model
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v), k
+    clean = load_official_gpt(tmp_path / "clean.pt", "GPT-B", **tiny_kwargs())
+    cond = torch.tensor([1, 10])
+    with torch.no_grad():
+        logits = model.prefill(cond, model.setup_cache(2, 24)).logits
+        expected = clean.prefill(cond, clean.setup_cache(2, 24)).logits
+    assert torch.equal(logits, expected)
 
 
 def test_wrong_shape_missing_and_unexpected_keys_are_named(tmp_path):

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knob, resolve_drafter
-from mmspec.verify import RULE_CLASSES
 
 
 def test_knob_types():
@@ -20,11 +19,41 @@ def test_knob_types():
         check_knob("resample", "foo")
 
 
-def test_rule_defaults_come_from_the_rule_classes():
-    assert KNOBS["relaxation_delta"].default == RULE_CLASSES["relaxed"]().delta
-    grouped = RULE_CLASSES["grouped"]()
-    assert (KNOBS["group_size"].default, KNOBS["group_prob_threshold"].default, KNOBS["group_dist_threshold"].default) == (
-        grouped.group_size, grouped.prob_threshold, grouped.dist_threshold)  # fmt: skip
+def test_pipeline_uses_the_registry_defaults_of_unset_rule_knobs():
+    """A rule knob left unset runs with the registry's default (`KNOBS`, read from the rule class): the same tokens
+    and counters as passing that default explicitly, while another value of the knob changes the run."""
+    import copy
+
+    from mmspec.models.llamagen import LlamaGenGPT
+    from mmspec.models.vq import LlamaGenVQ
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    target = LlamaGenGPT(vocab_size=16, dim=32, n_layer=2, n_head=2, num_classes=4, block_size=16, multiple_of=8,
+                         initializer_range=0.3).init_weights(torch.Generator().manual_seed(0), zero_output=False)  # fmt: skip
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    vq = LlamaGenVQ(codebook_size=16, codebook_embed_dim=4, ch=8, ch_mult=(1, 2, 2), z_channels=8, in_channels=1,
+                    num_res_blocks=1, norm_num_groups=4)  # fmt: skip
+    pipe = SpeculativeARImagePipeline(target.eval(), vq.eval(), draft.eval())
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(acceptance, **knobs):
+        out = pipe(class_labels=[0, 1, 2, 3], acceptance=acceptance, drafter="model", output_type="tokens",
+                   generator=torch.Generator().manual_seed(0), **knobs)  # fmt: skip
+        return out.images, out.stats.accepted_tokens, out.stats.target_forwards
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+    for acceptance, names, other in (
+        ("relaxed", ("relaxation_top_k", "relaxation_delta"), dict(relaxation_delta=0.0)),
+        ("grouped", ("group_size", "group_prob_threshold", "group_dist_threshold"), dict(group_size=1)),
+    ):
+        unset = run(acceptance)
+        assert same(unset, run(acceptance, **{n: KNOBS[n].default for n in names})), acceptance
+        assert not same(unset, run(acceptance, **other)), (acceptance, other)  # the knobs do reach the rule
 
 
 def test_resolve_drafter():

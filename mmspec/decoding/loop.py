@@ -12,7 +12,8 @@ Plain AR decoding is the same loop without a drafter (an empty proposal: the ver
 `p_target` per round). Speculative and plain decoding therefore share every line but the draft.
 
 The only host syncs per round are the compaction check (how many rows remain, how many tokens were generated, for
-the progress bar) and those a rule needs inside `mmspec.verify` (tree loop bounds). Counters stay on the device
+the progress bar) and those a rule needs inside `mmspec.verify` (tree loop bounds); the per-phase timers (a CUDA
+sync around each phase) run only when asked for (`SpecStats(time_phases=True)`). Counters stay on the device
 (`SpecStats.record_round`); non-finite distributions are flagged on the device and raised once at the end
 (`Guidance.check`).
 """
@@ -85,7 +86,7 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
         rule: the `mmspec.verify` acceptance rule object (`Exact()`, `Lantern(...)`, `Grouped(...)`).
         state: the `SequenceState` (tokens, per-row generators, trace).
         guidance: the call's `Guidance` (greedy flag; finite-probability flags checked at the end).
-        stats: `SpecStats` to fill (`target_forwards`, per-round counters, draft/verify time).
+        stats: `SpecStats` to fill (`target_forwards`, per-round counters; draft / verify time if `time_phases`).
         progress: optional tqdm-like bar (`update(n)`), in tokens.
         callback: optional `fn(state, round_index)` after every round.
     """
@@ -98,9 +99,9 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
             reported = generated
         if not left:
             break
-        with stats.timer("draft", device):
+        with stats.phase("draft", device):
             proposal = drafter.propose(state) if drafter is not None else Proposal.empty(state.batch_size, device)
-        with stats.timer("verify", device):
+        with stats.phase("verify", device):
             if proposal.parents is None:  # chain [pending, d_1 .. d_K]
                 tokens, parents = torch.cat([state.pending[:, None], proposal.tokens], dim=1), None
             else:  # tree [pending (root), nodes]
@@ -111,7 +112,7 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
         target.commit(result.num_emitted, None if parents is None else result.path.clamp(min=0))
         num = state.emit(result.tokens, result.num_emitted, _closes_with_bonus(result, proposal, parents))
         if drafter is not None:
-            with stats.timer("draft", device):
+            with stats.phase("draft", device):
                 drafter.commit(result, out, state)
         stats.record_round(proposal.num_draft, torch.minimum(result.num_accepted, num), num, rows=state.ids)
         if callback is not None:

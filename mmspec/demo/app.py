@@ -161,7 +161,7 @@ def _continuous_tab(cache):
         label = gr.Number(value=3, label="class (digit)", elem_id=f"{tab}-condition")
         seed = gr.Textbox(value="0", label="seed", elem_id=f"{tab}-seed")
         guidance = gr.Number(value=4.0, label="guidance scale (CFG)")
-        steps = gr.Number(value=64, label="AR steps")
+        steps = gr.Number(value=64, label="AR steps", elem_id=f"{tab}-steps")
     with gr.Row():
         mode = gr.Dropdown(choices=list(VERIFY_MODES), value="block", label="verify mode",
                            info="block: one target pass per block (CSpD release); exact: lossless, slower")  # fmt: skip
@@ -188,7 +188,7 @@ def _vlm_tab(cache):
             canvas = gr.Number(value=0, label="held-out canvas (MNIST test digits) number", elem_id=f"{tab}-canvas")
         with gr.Column():
             prompt = gr.Textbox(value="Describe the image.", label="question", elem_id=f"{tab}-prompt")
-            max_new = gr.Number(value=32, label="max new tokens")
+            max_new = gr.Number(value=32, label="max new tokens", elem_id=f"{tab}-max-new")
             seed = gr.Textbox(value="0", label="seed", elem_id=f"{tab}-seed")
             sample = gr.Checkbox(value=False, label="sample (do_sample; needs acceptance exact)")
             temperature = gr.Number(value=1.0, label="temperature")

@@ -163,8 +163,17 @@ def test_real_browser_every_tab(served, tmp_path):
             page.get_by_role("tab", name=TAB_TITLES["c2i"]).click()
             page.locator("#c2i-seed textarea, #c2i-seed input").first.fill("abc")
             page.locator("#c2i-generate").click()
-            page.get_by_text("seed must be a whole number").first.wait_for(timeout=30_000)
+            toast = page.locator('[data-testid="toast-text"]', has_text="seed must be a whole number, got 'abc'")
+            toast.wait_for(state="visible", timeout=30_000)
+            page.wait_for_timeout(500)  # the toast's fade-in
             page.screenshot(path=shots / "error.png")
+            page.locator("#c2i-seed textarea, #c2i-seed input").first.fill("1")
+            page.locator("#c2i-generate").click()
+            page.wait_for_function(
+                "() => !document.querySelector('#c2i-map .error') && document.querySelector('#c2i-map img')",
+                timeout=60_000,
+            )
+            assert _loaded_image(page, "#c2i-map") == 256 and "speedup" in page.inner_text("#c2i-stats")
         finally:
             browser.close()
     assert sorted(p.name for p in shots.iterdir()) == ["c2i.png", "continuous.png", "error.png", "t2i.png", "vlm.png"]

@@ -10,6 +10,7 @@ serving.
 
 import inspect
 import logging
+from pathlib import Path
 
 import gradio as gr
 
@@ -51,21 +52,24 @@ def _guarded(fn, num_inputs):
     return run
 
 
-class ImageUpload(gr.Image):
-    """`gr.Image` whose upload, if it is not an image, is answered with a message naming the file (plain
-    `gr.Image` fails with a generic error before the handler runs)."""
+def _image_upload(**kwargs):
+    """A `gr.Image` whose upload, if it is not an image, is answered with a message naming the file (a plain
+    `gr.Image` fails with a generic error before the handler runs). The instance's `preprocess` is wrapped: a
+    subclass of a Gradio component would make Gradio write a `.pyi` stub next to this module."""
+    component = gr.Image(**kwargs)
+    preprocess = component.preprocess
 
-    def get_block_name(self):
-        return "image"  # the same front-end component
-
-    def preprocess(self, payload):
+    def checked(payload):
         try:
-            return super().preprocess(payload)
+            return preprocess(payload)
         except (OSError, ValueError) as err:  # PIL.UnidentifiedImageError is an OSError
             name = getattr(payload, "orig_name", None) or getattr(payload, "path", "the upload")
             raise gr.Error(
                 f"image upload: {name!r} is not an image ({type(err).__name__})", print_exception=False
             ) from None
+
+    component.preprocess = checked
+    return component
 
 
 def _knob_widget(name, value, visible):
@@ -183,7 +187,7 @@ def _vlm_tab(cache):
     names = handlers.vlm_knob_names()
     with gr.Row():
         with gr.Column():
-            upload = ImageUpload(label="upload an image (empty: the held-out canvas)", type="filepath",
+            upload = _image_upload(label="upload an image (empty: the held-out canvas)", type="filepath",
                               sources=["upload"], elem_id=f"{tab}-upload")  # fmt: skip
             canvas = gr.Number(value=0, label="held-out canvas (MNIST test digits) number", elem_id=f"{tab}-canvas")
         with gr.Column():
@@ -218,7 +222,7 @@ def _vlm_tab(cache):
 def build_app(cache):
     """The demo's `gr.Blocks` over a `mmspec.demo.models.PipelineCache` (one tab per pipeline it serves), queued."""
     with gr.Blocks(title="mmspec: speculative decoding, side by side") as demo:
-        source = cache.pipeline_folder or cache.zoo
+        source = Path(cache.pipeline_folder or cache.zoo).name
         gr.Markdown(
             "# mmspec: speculative decoding, side by side\n"
             f"Plain decoding and a speculative method on the same input and seed (models from `{source}`, loaded "

@@ -139,6 +139,22 @@ def test_models_load_once_per_process(cache):
         PipelineCache(pipeline_folder=None, zoo=cache.zoo).get("unknown")
 
 
+def test_a_saved_pipeline_folder_serves_its_tab(cache, tmp_path):
+    folder = tmp_path / "pipe"
+    cache.get("c2i").save_pretrained(folder)
+    served = PipelineCache(pipeline_folder=folder)
+    assert served.tabs == ["c2i"] and served.zoo is None
+    result = handlers.generate_image(served, "c2i", 5, "jacobi", "auto", {}, 0)
+    reference = handlers.generate_image(cache, "c2i", 5, "jacobi", "auto", {}, 0)
+    assert torch.equal(result["trace"].origin, reference["trace"].origin)  # the same model, from the folder
+    with pytest.raises(ValueError, match="not served"):
+        handlers.generate_continuous(served, 3, 0)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    with pytest.raises(ValueError, match="names 'StableDiffusionPipeline'"):
+        PipelineCache(pipeline_folder=tmp_path / "other")
+
+
 def test_method_widgets_come_from_the_registry():
     assert handlers.image_knob_names() == list(KNOBS)
     assert set(handlers.vlm_knob_names()) == {"num_draft_tokens", "tree_depth", "tree_top_k"}
@@ -180,3 +196,14 @@ def test_cli_defaults():
     cli.check_args(parser, args)
     assert (args.host, args.port, args.share, args.zoo) == ("127.0.0.1", 7860, False, str(DEFAULT_ZOO))
     assert args.tabs == ["c2i", "t2i", "continuous", "vlm"]
+
+
+def test_the_cli_table_line_dispatches_to_the_demo(capsys):
+    """The line the merger adds to `mmspec.cli.COMMANDS` reaches `mmspec.demo.__main__.main`."""
+    from mmspec.cli import dispatch
+
+    line = {"demo": ("mmspec.demo.__main__:main", "serve the Gradio demo")}
+    with pytest.raises(SystemExit) as exit_info:
+        dispatch(line, ["demo", "--port", "0"], "mmspec", "")
+    assert exit_info.value.code == 2
+    assert "mmspec demo: error: argument --port" in capsys.readouterr().err

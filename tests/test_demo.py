@@ -207,3 +207,23 @@ def test_the_cli_table_line_dispatches_to_the_demo(capsys):
         dispatch(line, ["demo", "--port", "0"], "mmspec", "")
     assert exit_info.value.code == 2
     assert "mmspec demo: error: argument --port" in capsys.readouterr().err
+
+
+def test_cli_port_in_use_is_a_usage_error_before_any_model_loads(capsys, monkeypatch):
+    pytest.importorskip("gradio")
+    import socket
+
+    from mmspec.demo import __main__ as cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model loaded before the server could listen")
+
+    monkeypatch.setattr(PipelineCache, "_load", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--port", str(port)])
+    assert exit_info.value.code == 2
+    assert f"argument --port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

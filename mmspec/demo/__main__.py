@@ -10,6 +10,7 @@ Every flag is checked before anything loads (a bad one is a usage error, exit 2)
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def main(argv=None):
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     check_args(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no outbound calls unless --share
     import torch
 
     from mmspec.demo.app import CSS, build_app

@@ -15,7 +15,6 @@ from pathlib import Path
 import gradio as gr
 
 from mmspec.demo import handlers
-from mmspec.demo.acceptance_map import origin_legend_html
 from mmspec.demo.answer import answer_legend_html
 from mmspec.methods import ACCEPTANCES, KNOBS, PRESETS
 
@@ -226,8 +225,10 @@ def build_app(cache):
         gr.Markdown(
             "# mmspec: speculative decoding, side by side\n"
             f"Plain decoding and a speculative method on the same input and seed (models from `{source}`, loaded "
-            "on first use). The acceptance map colours each token of the 8×8 grid by the verification round that "
-            "emitted it."
+            "on first use). Image tabs: the acceptance map is the sample's 8×8 token grid, each token coloured by "
+            "the verification round that emitted it (discrete) or by what the draft and the target did with it "
+            "(continuous); the histogram counts rounds by accepted drafts. VLM: the answer's drafted tokens "
+            "are highlighted."
         )
         with gr.Tabs():
             for tab in cache.tabs:
@@ -235,7 +236,6 @@ def build_app(cache):
                     if tab in ("c2i", "t2i"):
                         _image_tab(cache, tab)
                     elif tab == "continuous":
-                        gr.HTML(origin_legend_html())
                         _continuous_tab(cache)
                     else:
                         _vlm_tab(cache)

@@ -199,7 +199,9 @@ def generate_continuous(cache, class_label, seed, guidance_scale=4.0, num_ar_ste
         "map": upscale(origin_map(spec.trace), IMAGE_SIZE),
         "legend": origin_legend_html(),
         "histogram": histogram,
-        "figure": histogram_figure(histogram, f"CSpD ({verify_mode}): {len(per_round)} rounds"),
+        "figure": histogram_figure(
+            histogram, f"CSpD ({verify_mode}): {len(per_round)} blocks", "draft tokens accepted in a block"
+        ),
         "stats": stats,
         "summary": stats_markdown(stats, CONTINUOUS_FIELDS),
         "trace": spec.trace,

@@ -19,13 +19,13 @@ def accepted_per_round(trace, row=0):
     return np.array([int(((rounds == r) & (origins == ACCEPTED)).sum()) for r in present], dtype=np.int64)
 
 
-def histogram_figure(counts, title="acceptance histogram"):
+def histogram_figure(counts, title="acceptance histogram", xlabel="drafts accepted in a round"):
     """A matplotlib `Figure` with one bar per k (accepted drafts per round), height = rounds; `counts[k]`."""
     counts = np.asarray(counts, dtype=np.int64)
     fig = Figure(figsize=(4.2, 2.8), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     ax.bar(np.arange(counts.size), counts, color="#3b75af")
-    ax.set_xlabel("drafts accepted in a round")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("rounds")
     ax.set_xticks(np.arange(counts.size))
     ax.set_title(title, fontsize=10)

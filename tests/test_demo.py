@@ -1,0 +1,229 @@
+"""The demo's handlers (`mmspec.demo.handlers`), called directly on the shipped zoo, and its command line."""
+
+import numpy as np
+import pytest
+import torch
+
+from mmspec.decoding.trace import ACCEPTED, BONUS, PREFILL, RESAMPLED
+from mmspec.demo import handlers
+from mmspec.demo.acceptance_map import MARK_COLOURS, ORIGIN_COLOURS, round_colours
+from mmspec.demo.models import PipelineCache
+from mmspec.methods import KNOBS, PRESETS
+
+
+pytestmark = pytest.mark.zoo
+CELL = 32  # acceptance-map cell size: 8 x 8 tokens -> the 256-pixel image, no resampling
+
+
+@pytest.fixture(scope="module")
+def cache():
+    torch.set_num_threads(1)
+    return PipelineCache()
+
+
+def _cell(image, index, y, x):
+    row, col = divmod(index, 8)
+    return tuple(int(v) for v in np.asarray(image)[row * CELL + y, col * CELL + x])
+
+
+def _check_round_map(image, trace):
+    """Every cell has its round's colour (top edge, away from marks) and its origin's mark (centre)."""
+    rounds, origins = trace.round[0].tolist(), trace.origin[0].tolist()
+    palette = round_colours(max(rounds) + 1)
+    assert image.size == (8 * CELL, 8 * CELL)
+    for i, (rnd, origin) in enumerate(zip(rounds, origins)):
+        assert _cell(image, i, 2, CELL // 2) == tuple(palette[rnd]), f"token {i}: round {rnd}"
+        centre = _cell(image, i, CELL // 2, CELL // 2)
+        if origin == ACCEPTED:
+            assert centre == tuple(palette[rnd]), f"token {i} is an accepted draft: unmarked"
+        else:
+            assert centre == MARK_COLOURS[origin], f"token {i}: origin {origin}"
+
+
+def test_c2i_handler_plain_vs_speculative(cache):
+    result = handlers.generate_image(cache, "c2i", 3, "exact", "eagle", {"tree_depth": 5.0}, "0")
+    pipe = cache.get("c2i")
+    ref = pipe(class_labels=[3], acceptance="exact", drafter="eagle", tree_depth=5,
+               generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert torch.equal(result["trace"].round, ref.trace.round)  # the seed reaches the pipeline
+    assert list(result["histogram"]) == ref.stats.accept_histogram
+    stats = result["stats"]
+    assert stats["plain"]["target_forwards"] == 64 and stats["plain"]["mean_accepted_length"] == 1.0
+    assert stats["speculative"]["target_forwards"] == ref.stats.target_forwards < 64
+    assert stats["speculative"]["mean_accepted_length"] == round(ref.stats.mean_accepted_length, 3) > 1
+    assert stats["speedup"] == round(stats["plain"]["latency_s"] / stats["speculative"]["latency_s"], 3)
+    for key in ("plain_image", "speculative_image"):
+        assert result[key].size == (256, 256) and np.asarray(result[key]).std() > 10  # a digit, not a blank
+    _check_round_map(result["map"], result["trace"])
+    origins = set(result["trace"].origin[0].tolist())
+    assert {PREFILL, ACCEPTED} <= origins and origins & {RESAMPLED, BONUS}  # every kind of mark is exercised
+    assert "speedup" in result["summary"] and "target forwards" in result["summary"]
+    bars = [p.get_height() for p in result["figure"].axes[0].patches]
+    assert bars == list(result["histogram"])
+
+
+def test_t2i_handler_jacobi(cache):
+    result = handlers.generate_image(cache, "t2i", "a thick handwritten seven", "jacobi", "auto", {}, 1)
+    assert result["stats"]["speculative"]["target_forwards"] < result["stats"]["plain"]["target_forwards"] == 64
+    _check_round_map(result["map"], result["trace"])
+    counts = result["trace"].counts()
+    assert int(result["histogram"].sum()) == int(result["trace"].round.max())  # one entry per verification round
+    assert int((result["histogram"] * np.arange(result["histogram"].size)).sum()) == int(counts["accepted"][0])
+
+
+def test_continuous_handler_map_shows_origins(cache):
+    result = handlers.generate_continuous(cache, 7, 0, num_ar_steps=16, verify_mode="block", num_draft_tokens=4)
+    origins = result["trace"].origin[0].tolist()
+    assert PREFILL in origins and RESAMPLED in origins  # target-only steps and draft proposals
+    for i, origin in enumerate(origins):
+        assert _cell(result["map"], i, CELL // 2, CELL // 2) == ORIGIN_COLOURS[origin][0], f"token {i}"
+    assert result["stats"]["plain"]["target_forwards"] == 16
+    assert int(result["histogram"].sum()) > 0 and result["speculative_image"].size == (256, 256)
+
+
+def test_vlm_handler_highlights_drafts(cache):
+    result = handlers.answer_vlm(cache, None, 0, "Describe the image.", "greedy", "eagle", {}, max_new_tokens=8)
+    assert result["same_answer"]  # greedy speculative decoding is lossless
+    trace = result["trace"]
+    html = result["answer_html"]
+    assert html.count("tok-accepted") == int((trace.origin == ACCEPTED).sum()) > 0
+    assert html.count("tok-rejected") == int((trace.origin == RESAMPLED).sum())
+    assert result["stats"]["speculative"]["tau"] > 1 and result["stats"]["plain"]["tau"] == 1.0
+    assert result["stats"]["speculative"]["new_tokens"] == result["stats"]["plain"]["new_tokens"]
+    assert result["image"].size == (256, 256)
+
+
+def test_vlm_handler_takes_an_uploaded_image(cache, tmp_path):
+    path = tmp_path / "canvas.png"
+    handlers.held_out_canvas(3).save(path)
+    result = handlers.answer_vlm(cache, str(path), 0, "How many digits are there?", "greedy", "model", {},
+                                 max_new_tokens=4)  # fmt: skip
+    assert result["same_answer"] and result["plain_text"]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, "abc"), "seed must be a whole number"),
+        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, -1), "seed must be in"),
+        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {"tree_depth": 0.0}, 0), "tree_depth must be >= 1"),
+        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {"tree_depth": 2.5}, 0), "tree_depth must be int"),
+        (lambda c: handlers.generate_image(c, "c2i", 3, "relaxed", "auto", {"relaxation_delta": 1.5}, 0), "relaxation_delta must be in [0, 1]"),
+        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {"group_size": None}, 0), "group_size needs a value"),
+        (lambda c: handlers.generate_image(c, "c2i", 12, "exact", "auto", {}, 0), "class must be in [0, 9]"),
+        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, 0, "x"), "guidance scale must be a number"),
+        (lambda c: handlers.generate_image(c, "t2i", "  ", "jacobi", "auto", {}, 0), "prompt"),
+        (lambda c: handlers.generate_continuous(c, 3, "1.5"), "seed must be a whole number"),
+        (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {"tree_top_k": 99}), "tree_top_k must be <= 32"),
+        (lambda c: handlers.answer_vlm(c, None, "x", "hi", "greedy", "auto", {}), "canvas must be a whole number"),
+    ],
+)  # fmt: skip
+def test_bad_inputs_name_the_field(cache, call, message):
+    with pytest.raises((ValueError, TypeError)) as err:
+        call(cache)
+    assert message in str(err.value)
+
+
+def test_upload_that_is_not_an_image(cache, tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("not an image")
+    with pytest.raises(ValueError, match="image upload: 'notes.txt' is not an image"):
+        handlers.answer_vlm(cache, str(path), 0, "hi", "greedy", "auto", {})
+
+
+def test_models_load_once_per_process(cache):
+    first = cache.get("c2i")
+    loads = cache.loads
+    assert cache.get("c2i") is first and cache.loads == loads
+    with pytest.raises(ValueError, match="not served"):
+        PipelineCache(pipeline_folder=None, zoo=cache.zoo).get("unknown")
+
+
+def test_a_saved_pipeline_folder_serves_its_tab(cache, tmp_path):
+    folder = tmp_path / "pipe"
+    cache.get("c2i").save_pretrained(folder)
+    served = PipelineCache(pipeline_folder=folder)
+    assert served.tabs == ["c2i"] and served.zoo is None
+    result = handlers.generate_image(served, "c2i", 5, "jacobi", "auto", {}, 0)
+    reference = handlers.generate_image(cache, "c2i", 5, "jacobi", "auto", {}, 0)
+    assert torch.equal(result["trace"].origin, reference["trace"].origin)  # the same model, from the folder
+    with pytest.raises(ValueError, match="not served"):
+        handlers.generate_continuous(served, 3, 0)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    with pytest.raises(ValueError, match="names 'StableDiffusionPipeline'"):
+        PipelineCache(pipeline_folder=tmp_path / "other")
+
+
+def test_method_widgets_come_from_the_registry():
+    assert handlers.image_knob_names() == list(KNOBS)
+    assert set(handlers.vlm_knob_names()) == {"num_draft_tokens", "tree_depth", "tree_top_k"}
+    acceptance, drafter, values = handlers.preset_values("exact-eagle-tree", list(KNOBS))
+    assert (acceptance, drafter) == ("exact", "eagle")
+    assert values["tree_top_k"] == PRESETS["exact-eagle-tree"]["tree_top_k"] and values["jacobi_window"] == 16
+    shown = handlers.knob_visibility("relaxed", "auto", list(KNOBS))
+    assert shown["relaxation_delta"] and shown["tree_depth"] and not shown["jacobi_window"]
+    shown = handlers.knob_visibility("jacobi", "auto", list(KNOBS))
+    assert shown["jacobi_window"] and shown["coupling"] and not shown["relaxation_delta"] and not shown["tree_depth"]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [(["--port", "abc"], "--port"), (["--port", "70000"], "--port"), (["--zoo", "/no/such/zoo"], "--zoo"),
+     (["--pipeline-folder", "."], "--pipeline-folder"), (["--device", "nope"], "--device"),
+     (["--zoo", ".", "--pipeline-folder", "."], "--pipeline-folder"), (["--threads", "-1"], "--threads")],
+)  # fmt: skip
+def test_cli_usage_errors_before_any_model_loads(argv, flag, capsys, monkeypatch):
+    from mmspec.demo import __main__ as cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model loaded before the flags were checked")
+
+    monkeypatch.setattr(PipelineCache, "_load", no_load)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mmspec demo: error: argument " + flag)
+
+
+def test_cli_defaults():
+    from mmspec.demo import __main__ as cli
+    from mmspec.models import DEFAULT_ZOO
+
+    parser = cli.make_parser()
+    args = parser.parse_args([])
+    cli.check_args(parser, args)
+    assert (args.host, args.port, args.share, args.zoo) == ("127.0.0.1", 7860, False, str(DEFAULT_ZOO))
+    assert args.tabs == ["c2i", "t2i", "continuous", "vlm"]
+
+
+def test_the_cli_table_line_dispatches_to_the_demo(capsys):
+    """The line the merger adds to `mmspec.cli.COMMANDS` reaches `mmspec.demo.__main__.main`."""
+    from mmspec.cli import dispatch
+
+    line = {"demo": ("mmspec.demo.__main__:main", "serve the Gradio demo")}
+    with pytest.raises(SystemExit) as exit_info:
+        dispatch(line, ["demo", "--port", "0"], "mmspec", "")
+    assert exit_info.value.code == 2
+    assert "mmspec demo: error: argument --port" in capsys.readouterr().err
+
+
+def test_cli_port_in_use_is_a_usage_error_before_any_model_loads(capsys, monkeypatch):
+    pytest.importorskip("gradio")
+    import socket
+
+    from mmspec.demo import __main__ as cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model loaded before the server could listen")
+
+    monkeypatch.setattr(PipelineCache, "_load", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--port", str(port)])
+    assert exit_info.value.code == 2
+    assert f"argument --port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

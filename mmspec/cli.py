@@ -60,6 +60,10 @@ COMMANDS = {
     "bench": ("mmspec.eval.bench:main", "benchmarks (see `mmspec bench --help`)"),
     "train": ("mmspec.train.__main__:main", "train zoo models (see `mmspec train --help`)"),
     "eval": ("mmspec.eval:main", "evaluation scripts: fid (see `mmspec eval --help`)"),
+    "demo": (
+        "mmspec.demo.__main__:main",
+        "serve the Gradio demo: plain vs speculative decoding side by side, one tab per pipeline",
+    ),
 }
 NUM_PER_CLASS = 2  # `mmspec generate` default
 DEFAULT_ZOO = str(Path(__file__).resolve().parent.parent / "assets")  # = mmspec.models.DEFAULT_ZOO (no torch import)

@@ -417,6 +417,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         return_dict: bool = True,
         callback_on_step_end=None,
         callback_on_step_end_tensor_inputs=("tokens",),
+        time_phases: bool = False,
     ):
         """Generate images for `class_labels` (c2i) or `prompt` / `prompt_embeds` (t2i).
 
@@ -459,6 +460,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                 requested `callback_on_step_end_tensor_inputs` (`"tokens"`: the `[B, N]` grid, -1 = not yet;
                 `"trace"`: the `DecodeTrace`). Read-only: returning changed tokens raises `ValueError` (committed
                 tokens live in the KV caches).
+            time_phases: also time the loop's draft and verify phases (`stats.time_draft_s` / `time_verify_s`; on
+                CUDA a sync around each phase, so off by default: the hot loop keeps one host sync per round).
 
         Returns:
             `SpeculativeImageOutput(images, stats, trace)` or `(images, stats)`.
@@ -493,7 +496,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         cond_rows = guidance.condition_rows(cond, self.transformer.null_condition(batch))  # for a draft model
         mask_rows = None if cond_mask is None else guidance.condition_rows(cond_mask, cond_mask)
         draft = self.make_drafter(drafter, guidance, knobs, cond_rows, mask_rows)
-        stats = SpecStats(batch, 0 if draft is None else draft.max_width)
+        stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 
         # 3. prefill: the condition prefix of every row; the first token comes from the target alone
         with stats.timer("total", device), stats.timer("prefill", device):

@@ -85,3 +85,19 @@ def test_phase_timing_on_times_each_phase_with_its_syncs(monkeypatch):
 def test_time_phases_must_be_a_bool():
     with pytest.raises(TypeError, match="time_phases must be a bool"):
         SpecStats(1, time_phases="yes")
+
+
+def test_the_ar_pipeline_times_phases_only_when_asked():
+    """`pipe(..., time_phases=True)` reaches the stats: measured draft / verify times; by default they are absent."""
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    pipe = SpeculativeARImagePipeline.from_zoo()
+    kw = dict(class_labels=[3], acceptance="jacobi", generator=torch.Generator().manual_seed(0), output_type="tokens")
+    plain = pipe(**kw).stats
+    assert plain.time_draft_s is None and plain.time_verify_s is None
+    kw["generator"] = torch.Generator().manual_seed(0)
+    timed = pipe(**kw, time_phases=True).stats
+    assert timed.time_draft_s > 0 and timed.time_verify_s > 0
+    assert timed.time_draft_s + timed.time_verify_s <= timed.time_total_s - timed.time_prefill_s
+    with pytest.raises(TypeError, match="time_phases"):
+        pipe(**kw, time_phases="yes")

@@ -106,7 +106,7 @@ def test_vlm_handler_takes_an_uploaded_image(cache, tmp_path):
     [
         (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, "abc"), "seed must be a whole number"),
         (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, -1), "seed must be in"),
-        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {"tree_depth": 0.0}, 0), "tree_depth must be >= 1"),
+        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {"tree_depth": 0.0}, 0), "tree_depth must be in [1, 32], got 0"),
         (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {"tree_depth": 2.5}, 0), "tree_depth must be int"),
         (lambda c: handlers.generate_image(c, "c2i", 3, "relaxed", "auto", {"relaxation_delta": 1.5}, 0), "relaxation_delta must be in [0, 1]"),
         (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {"group_size": None}, 0), "group_size needs a value"),
@@ -114,7 +114,7 @@ def test_vlm_handler_takes_an_uploaded_image(cache, tmp_path):
         (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, 0, "x"), "guidance scale must be a number"),
         (lambda c: handlers.generate_image(c, "t2i", "  ", "jacobi", "auto", {}, 0), "prompt"),
         (lambda c: handlers.generate_continuous(c, 3, "1.5"), "seed must be a whole number"),
-        (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {"tree_top_k": 99}), "tree_top_k must be <= 32"),
+        (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {"tree_top_k": 99}), "tree_top_k must be in [1, 32], got 99"),
         (lambda c: handlers.answer_vlm(c, None, "x", "hi", "greedy", "auto", {}), "canvas must be a whole number"),
     ],
 )  # fmt: skip

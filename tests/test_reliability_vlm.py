@@ -2,7 +2,6 @@
 refused before any model forward, naming the argument; attention reads only the cache slots in use (cost follows
 the tokens generated, not `max_new_tokens`) with answers unchanged."""
 
-import math
 
 import pytest
 import torch

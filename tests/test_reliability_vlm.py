@@ -2,7 +2,6 @@
 refused before any model forward, naming the argument; attention reads only the cache slots in use (cost follows
 the tokens generated, not `max_new_tokens`) with answers unchanged."""
 
-
 import pytest
 import torch
 from test_pipeline_vlm import DRAFTERS, make_pipe
@@ -82,8 +81,17 @@ def windows(monkeypatch):
     return seen
 
 
-def test_attention_reads_only_the_slots_in_use(lm_pipe, windows):
+def test_attention_reads_only_the_slots_in_use(lm_pipe, windows, monkeypatch):
+    allocated = []
+    init = StaticKVCache.__init__
+
+    def recording(self, n_layer, rows, n_kv_head, max_seq, head_dim, **kwargs):
+        allocated.append(max_seq)
+        init(self, n_layer, rows, n_kv_head, max_seq, head_dim, **kwargs)
+
+    monkeypatch.setattr(StaticKVCache, "__init__", recording)
     out = lm_pipe(prompt=prompts(1)[0], max_new_tokens=400, acceptance="none")
+    assert allocated == [2 * hf.WINDOW_BUCKET]  # the prompt + a bucket, grown in chunks (not prompt + 400 at once)
     assert int((out.sequences >= 0).sum()) > 130  # the answer crosses a window bucket
     for read, committed, written in windows:
         assert max(committed, written) <= read < max(committed, written) + hf.WINDOW_BUCKET

@@ -14,11 +14,12 @@ How a forward over `M` new tokens is run (`HFForward.__call__`):
 
 transformers returns an already-built 4-D mask as is, and every attention layer calls `cache.update(k, v, layer)`,
 which writes at `slots` and hands back the layer's K/V `[rows, kv_heads, window, head_dim]`; masked slots (other
-rows' scratch, padding, rejected drafts) are never attended to. The cache is allocated for the whole answer
+rows' scratch, padding, rejected drafts) are never attended to. The cache holds room for the whole answer
 (prompt + `max_new_tokens` + scratch), but a forward reads only its first `window` slots (`attention_window`: the
 longest row's committed length + the forward's slots, rounded up to `WINDOW_BUCKET`), so a step costs what the
 tokens generated so far cost, not what `max_new_tokens` allows; the slots past the window are masked anyway, so the
-answer is the same. Rows are right-padded at prefill: row `r`'s
+answer is the same. The cache itself is allocated in chunks: prefill allocates the prompt + one bucket, and a forward
+that needs more slots doubles it (`grow`, up to the prompt + `max_new_tokens` + scratch reserved at prefill). Rows are right-padded at prefill: row `r`'s
 prompt sits at slots `0 .. L_r - 1` and its committed length is `L_r`, so ragged prompts need no left padding.
 
 Positions go through one provider (`Positions`): the default is position == slot (1-D RoPE). Qwen2-VL-style M-RoPE
@@ -47,11 +48,29 @@ __all__ = ["WINDOW_BUCKET", "HFTarget", "Positions", "StaticCache", "attention_w
 WINDOW_BUCKET = 128
 
 
+def slots_needed(cache: StaticKVCache, key_slots: Tensor) -> int:
+    """Slots a forward touches: every row's committed prefix and the slots `key_slots [rows, K]` it writes or attends
+    to (one host sync)."""
+    return int(torch.maximum(cache.lengths.max(), key_slots.max() + 1)) if key_slots.numel() else 1
+
+
 def attention_window(cache: StaticKVCache, key_slots: Tensor) -> int:
-    """Slots a forward must read: every row's committed prefix and the slots `key_slots [rows, K]` it writes or
-    attends to, rounded up to a multiple of `WINDOW_BUCKET` (at most `cache.max_seq`). One host sync."""
-    needed = int(torch.maximum(cache.lengths.max(), key_slots.max() + 1)) if key_slots.numel() else 1
-    return min(cache.max_seq, -(-needed // WINDOW_BUCKET) * WINDOW_BUCKET)
+    """`slots_needed` rounded up to a multiple of `WINDOW_BUCKET` (at most `cache.max_seq`)."""
+    return min(cache.max_seq, _round_up(slots_needed(cache, key_slots)))
+
+
+def _round_up(slots: int) -> int:
+    return -(-slots // WINDOW_BUCKET) * WINDOW_BUCKET
+
+
+def grow(cache: StaticKVCache, max_seq: int) -> StaticKVCache:
+    """Enlarge `cache` in place to `max_seq` slots per row (contents kept; new slots zero and valid)."""
+    extra = int(max_seq) - cache.max_seq
+    if extra > 0:
+        pad = cache.k.new_zeros(*cache.k.shape[:3], extra, cache.k.shape[4])
+        cache.k, cache.v = torch.cat([cache.k, pad], dim=3), torch.cat([cache.v, pad], dim=3)
+        cache.key_valid = torch.cat([cache.key_valid, cache.key_valid.new_ones(cache.rows, extra)], dim=1)
+    return cache
 
 
 def window_view(cache: StaticKVCache, window: int) -> StaticKVCache:
@@ -167,6 +186,7 @@ class HFTarget:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.text_config = text
         self.cache: StaticKVCache | None = None
+        self.max_slots = 0
         self.vocab, self.vocab_weight = vocab, None
         if vocab is not None:
             if source == "target":
@@ -195,7 +215,14 @@ class HFTarget:
         [rows, K]` (default `slots`) may also list uncommitted slots of earlier forwards, `mask` is then
         `[rows, M, K]` (`StaticKVCache.visibility`)."""
         key_slots = slots if key_slots is None else key_slots
-        cache = window_view(cache, attention_window(cache, key_slots))  # read only the slots in use
+        needed = slots_needed(cache, key_slots)
+        if needed > cache.max_seq and cache is self.cache:  # allocated in chunks, up to what prefill was asked for
+            if needed > self.max_slots:
+                raise ValueError(
+                    f"{self.source}: a forward needs {needed} cache slots, {self.max_slots} were reserved"
+                )
+            grow(cache, min(self.max_slots, max(2 * cache.max_seq, _round_up(needed))))
+        cache = window_view(cache, min(cache.max_seq, _round_up(needed)))  # read only the slots in use
         visible = cache.visibility(key_slots, mask)[:, None]  # [rows, 1, M, window]
         if self.model.config._attn_implementation not in ("sdpa", "flex_attention"):  # eager: additive float mask
             dtype = cache.dtype
@@ -227,7 +254,9 @@ class HFTarget:
         """
         rows, width = input_ids.shape
         device = input_ids.device
-        self.cache = self.new_cache(rows, width + int(num_tokens) + int(scratch) + 1)
+        # room for the prompt, every new token and the largest scratch forward; allocated in chunks (`run` grows it)
+        self.max_slots = width + int(num_tokens) + int(scratch) + 1
+        self.cache = self.new_cache(rows, min(self.max_slots, _round_up(width + int(scratch) + 1) + WINDOW_BUCKET))
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
         mask = causal & valid[:, None, :]

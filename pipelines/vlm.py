@@ -110,13 +110,30 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if drafters and (Path(root) / f"{name}-draft").is_dir():
             parts["draft_model"] = load_vlm_draft(Path(root) / f"{name}-draft", target=model)
         if drafters and (Path(root) / f"{name}-eagle").is_dir():
-            from mmspec.models.hf_eagle import TextEagleHead
+            from mmspec.models import load
 
-            parts["eagle_head"] = TextEagleHead.from_pretrained(
-                Path(root) / f"{name}-eagle", torch_dtype=model.dtype
-            ).eval()
+            parts["eagle_head"] = load(Path(root) / f"{name}-eagle", dtype=model.dtype)  # strict, errors name it
         parts.update(kwargs)
         return cls(model, processor, **parts)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """`DiffusionPipeline.from_pretrained`, but a local pipeline folder's model components (`model`,
+        `draft_model`, `eagle_head`) load strictly through `mmspec.models.load`: every weight present with its
+        config's shape, none unexpected, else a ValueError naming the folder and the key (transformers and
+        diffusers would leave missing weights randomly initialised with only a warning). Components passed as
+        keywords are used as given."""
+        from pathlib import Path
+
+        folder = Path(pretrained_model_name_or_path)
+        if (folder / "model_index.json").is_file():
+            from mmspec.models import load
+
+            dtype = kwargs.get("torch_dtype")
+            for name in ("model", "draft_model", "eagle_head"):
+                if name not in kwargs and (folder / name / "config.json").is_file():
+                    kwargs[name] = load(folder / name, dtype=dtype if isinstance(dtype, torch.dtype) else None)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     # ------------------------------------------------------------------ inputs
     @property

@@ -341,6 +341,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             num_draft_tokens, tree_depth, tree_top_k, draft_vocab, draft_confidence, return_dict
         )
         guidance = Guidance(SamplingParams(1.0, temperature, top_k, top_p, do_sample))
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        if guidance.sampling.top_k is not None and guidance.sampling.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got {top_k}")
         if draft_vocab is not None and drafter != "model":
             raise ValueError('draft_vocab restricts the draft LM (drafter="model"); the EAGLE head has its own')
         if draft_confidence is not None and drafter != "model":

@@ -55,6 +55,7 @@ BAD = [  # (call kwargs, error, message)
     (dict(prompt=["w1 w2", "  "]), ValueError, "prompt must not be empty"),
     (dict(images="no/such.png"), TypeError, r"images\[0\] must be a PIL.Image"),
     (dict(images=[]), ValueError, "images must be an image or a non-empty list"),
+    (dict(top_k=65, do_sample=True, acceptance="exact"), ValueError, "top_k must be at most the vocabulary"),
 ]
 
 

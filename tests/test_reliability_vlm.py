@@ -120,3 +120,12 @@ def test_llava_prompt_with_image_past_the_context_is_refused(monkeypatch):
     monkeypatch.setattr(hf.HFTarget, "prefill", lambda *a, **k: pytest.fail("the target's prefill ran"))
     with pytest.raises(ValueError, match=r"prompt is \d+ tokens long \(chat template and image tokens"):
         pipe(images=images(1), prompt=" ".join(["w2"] * 500), max_new_tokens=2, acceptance="none")
+
+
+@pytest.mark.parametrize("drafter,knobs", [("eagle", {"tree_depth": 4}), ("eagle", {"tree_top_k": 3}),
+                                           ("model", {"num_draft_tokens": 3})])  # fmt: skip
+def test_drafters_read_only_the_slots_in_use(lm_pipe, windows, drafter, knobs):
+    """The target, the draft LM and the EAGLE head's one-layer cache all attend over a window, not the allocation."""
+    lm_pipe(prompt=prompts(1)[0], max_new_tokens=480, acceptance="greedy", drafter=drafter, **knobs)
+    for read, committed, written in windows:
+        assert max(committed, written) <= read < max(committed, written) + hf.WINDOW_BUCKET

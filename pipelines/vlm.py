@@ -257,6 +257,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         for chat in chats:
             if not isinstance(chat, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in chat):
                 raise TypeError("every conversation in messages must be a list of {'role', 'content'} dicts")
+        marked = sum(isinstance(m.get("content"), (list, tuple)) and
+                     sum(isinstance(c, dict) and c.get("type") == "image" for c in m["content"])
+                     for chat in chats for m in chat)  # fmt: skip
+        if images is not None and marked != len(images):
+            raise ValueError(f"got {len(images)} images for {marked} {{'type': 'image'}} items in messages (one each)")
         return chats, images
 
     def encode(self, images, prompt, messages, device):

@@ -113,6 +113,16 @@ def test_windowed_answers_equal_plain_and_transformers(lm_pipe, drafter, knobs, 
     assert len({read for read, _, _ in windows}) >= 3
 
 
+def test_llava_images_must_match_the_image_items_of_messages(monkeypatch):
+    from vlm_fixtures import tiny_llava, tiny_processor
+
+    pipe = SpeculativeVLMPipeline(tiny_llava(1), tiny_processor())
+    monkeypatch.setattr(hf.HFTarget, "prefill", lambda *a, **k: pytest.fail("the target's prefill ran"))
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w1 w2"}]}]
+    with pytest.raises(ValueError, match=r"got 2 images for 1 \{'type': 'image'\} items in messages"):
+        pipe(images=images(2), messages=chat, max_new_tokens=2, acceptance="none")
+
+
 def test_llava_prompt_with_image_past_the_context_is_refused(monkeypatch):
     from vlm_fixtures import tiny_llava, tiny_processor
 

@@ -280,8 +280,9 @@ def _load_zoo(folder, path, config):
     try:
         with torch.device("meta"):
             model = cls(**kwargs)
-        if set(dict(model.named_buffers())) - set(model.state_dict()):  # computed buffers (RoPE): build for real
-            model = cls(**kwargs)
+        if set(dict(model.named_buffers())) - set(model.state_dict()):  # computed buffers (RoPE): build for real,
+            with torch.random.fork_rng(devices=[]):  # leaving the caller's global RNG as it was
+                model = cls(**kwargs)
     except (ValueError, TypeError) as err:  # cross-field rules (dim / n_head, block_size square, ...)
         raise ValueError(f"{_where(path)}: config.json: {err}") from err
     check_weights(state, model, path)

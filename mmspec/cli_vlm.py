@@ -14,7 +14,18 @@ import logging
 import sys
 from pathlib import Path
 
-from mmspec.cli import DEFAULT_ZOO, HelpFormatter, non_negative_int, positive_float, positive_int, probability
+from mmspec.cli import (
+    DEFAULT_ZOO,
+    HelpFormatter,
+    check_device,
+    check_output_file,
+    check_zoo_folders,
+    int_in_range,
+    positive_float,
+    positive_int,
+    probability,
+)
+from mmspec.methods import VLM_LIMITS
 
 
 logger = logging.getLogger(__name__)
@@ -26,29 +37,91 @@ def add_arguments(parser):
     parser.add_argument("--prompt", default="Describe the image.", help="the question")
     parser.add_argument("--acceptance", choices=("none", "exact", "greedy"), default="exact")
     parser.add_argument("--drafter", choices=("eagle", "model"), default="eagle")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int_in_range(1, VLM_LIMITS["max_new_tokens"]),
+        default=96,
+        help="tokens to generate at most (the prompt + these must fit the model's context)",
+    )
     parser.add_argument("--do-sample", action="store_true", help="sample (default: greedy decoding)")
     parser.add_argument("--temperature", type=positive_float, default=1.0)
     parser.add_argument("--top-k", type=positive_int, default=None)
     parser.add_argument("--top-p", type=probability, default=None)
-    parser.add_argument("--num-draft-tokens", type=positive_int, default=None, help="chain length / tree nodes")
-    parser.add_argument("--tree-depth", type=positive_int, default=None, help="EAGLE chain length / tree depth")
-    parser.add_argument("--tree-top-k", type=positive_int, default=1, help="> 1: EAGLE-2 trees")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="canvas and sampling seed")
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int_in_range(1, VLM_LIMITS["num_draft_tokens"]),
+        default=None,
+        help="chain length / tree nodes",
+    )
+    parser.add_argument(
+        "--tree-depth",
+        type=int_in_range(1, VLM_LIMITS["tree_depth"]),
+        default=None,
+        help="EAGLE chain length / tree depth",
+    )
+    parser.add_argument(
+        "--tree-top-k", type=int_in_range(1, VLM_LIMITS["tree_top_k"]), default=1, help="> 1: EAGLE-2 trees"
+    )
+    parser.add_argument("--seed", type=int_in_range(0, 2**63 - 1), default=0, help="canvas and sampling seed")
     parser.add_argument("--save-image", default=None, help="write the canvas used here (PNG)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run")
-    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=int_in_range(0, 4096), default=0, help="torch CPU threads (0: torch's default)"
+    )
     parser.add_argument("--device", default="cpu")
 
 
+def _text_config(parser, zoo):
+    """`text_config` of the zoo's `mnist-vlm/config.json` (read as JSON: no model loads)."""
+    path = Path(zoo) / "mnist-vlm" / "config.json"
+    try:
+        text = json.loads(path.read_text()).get("text_config") or {}
+    except (OSError, ValueError, AttributeError) as err:
+        parser.error(f"argument --zoo: {str(path)!r} is not a readable model config ({err})")
+    return text if isinstance(text, dict) else {}
+
+
 def check_args(parser, args):
-    """Usage errors (exit 2) before any model loads."""
-    if args.image is not None and not Path(args.image).is_file():
-        parser.error(f"argument --image: no such file {args.image!r}")
-    if not (Path(args.zoo) / "mnist-vlm").is_dir():
-        parser.error(f"argument --zoo: {args.zoo!r} has no mnist-vlm folder")
-    if args.acceptance == "none" and args.num_draft_tokens is not None:
-        parser.error("argument --num-draft-tokens: not used with --acceptance none")
+    """Usage errors (exit 2) before any model loads: every flag alone, the flags together, and a cheap look at the
+    disk (the zoo's folders and config, the image file, the --save-image path, the device)."""
+    if not args.prompt.strip():
+        parser.error("argument --prompt: must not be empty")
+    if args.image is not None:
+        if not Path(args.image).is_file():
+            parser.error(f"argument --image: no such file {args.image!r}")
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(args.image) as image:
+                image.verify()
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+            parser.error(f"argument --image: {args.image!r} is not a readable image ({err})")
+    check_zoo_folders(parser, args.zoo, ["mnist-vlm"])
+    if args.acceptance != "none":
+        folder, marker = {"eagle": ("mnist-vlm-eagle", "config.json"), "model": ("mnist-vlm-draft", "draft.json")}[
+            args.drafter
+        ]
+        if not (Path(args.zoo) / folder / marker).is_file():
+            parser.error(f"argument --drafter: {args.drafter!r} needs {str(Path(args.zoo) / folder)!r}, not found")
+    text = _text_config(parser, args.zoo)
+    context, vocab = text.get("max_position_embeddings"), text.get("vocab_size")
+    if isinstance(context, int) and args.max_new_tokens >= context:
+        parser.error(
+            f"argument --max-new-tokens: {args.max_new_tokens} does not fit the model's context of {context} tokens "
+            "(prompt included)"
+        )
+    if isinstance(vocab, int) and args.top_k is not None and args.top_k > vocab:
+        parser.error(f"argument --top-k: {args.top_k} is more than the vocabulary ({vocab} tokens)")
+    if args.acceptance == "greedy" and args.do_sample:
+        parser.error("argument --do-sample: --acceptance greedy verifies greedy decoding (use --acceptance exact)")
+    if args.acceptance == "none":
+        for flag, value, default in (("--num-draft-tokens", args.num_draft_tokens, None),
+                                     ("--tree-depth", args.tree_depth, None), ("--tree-top-k", args.tree_top_k, 1)):  # fmt: skip
+            if value != default:
+                parser.error(f"argument {flag}: not used with --acceptance none")
+    if args.save_image is not None:
+        check_output_file(parser, "--save-image", args.save_image, "image")
+    check_device(parser, args.device)
 
 
 def run(args):

@@ -20,8 +20,11 @@ finished rows leave the batch. transformers' assisted generation is batch-1 only
 """
 
 import logging
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
+import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
@@ -29,7 +32,7 @@ from diffusers.utils import BaseOutput
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
-from mmspec.methods import KNOBS, check_knobs, resolve_drafter
+from mmspec.methods import KNOBS, VLM_LIMITS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.hf import HFTarget, right_align
 from mmspec.random import check_generator
@@ -107,13 +110,30 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if drafters and (Path(root) / f"{name}-draft").is_dir():
             parts["draft_model"] = load_vlm_draft(Path(root) / f"{name}-draft", target=model)
         if drafters and (Path(root) / f"{name}-eagle").is_dir():
-            from mmspec.models.hf_eagle import TextEagleHead
+            from mmspec.models import load
 
-            parts["eagle_head"] = TextEagleHead.from_pretrained(
-                Path(root) / f"{name}-eagle", torch_dtype=model.dtype
-            ).eval()
+            parts["eagle_head"] = load(Path(root) / f"{name}-eagle", dtype=model.dtype)  # strict, errors name it
         parts.update(kwargs)
         return cls(model, processor, **parts)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """`DiffusionPipeline.from_pretrained`, but a local pipeline folder's model components (`model`,
+        `draft_model`, `eagle_head`) load strictly through `mmspec.models.load`: every weight present with its
+        config's shape, none unexpected, else a ValueError naming the folder and the key (transformers and
+        diffusers would leave missing weights randomly initialised with only a warning). Components passed as
+        keywords are used as given."""
+        from pathlib import Path
+
+        folder = Path(pretrained_model_name_or_path)
+        if (folder / "model_index.json").is_file():
+            from mmspec.models import load
+
+            dtype = kwargs.get("torch_dtype")
+            for name in ("model", "draft_model", "eagle_head"):
+                if name not in kwargs and (folder / name / "config.json").is_file():
+                    kwargs[name] = load(folder / name, dtype=dtype if isinstance(dtype, torch.dtype) else None)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     # ------------------------------------------------------------------ inputs
     @property
@@ -136,27 +156,93 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise ValueError('drafter="jacobi" is for image models; the VLM pipeline runs "model" or "eagle"')
         rule = "none" if acceptance == "none" else "exact"
         drafter = resolve_drafter(rule, drafter, loaded)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r} ({type(max_new_tokens).__name__})")
+        if not 1 <= max_new_tokens <= VLM_LIMITS["max_new_tokens"]:
+            raise ValueError(f"max_new_tokens must be in [1, {VLM_LIMITS['max_new_tokens']}], got {max_new_tokens}")
         if not isinstance(do_sample, bool):
             raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
-        if output_type not in OUTPUT_TYPES:
+        if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
         if callback_on_step_end is not None and not callable(callback_on_step_end):
             raise TypeError(f"callback_on_step_end must be callable, got {type(callback_on_step_end).__name__}")
         return rule, drafter
+
+    @staticmethod
+    def check_draft_knobs(num_draft_tokens, tree_depth, tree_top_k, draft_vocab, draft_confidence, return_dict):
+        """The drafting knobs: types, `>= 1` and the upper bounds of `mmspec.methods.VLM_LIMITS` (each costs memory
+        and time linearly); `draft_vocab` integer ids, `draft_confidence` a number in (0, 1)."""
+        knobs = check_knobs(num_draft_tokens=num_draft_tokens, tree_depth=tree_depth, tree_top_k=tree_top_k)
+        for name, value in knobs.items():
+            if value is not None and value > VLM_LIMITS[name]:
+                raise ValueError(f"{name} must be <= {VLM_LIMITS[name]} (mmspec.methods.VLM_LIMITS), got {value}")
+        if draft_vocab is not None and (
+            not isinstance(draft_vocab, (torch.Tensor, list, tuple, np.ndarray))
+            or torch.as_tensor(draft_vocab).is_floating_point()
+            or torch.as_tensor(draft_vocab).dtype == torch.bool
+        ):
+            raise TypeError(
+                f"draft_vocab must be a 1-D tensor / list of int token ids, got {type(draft_vocab).__name__}"
+            )
+        if draft_confidence is not None and (
+            isinstance(draft_confidence, bool)
+            or not isinstance(draft_confidence, numbers.Real)
+            or not 0 < draft_confidence < 1  # also NaN
+        ):
+            raise ValueError(f"draft_confidence must be a number in (0, 1) or None, got {draft_confidence!r}")
+        if not isinstance(return_dict, bool):
+            raise TypeError(f"return_dict must be a bool, got {return_dict!r}")
+        knobs["tree_depth"] = knobs["tree_depth"] or 5
+        return knobs
+
+    def check_context(self, lengths, max_new_tokens):
+        """Refuse a prompt longer than the target's context (`max_position_embeddings`), or one that leaves less
+        room than `max_new_tokens`."""
+        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if context is None:
+            return
+        longest = int(lengths.max())
+        if longest > context:
+            raise ValueError(
+                f"prompt is {longest} tokens long (chat template and image tokens included), longer than the "
+                f"model's context of {context} tokens (max_position_embeddings)"
+            )
+        if longest + max_new_tokens > context:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} does not fit: the prompt is {longest} tokens and the model's "
+                f"context {context} (max_position_embeddings); use max_new_tokens <= {context - longest}"
+            )
+
+    @staticmethod
+    def check_images(images):
+        """A PIL image / array / tensor, or a non-empty list of them (None: text-only)."""
+        if images is None:
+            return None
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if not images:
+            raise ValueError("images must be an image or a non-empty list of images (or None), got an empty list")
+        for i, image in enumerate(images):
+            if not isinstance(image, (PIL.Image.Image, np.ndarray, torch.Tensor)):
+                raise TypeError(
+                    f"images[{i}] must be a PIL.Image, numpy array or tensor, got {type(image).__name__} "
+                    "(open image files with PIL.Image.open first)"
+                )
+        return list(images)
 
     def conversations(self, images, prompt, messages):
         """`(conversations, images)`: one chat per batch item (`prompt` str/list -> a user turn with the image first;
         `messages`: one conversation or a list of them, in the processor's chat format)."""
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt and messages")
-        if images is not None and not isinstance(images, (list, tuple)):
-            images = [images]
+        images = self.check_images(images)
         if prompt is not None:
             prompts = [prompt] if isinstance(prompt, str) else prompt
             if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
                 raise TypeError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
+            empty = [i for i, p in enumerate(prompts) if not p.strip()]
+            if empty:
+                raise ValueError(f"prompt must not be empty (prompt {empty[0]} is {prompts[empty[0]]!r})")
             if images is not None and len(images) != len(prompts):
                 raise ValueError(f"got {len(images)} images for {len(prompts)} prompts (one image per prompt)")
             has_image = images is not None
@@ -171,6 +257,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         for chat in chats:
             if not isinstance(chat, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in chat):
                 raise TypeError("every conversation in messages must be a list of {'role', 'content'} dicts")
+        marked = sum(isinstance(m.get("content"), (list, tuple)) and
+                     sum(isinstance(c, dict) and c.get("type") == "image" for c in m["content"])
+                     for chat in chats for m in chat)  # fmt: skip
+        if images is not None and marked != len(images):
+            raise ValueError(f"got {len(images)} images for {marked} {{'type': 'image'}} items in messages (one each)")
         return chats, images
 
     def encode(self, images, prompt, messages, device):
@@ -251,20 +342,25 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         # 1. check inputs, resolve the method
         rule_name, drafter = self.check_inputs(acceptance, drafter, max_new_tokens, do_sample, output_type,
                                                callback_on_step_end)  # fmt: skip
-        knobs = check_knobs(num_draft_tokens=num_draft_tokens, tree_depth=tree_depth, tree_top_k=tree_top_k)
-        knobs["tree_depth"] = knobs["tree_depth"] or 5
+        knobs = self.check_draft_knobs(
+            num_draft_tokens, tree_depth, tree_top_k, draft_vocab, draft_confidence, return_dict
+        )
         guidance = Guidance(SamplingParams(1.0, temperature, top_k, top_p, do_sample))
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        if guidance.sampling.top_k is not None and guidance.sampling.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got {top_k}")
+        if draft_vocab is not None and drafter != "model":
+            raise ValueError('draft_vocab restricts the draft LM (drafter="model"); the EAGLE head has its own')
+        if draft_confidence is not None and drafter != "model":
+            raise ValueError('draft_confidence stops the draft LM\'s chains (drafter="model")')
 
         # 2. prepare: chat template + processor, generators, target and drafter
         device = self._execution_device
         input_ids, lengths, model_inputs = self.encode(images, prompt, messages, device)
         batch = input_ids.shape[0]
         check_generator(generator, batch, device)
+        self.check_context(lengths, max_new_tokens)
         target = HFTarget(self.model, guidance)
-        if draft_vocab is not None and drafter != "model":
-            raise ValueError('draft_vocab restricts the draft LM (drafter="model"); the EAGLE head has its own')
-        if draft_confidence is not None and drafter != "model":
-            raise ValueError('draft_confidence stops the draft LM\'s chains (drafter="model")')
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
                                   draft_confidence)  # fmt: skip
         stats = SpecStats(batch, 0 if draft is None else draft.max_width)

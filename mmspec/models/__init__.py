@@ -40,6 +40,7 @@ MODEL_CLASSES = {
     "MNISTClassifier": "mmspec.models.classifier",
     "EagleHead": "mmspec.models.eagle",
     "MAR": "mmspec.models.mar",
+    "TextEagleHead": "mmspec.models.hf_eagle",
 }
 # where a class lived before it moved: used only while its `MODEL_CLASSES` module does not exist
 _FORMER_MODULES = {"EagleHead": "mmspec.drafters.eagle"}
@@ -264,6 +265,10 @@ def check_weights(state, model, path):
             raise ValueError(f"{_where(path)}: weight {key!r} holds non-finite values (NaN or inf)")
 
 
+def _has_real_tensors(model):
+    return any(t.device.type != "meta" for t in model.state_dict().values())
+
+
 def _load_zoo(folder, path, config):
     """Build the zoo class of `config` without initialising weights (meta device), then load every tensor strictly."""
     import torch
@@ -275,10 +280,13 @@ def _load_zoo(folder, path, config):
     try:
         with torch.device("meta"):
             model = cls(**kwargs)
+        if set(dict(model.named_buffers())) - set(model.state_dict()):  # computed buffers (RoPE): build for real,
+            with torch.random.fork_rng(devices=[]):  # leaving the caller's global RNG as it was
+                model = cls(**kwargs)
     except (ValueError, TypeError) as err:  # cross-field rules (dim / n_head, block_size square, ...)
         raise ValueError(f"{_where(path)}: config.json: {err}") from err
     check_weights(state, model, path)
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=True, assign=not _has_real_tensors(model))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:  # a non-persistent buffer would need computing; no zoo class has one today
         raise ValueError(f"{_where(path)}: {class_name} tensors {left[:3]} are not stored in the weights")

@@ -13,8 +13,13 @@ How a forward over `M` new tokens is run (`HFForward.__call__`):
     base(input_ids, position_ids=positions, attention_mask=mask, past_key_values=StaticCache(kv, slots))
 
 transformers returns an already-built 4-D mask as is, and every attention layer calls `cache.update(k, v, layer)`,
-which writes at `slots` and hands back the layer's whole `[rows, kv_heads, max_seq, head_dim]` K/V; masked slots
-(other rows' scratch, padding, rejected drafts) are never attended to. Rows are right-padded at prefill: row `r`'s
+which writes at `slots` and hands back the layer's K/V `[rows, kv_heads, window, head_dim]`; masked slots (other
+rows' scratch, padding, rejected drafts) are never attended to. The cache holds room for the whole answer
+(prompt + `max_new_tokens` + scratch), but a forward reads only its first `window` slots (`attention_window`: the
+longest row's committed length + the forward's slots, rounded up to `WINDOW_BUCKET`), so a step costs what the
+tokens generated so far cost, not what `max_new_tokens` allows; the slots past the window are masked anyway, so the
+answer is the same. The cache itself is allocated in chunks: prefill allocates the prompt + one bucket, and a forward
+that needs more slots doubles it (`grow`, up to the prompt + `max_new_tokens` + scratch reserved at prefill). Rows are right-padded at prefill: row `r`'s
 prompt sits at slots `0 .. L_r - 1` and its committed length is `L_r`, so ragged prompts need no left padding.
 
 Positions go through one provider (`Positions`): the default is position == slot (1-D RoPE). Qwen2-VL-style M-RoPE
@@ -37,15 +42,55 @@ from mmspec.decoding.target import TargetOutput
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFTarget", "Positions", "StaticCache", "decoder_of", "right_align"]
+__all__ = ["WINDOW_BUCKET", "HFTarget", "Positions", "StaticCache", "attention_window", "decoder_of", "right_align"]
+
+# attention windows are multiples of this many slots (a few sizes over a generation, each far below max_seq)
+WINDOW_BUCKET = 128
+
+
+def slots_needed(cache: StaticKVCache, key_slots: Tensor) -> int:
+    """Slots a forward touches: every row's committed prefix and the slots `key_slots [rows, K]` it writes or attends
+    to (one host sync)."""
+    return int(torch.maximum(cache.lengths.max(), key_slots.max() + 1)) if key_slots.numel() else 1
+
+
+def attention_window(cache: StaticKVCache, key_slots: Tensor) -> int:
+    """`slots_needed` rounded up to a multiple of `WINDOW_BUCKET` (at most `cache.max_seq`)."""
+    return min(cache.max_seq, _round_up(slots_needed(cache, key_slots)))
+
+
+def _round_up(slots: int) -> int:
+    return -(-slots // WINDOW_BUCKET) * WINDOW_BUCKET
+
+
+def grow(cache: StaticKVCache, max_seq: int) -> StaticKVCache:
+    """Enlarge `cache` in place to `max_seq` slots per row (contents kept; new slots zero and valid)."""
+    extra = int(max_seq) - cache.max_seq
+    if extra > 0:
+        pad = cache.k.new_zeros(*cache.k.shape[:3], extra, cache.k.shape[4])
+        cache.k, cache.v = torch.cat([cache.k, pad], dim=3), torch.cat([cache.v, pad], dim=3)
+        cache.key_valid = torch.cat([cache.key_valid, cache.key_valid.new_ones(cache.rows, extra)], dim=1)
+    return cache
+
+
+def window_view(cache: StaticKVCache, window: int) -> StaticKVCache:
+    """The first `window` slots of `cache` as a `StaticKVCache` sharing its storage (writes go to `cache`; its
+    `visibility` masks are `[rows, M, window]`). For one forward only: commits to the view do not reach `cache`."""
+    if window >= cache.max_seq:
+        return cache
+    view = object.__new__(StaticKVCache)
+    view.k, view.v = cache.k[:, :, :, :window], cache.v[:, :, :, :window]
+    view.lengths, view.key_valid = cache.lengths, cache.key_valid[:, :window]
+    return view
 
 
 class StaticCache(Cache):
     """A transformers `Cache` that writes into an `mmspec.cache.StaticKVCache` at the slots of the current forward.
 
-    `write_slots [rows, M]` is set before every forward; `update` returns the full per-layer K/V (views), and the
-    4-D mask passed to the model decides what each query sees. `get_seq_length` is the longest committed row (only
-    used by transformers when no `position_ids` are given; mmspec always gives them).
+    `write_slots [rows, M]` is set before every forward; `update` returns the per-layer K/V of the cache's slots
+    (views; pass a `window_view` to read only the slots in use), and the 4-D mask passed to the model decides what
+    each query sees. `get_seq_length` is the longest committed row (only used by transformers when no
+    `position_ids` are given; mmspec always gives them).
     """
 
     def __init__(self, kv: StaticKVCache):
@@ -141,6 +186,7 @@ class HFTarget:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.text_config = text
         self.cache: StaticKVCache | None = None
+        self.max_slots = 0
         self.vocab, self.vocab_weight = vocab, None
         if vocab is not None:
             if source == "target":
@@ -168,7 +214,16 @@ class HFTarget:
         new-token mask `mask [rows, M, M]`; returns the final-norm hidden states `[rows, M, dim]`. `key_slots
         [rows, K]` (default `slots`) may also list uncommitted slots of earlier forwards, `mask` is then
         `[rows, M, K]` (`StaticKVCache.visibility`)."""
-        visible = cache.visibility(slots if key_slots is None else key_slots, mask)[:, None]  # [rows, 1, M, S]
+        key_slots = slots if key_slots is None else key_slots
+        needed = slots_needed(cache, key_slots)
+        if needed > cache.max_seq and cache is self.cache:  # allocated in chunks, up to what prefill was asked for
+            if needed > self.max_slots:
+                raise ValueError(
+                    f"{self.source}: a forward needs {needed} cache slots, {self.max_slots} were reserved"
+                )
+            grow(cache, min(self.max_slots, max(2 * cache.max_seq, _round_up(needed))))
+        cache = window_view(cache, min(cache.max_seq, _round_up(needed)))  # read only the slots in use
+        visible = cache.visibility(key_slots, mask)[:, None]  # [rows, 1, M, window]
         if self.model.config._attn_implementation not in ("sdpa", "flex_attention"):  # eager: additive float mask
             dtype = cache.dtype
             visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
@@ -199,7 +254,9 @@ class HFTarget:
         """
         rows, width = input_ids.shape
         device = input_ids.device
-        self.cache = self.new_cache(rows, width + int(num_tokens) + int(scratch) + 1)
+        # room for the prompt, every new token and the largest scratch forward; allocated in chunks (`run` grows it)
+        self.max_slots = width + int(num_tokens) + int(scratch) + 1
+        self.cache = self.new_cache(rows, min(self.max_slots, _round_up(width + int(scratch) + 1) + WINDOW_BUCKET))
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
         mask = causal & valid[:, None, :]

@@ -62,10 +62,19 @@ def load_vlm_draft(folder, target):
     folder = Path(folder)
     try:
         meta = json.loads((folder / "draft.json").read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("trained"), list):
+            raise ValueError("no 'trained' list")
+        num_layers = meta["num_layers"]
+    except (OSError, ValueError, KeyError, UnicodeDecodeError) as err:
+        raise ValueError(f"{folder / 'draft.json'}: not a readable draft description ({err!r})") from err
+    try:
         weights = load_file(folder / "model.safetensors")
-    except (OSError, ValueError, json.JSONDecodeError) as err:
-        raise ValueError(f"{folder}: not a readable draft folder (draft.json + model.safetensors): {err}") from err
-    draft = truncated_draft(target, int(meta["num_layers"]))
+    except Exception as err:  # noqa: BLE001 - a damaged file fails in many ways (header, size, dtype)
+        raise ValueError(f"{folder / 'model.safetensors'}: corrupt or not a safetensors file ({err})") from err
+    try:
+        draft = truncated_draft(target, num_layers)
+    except ValueError as err:
+        raise ValueError(f"{folder / 'draft.json'}: {err}") from err
     params = dict(draft.named_parameters())
     if sorted(weights) != sorted(meta["trained"]):
         raise ValueError(f"{folder / 'model.safetensors'}: tensors do not match draft.json's 'trained' list")
@@ -73,5 +82,7 @@ def load_vlm_draft(folder, target):
         for name, value in weights.items():
             if name not in params or params[name].shape != value.shape:
                 raise ValueError(f"{folder / 'model.safetensors'}: {name} {tuple(value.shape)} does not fit the draft")
+            if not value.is_floating_point() or not torch.isfinite(value).all():
+                raise ValueError(f"{folder / 'model.safetensors'}: {name} is not a finite floating-point tensor")
             params[name].copy_(value.to(params[name].dtype))
     return draft

@@ -12,7 +12,8 @@ traffic -- and every other token gets probability 0 in `q_draft`. Verification i
 lossless (a draft outside the subset is simply never proposed). The token embedding and output head are the target's
 (`get_input_embeddings()` / `get_output_embeddings()`, passed in on every call, never stored). Pair `(h[t], x[t+1])`
 sits at the RoPE position of `x[t+1]`; the head cache (`setup_cache`) is a one-layer `StaticKVCache` whose slot is
-the position, slot 0 (no pair ends there) invalid and lengths starting at 1. Image tokens of a LLaVA prompt enter as
+the position, slot 0 (no pair ends there) invalid and lengths starting at 1; a forward reads only the slots in use
+(`mmspec.models.hf.attention_window`), not the whole allocation. Image tokens of a LLaVA prompt enter as
 the embedding of the image placeholder id (the head sees the image only through the target's hidden states).
 """
 
@@ -28,7 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from mmspec.cache import StaticKVCache, chain_inputs
 from mmspec.models.eagle import EagleHead
-from mmspec.models.hf import StaticCache
+from mmspec.models.hf import StaticCache, attention_window, window_view
 
 
 logger = logging.getLogger(__name__)
@@ -143,9 +144,12 @@ class TextEagleHead(ModelMixin, ConfigMixin):
             attention_mask = causal if attention_mask is None else attention_mask
         write_slots = input_pos if write_slots is None else write_slots
         cache.check_slots(write_slots, values=validate)
-        if cache_mask is None:
-            cache_mask = cache.visibility(write_slots, attention_mask)
-        hf_cache = StaticCache(cache)
+        view = window_view(cache, attention_window(cache, write_slots))  # only the slots in use (earlier nodes of a
+        if cache_mask is None:  # tree sit below this forward's slots)
+            cache_mask = view.visibility(write_slots, attention_mask)
+        else:
+            cache_mask = cache_mask[..., : view.max_seq]
+        hf_cache = StaticCache(view)
         hf_cache.write_slots = write_slots
         return self._layer(self._inputs(hidden, input_ids, target), input_pos, cache_mask[:, None], hf_cache)
 

@@ -1,0 +1,141 @@
+"""`SpeculativeVLMPipeline` reliability: prompts past the model's context and out-of-range or ill-typed arguments are
+refused before any model forward, naming the argument; attention reads only the cache slots in use (cost follows
+the tokens generated, not `max_new_tokens`) with answers unchanged."""
+
+import pytest
+import torch
+from test_pipeline_vlm import DRAFTERS, make_pipe
+from vlm_fixtures import hf_greedy, images, prompts
+
+import mmspec.models.hf as hf
+from mmspec.cache import StaticKVCache
+from mmspec.methods import VLM_LIMITS
+from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+
+@pytest.fixture(scope="module")
+def lm_pipe():
+    return make_pipe("lm")
+
+
+@pytest.fixture
+def no_work(lm_pipe, monkeypatch):
+    """Fail the test if a call gets as far as the target's prefill."""
+
+    def prefill(*args, **kwargs):
+        raise AssertionError("the call started work: the target's prefill ran")
+
+    monkeypatch.setattr(hf.HFTarget, "prefill", prefill)
+    return lm_pipe
+
+
+# the tiny Llama's context is 512 positions (vlm_fixtures.text_config); its chat template adds 5 tokens
+def test_prompt_longer_than_the_context_is_refused(no_work):
+    with pytest.raises(ValueError, match=r"prompt is 605 tokens long.*context of 512"):
+        no_work(prompt=" ".join(["w1"] * 600), max_new_tokens=4, acceptance="none")
+
+
+def test_max_new_tokens_past_the_context_is_refused(no_work):
+    with pytest.raises(ValueError, match=r"max_new_tokens=450 does not fit.*prompt is 105 tokens.*<= 407"):
+        no_work(prompt=" ".join(["w1"] * 100), max_new_tokens=450, acceptance="none")
+
+
+BAD = [  # (call kwargs, error, message)
+    (dict(tree_top_k=100_000, drafter="eagle"), ValueError, "tree_top_k must be <= 32"),
+    (dict(tree_top_k=VLM_LIMITS["tree_top_k"] + 1, drafter="model"), ValueError, "tree_top_k must be <= "),
+    (dict(tree_depth=VLM_LIMITS["tree_depth"] + 1), ValueError, "tree_depth must be <= "),
+    (dict(num_draft_tokens=VLM_LIMITS["num_draft_tokens"] + 1), ValueError, "num_draft_tokens must be <= "),
+    (dict(max_new_tokens=VLM_LIMITS["max_new_tokens"] + 1), ValueError, "max_new_tokens must be in"),
+    (dict(max_new_tokens=8.0), TypeError, "max_new_tokens must be an int"),
+    (dict(draft_confidence="0.5", drafter="model"), ValueError, "draft_confidence"),
+    (dict(draft_vocab=torch.tensor([1.5, 2.0]), drafter="model"), TypeError, "draft_vocab"),
+    (dict(draft_vocab="w1 w2", drafter="model"), TypeError, "draft_vocab"),
+    (dict(return_dict="no"), TypeError, "return_dict"),
+    (dict(prompt=""), ValueError, "prompt must not be empty"),
+    (dict(prompt=["w1 w2", "  "]), ValueError, "prompt must not be empty"),
+    (dict(images="no/such.png"), TypeError, r"images\[0\] must be a PIL.Image"),
+    (dict(images=[]), ValueError, "images must be an image or a non-empty list"),
+    (dict(top_k=65, do_sample=True, acceptance="exact"), ValueError, "top_k must be at most the vocabulary"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", BAD, ids=[str(b[0])[:60] for b in BAD])
+def test_bad_arguments_are_refused_before_work(no_work, kwargs, error, message):
+    call = dict(prompt="w1 w2 w3", max_new_tokens=8, acceptance="greedy") | kwargs
+    with pytest.raises(error, match=message):
+        no_work(**call)
+
+
+@pytest.fixture
+def windows(monkeypatch):
+    """Record (slots handed to attention, slots allocated) of every target / draft-LM forward."""
+    seen = []
+    update = StaticKVCache.update
+
+    def recording(self, layer, write_slots, k_new, v_new):
+        k, v = update(self, layer, write_slots, k_new, v_new)
+        if layer == 0:
+            seen.append((k.shape[2], int(self.lengths.max()), int(write_slots.max()) + 1))
+        return k, v
+
+    monkeypatch.setattr(StaticKVCache, "update", recording)
+    return seen
+
+
+def test_attention_reads_only_the_slots_in_use(lm_pipe, windows, monkeypatch):
+    allocated = []
+    init = StaticKVCache.__init__
+
+    def recording(self, n_layer, rows, n_kv_head, max_seq, head_dim, **kwargs):
+        allocated.append(max_seq)
+        init(self, n_layer, rows, n_kv_head, max_seq, head_dim, **kwargs)
+
+    monkeypatch.setattr(StaticKVCache, "__init__", recording)
+    out = lm_pipe(prompt=prompts(1)[0], max_new_tokens=400, acceptance="none")
+    assert allocated == [2 * hf.WINDOW_BUCKET]  # the prompt + a bucket, grown in chunks (not prompt + 400 at once)
+    assert int((out.sequences >= 0).sum()) > 130  # the answer crosses a window bucket
+    for read, committed, written in windows:
+        assert max(committed, written) <= read < max(committed, written) + hf.WINDOW_BUCKET
+    assert min(read for read, _, _ in windows) == hf.WINDOW_BUCKET  # not the 400-token allocation
+
+
+@pytest.mark.parametrize("drafter,knobs", DRAFTERS)
+def test_windowed_answers_equal_plain_and_transformers(lm_pipe, drafter, knobs, monkeypatch, windows):
+    monkeypatch.setattr(hf, "WINDOW_BUCKET", 8)  # many window sizes within one short answer
+    texts = prompts(2, seed=3)
+    for text in texts:
+        reference = hf_greedy(lm_pipe.model, lm_pipe.processor, None, text, 40)
+        out = lm_pipe(prompt=text, max_new_tokens=40, acceptance="greedy", drafter=drafter, **knobs)
+        assert [t for t in out.sequences[0].tolist() if t >= 0] == reference
+    plain = lm_pipe(prompt=texts, max_new_tokens=40, acceptance="none").sequences  # ragged batch
+    batch = lm_pipe(prompt=texts, max_new_tokens=40, acceptance="greedy", drafter=drafter, **knobs).sequences
+    assert torch.equal(plain, batch)
+    assert len({read for read, _, _ in windows}) >= 3
+
+
+def test_llava_images_must_match_the_image_items_of_messages(monkeypatch):
+    from vlm_fixtures import tiny_llava, tiny_processor
+
+    pipe = SpeculativeVLMPipeline(tiny_llava(1), tiny_processor())
+    monkeypatch.setattr(hf.HFTarget, "prefill", lambda *a, **k: pytest.fail("the target's prefill ran"))
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w1 w2"}]}]
+    with pytest.raises(ValueError, match=r"got 2 images for 1 \{'type': 'image'\} items in messages"):
+        pipe(images=images(2), messages=chat, max_new_tokens=2, acceptance="none")
+
+
+def test_llava_prompt_with_image_past_the_context_is_refused(monkeypatch):
+    from vlm_fixtures import tiny_llava, tiny_processor
+
+    pipe = SpeculativeVLMPipeline(tiny_llava(1), tiny_processor())
+    monkeypatch.setattr(hf.HFTarget, "prefill", lambda *a, **k: pytest.fail("the target's prefill ran"))
+    with pytest.raises(ValueError, match=r"prompt is \d+ tokens long \(chat template and image tokens"):
+        pipe(images=images(1), prompt=" ".join(["w2"] * 500), max_new_tokens=2, acceptance="none")
+
+
+@pytest.mark.parametrize("drafter,knobs", [("eagle", {"tree_depth": 4}), ("eagle", {"tree_top_k": 3}),
+                                           ("model", {"num_draft_tokens": 3})])  # fmt: skip
+def test_drafters_read_only_the_slots_in_use(lm_pipe, windows, drafter, knobs):
+    """The target, the draft LM and the EAGLE head's one-layer cache all attend over a window, not the allocation."""
+    lm_pipe(prompt=prompts(1)[0], max_new_tokens=480, acceptance="greedy", drafter=drafter, **knobs)
+    for read, committed, written in windows:
+        assert max(committed, written) <= read < max(committed, written) + hf.WINDOW_BUCKET

@@ -172,10 +172,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
     def check_draft_knobs(num_draft_tokens, tree_depth, tree_top_k, draft_vocab, draft_confidence, return_dict):
         """The drafting knobs: types, `>= 1` and the upper bounds of `mmspec.methods.VLM_LIMITS` (each costs memory
         and time linearly); `draft_vocab` integer ids, `draft_confidence` a number in (0, 1)."""
+        # the registry's ranges: the size knobs are bounded by mmspec.methods.VLM_LIMITS there
         knobs = check_knobs(num_draft_tokens=num_draft_tokens, tree_depth=tree_depth, tree_top_k=tree_top_k)
-        for name, value in knobs.items():
-            if value is not None and value > VLM_LIMITS[name]:
-                raise ValueError(f"{name} must be <= {VLM_LIMITS[name]} (mmspec.methods.VLM_LIMITS), got {value}")
         if draft_vocab is not None and (
             not isinstance(draft_vocab, (torch.Tensor, list, tuple, np.ndarray))
             or torch.as_tensor(draft_vocab).is_floating_point()

@@ -48,15 +48,46 @@ __all__ = ["WINDOW_BUCKET", "HFTarget", "Positions", "StaticCache", "attention_w
 WINDOW_BUCKET = 128
 
 
-def slots_needed(cache: StaticKVCache, key_slots: Tensor) -> int:
+def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None) -> int:
     """Slots a forward touches: every row's committed prefix and the slots `key_slots [rows, K]` it writes or attends
-    to (one host sync)."""
+    to, of which the last `new_slots` (default all `K`) per row are new.
+
+    Exact on the CPU (a free read). On an accelerator it is an upper bound kept on the host, so a forward needs no
+    sync: every forward writes its slots right after what is already touched (committed prefix, then the chain or
+    the tree's levels in order), so the touched span grows by at most `new_slots` per forward; the device is read
+    only when that bound outgrows the window of the last read (about once per `WINDOW_BUCKET` slots). The CPU path
+    checks that bound on every forward, so the tests prove it holds for every drafter."""
+    width = key_slots.shape[1] if new_slots is None else int(new_slots)
+    bound = getattr(cache, "touched_bound", None)
+    bound = None if bound is None else bound + width
+    if (
+        bound is not None
+        and not _free_reads(key_slots)
+        and _round_up(bound) <= min(cache.touched_window, cache.max_seq)
+    ):
+        cache.touched_bound = bound
+        return bound
+    exact = _read_slots_in_use(cache, key_slots)
+    if bound is not None and exact > bound:
+        raise RuntimeError(f"cache slots in use ({exact}) past their host-side bound ({bound}): a forward wrote slots "
+                           "beyond the touched span")  # fmt: skip
+    cache.touched_bound, cache.touched_window = exact, _round_up(exact)
+    return exact
+
+
+def _read_slots_in_use(cache: StaticKVCache, key_slots: Tensor) -> int:
+    """The exact span in use (a host read: one device sync on an accelerator)."""
     return int(torch.maximum(cache.lengths.max(), key_slots.max() + 1)) if key_slots.numel() else 1
 
 
-def attention_window(cache: StaticKVCache, key_slots: Tensor) -> int:
+def _free_reads(t: Tensor) -> bool:
+    """Whether reading `t` on the host costs no device sync (CPU tensors)."""
+    return t.device.type == "cpu"
+
+
+def attention_window(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None) -> int:
     """`slots_needed` rounded up to a multiple of `WINDOW_BUCKET` (at most `cache.max_seq`)."""
-    return min(cache.max_seq, _round_up(slots_needed(cache, key_slots)))
+    return min(cache.max_seq, _round_up(slots_needed(cache, key_slots, new_slots)))
 
 
 def _round_up(slots: int) -> int:
@@ -215,7 +246,7 @@ class HFTarget:
         [rows, K]` (default `slots`) may also list uncommitted slots of earlier forwards, `mask` is then
         `[rows, M, K]` (`StaticKVCache.visibility`)."""
         key_slots = slots if key_slots is None else key_slots
-        needed = slots_needed(cache, key_slots)
+        needed = slots_needed(cache, key_slots, slots.shape[1])
         if needed > cache.max_seq and cache is self.cache:  # allocated in chunks, up to what prefill was asked for
             if needed > self.max_slots:
                 raise ValueError(

@@ -144,7 +144,9 @@ class TextEagleHead(ModelMixin, ConfigMixin):
             attention_mask = causal if attention_mask is None else attention_mask
         write_slots = input_pos if write_slots is None else write_slots
         cache.check_slots(write_slots, values=validate)
-        view = window_view(cache, attention_window(cache, write_slots))  # only the slots in use (earlier nodes of a
+        view = window_view(
+            cache, attention_window(cache, write_slots, write_slots.shape[1])
+        )  # only the slots in use (earlier nodes of a
         if cache_mask is None:  # tree sit below this forward's slots)
             cache_mask = view.visibility(write_slots, attention_mask)
         else:

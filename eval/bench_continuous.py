@@ -35,6 +35,7 @@ from mmspec.cli import (
     check_zoo_folders,
     finite_float,
     int_in_range,
+    int_list_in_range,
     positive_float,
     positive_int,
     positive_int_list,
@@ -60,21 +61,13 @@ MAX_INFERENCE_STEPS = 1000  # the head's respaced diffusion steps: at most its 1
 REFERENCE = Path("reference-stats") / "mnist-test-classifier.npz"  # in the zoo
 
 
-def _batch_sizes(text):
-    """argparse `type` of `--batch-size`: a non-empty comma list of ints in [1, MAX_BATCH]."""
-    sizes = positive_int_list(text)
-    if not sizes:
-        raise argparse.ArgumentTypeError(f"expected one or more comma-separated batch sizes, got {text!r}")
-    if max(sizes) > MAX_BATCH:
-        raise argparse.ArgumentTypeError(f"batch sizes must be in [1, {MAX_BATCH}], got {max(sizes)}")
-    return sizes
-
-
 def add_arguments(parser):
     parser.add_argument("--zoo", default=DEFAULT_ZOO,
                         help="folder with mnist-mar, mnist-kl, mnist-mar-draft, mnist-classifier and "
                              f"{REFERENCE}")  # fmt: skip
-    parser.add_argument("--batch-size", type=_batch_sizes, default=[1], help="images per timed call (comma list)")
+    parser.add_argument(
+        "--batch-size", type=int_list_in_range(1, MAX_BATCH), default=[1], help="images per timed call (comma list)"
+    )
     parser.add_argument("--timing-batches", type=int_in_range(1, MAX_TIMING_BATCHES), default=8,
                         help="timed calls per method")  # fmt: skip
     parser.add_argument("--num-images", type=int_in_range(0, MAX_IMAGES), default=1000,

@@ -43,8 +43,8 @@ from mmspec.cli import (
     check_zoo_folders,
     finite_float,
     int_in_range,
+    int_list_in_range,
     names_of,
-    positive_int_list,
     seed_int,
 )
 from mmspec.methods import VLM_LIMITS
@@ -70,16 +70,6 @@ DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-mode
                                        "draft-model-frspec"), "mnist-vlm-eagle": ("eagle", "draft-model-frspec")}  # fmt: skip
 
 
-def _batch_sizes(text):
-    """argparse `type` of `--batch-size`: a non-empty comma list of ints in [1, MAX_BATCH]."""
-    sizes = positive_int_list(text)
-    if not sizes:
-        raise argparse.ArgumentTypeError(f"expected one or more comma-separated batch sizes, got {text!r}")
-    if max(sizes) > MAX_BATCH:
-        raise argparse.ArgumentTypeError(f"batch sizes must be in [1, {MAX_BATCH}], got {max(sizes)}")
-    return sizes
-
-
 def _confidence(text):
     """argparse `type` of `--draft-confidence`: a number in (0, 1), as the draft LM's chains take it."""
     value = finite_float(text)
@@ -91,7 +81,7 @@ def _confidence(text):
 def add_arguments(parser):
     nodes, depth, top_k = (int_in_range(1, VLM_LIMITS[k]) for k in ("num_draft_tokens", "tree_depth", "tree_top_k"))
     parser.add_argument("--zoo", default=DEFAULT_ZOO, help="folder with mnist-vlm, mnist-vlm-draft, mnist-vlm-eagle")
-    parser.add_argument("--batch-size", type=_batch_sizes, default=[1],
+    parser.add_argument("--batch-size", type=int_list_in_range(1, MAX_BATCH), default=[1],
                         help="answers per timed call (comma list; each at most --num-prompts)")  # fmt: skip
     parser.add_argument("--num-prompts", type=int_in_range(1, MAX_PROMPTS), default=8,
                         help="canvases (one answer each)")  # fmt: skip

@@ -2,8 +2,9 @@
 naming the flag). They complete `mmspec.cli`'s shared checks (`check_output_file`, `check_device`,
 `check_zoo_folders`) for paths whose folder a command creates itself (`--out` run folders, files inside them)."""
 
-import os
 from pathlib import Path
+
+from mmspec.cli import check_output_folder  # noqa: F401  (re-exported: `checks.check_output_folder`)
 
 
 # upper bounds of the count flags: a typo must not cost hours or the machine's memory
@@ -17,20 +18,6 @@ MAX_THREADS = 1024
 # the zoo folder each drafter of `mmspec.methods` needs (`SpeculativeARImagePipeline.from_zoo` loads it if present)
 DRAFTER_FOLDERS = {"model": "mnist-c2i-draft", "eagle": "mnist-c2i-eagle"}
 DRAFTER_COMPONENTS = {"model": "draft_model", "eagle": "eagle_head"}
-
-
-def check_output_folder(parser, flag: str, path) -> None:
-    """Usage error unless `path` is (or can be created as) a writable folder."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        parser.error(f"argument {flag}: {str(path)!r} is not a folder")
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        parser.error(f"argument {flag}: {str(existing)!r} is not a folder, so {str(path)!r} cannot be created")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        parser.error(f"argument {flag}: {str(existing)!r} is not writable")
 
 
 def check_output_path(parser, flag: str, path, extensions) -> None:

@@ -37,9 +37,11 @@ __all__ = [
     "add_knob_arguments",
     "check_device",
     "check_output_file",
+    "check_output_folder",
     "check_zoo_folders",
     "finite_float",
     "int_in_range",
+    "int_list_in_range",
     "knob_values",
     "main",
     "non_negative_float",
@@ -146,6 +148,24 @@ def seed_int(text):
 def threads_int(text):
     """argparse `type` of `--threads`: an integer in [1, MAX_THREADS]."""
     return int_in_range(1, MAX_THREADS)(text)
+
+
+def int_list_in_range(low, high):
+    """argparse `type` factory: a non-empty comma list of integers in [low, high] ("1,4"; empty items ignored)."""
+
+    def parse(text):
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected one or more comma-separated integers, got {text!r}")
+        if min(values) < low or max(values) > high:
+            raise argparse.ArgumentTypeError(f"each must be an integer in [{low}, {high}], got {text!r}")
+        return values
+
+    parse.__name__ = f"ints in [{low}, {high}]"
+    return parse
 
 
 def names_of(choices):
@@ -399,6 +419,21 @@ def write_json(path, report):
 def _check_out(parser, out):
     """`--out` of `generate`: an image file PIL can write, in an existing writable folder."""
     check_output_file(parser, "--out", out, "image")
+
+
+def check_output_folder(parser, flag, path):
+    """Usage error unless `path` is a folder, or can be created as one: its nearest existing parent is a writable
+    folder (for outputs a command creates itself: run folders, files inside them)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        parser.error(f"argument {flag}: {str(path)!r} is not a folder")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        parser.error(f"argument {flag}: {str(existing)!r} is not a folder, so {str(path)!r} cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"argument {flag}: {str(existing)!r} is not writable")
 
 
 def check_device(parser, device, flag="--device"):

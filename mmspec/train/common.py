@@ -171,13 +171,10 @@ def declare_paths(
 
 
 def _check_writable(parser, flag: str, path: Path) -> None:
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        parser.error(f"argument {flag}: cannot create {str(path)!r}: {str(parent)!r} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        parser.error(f"argument {flag}: cannot create {str(path)!r}: {str(parent)!r} is not writable")
+    """`path` (a file or folder to write) can be created: its parent is, or can be created as, a writable folder."""
+    from mmspec.cli import check_output_folder
+
+    check_output_folder(parser, flag, path.parent)
 
 
 def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -32,6 +32,7 @@ SUBCOMMANDS = {
     "verify": ("mmspec.eval.bench_verify", "per-call cost of the verification rules (mmspec.verify)"),
     "continuous": ("mmspec.eval.bench_continuous", "MAR + CSpD side by side on the MNIST zoo (speed, accuracy, FID)"),
     "vlm": ("mmspec.eval.bench_vlm", "VLM: plain, transformers (assisted), draft LM, EAGLE side by side (speed)"),
+    "t2i": ("mmspec.eval.bench_t2i", "Janus / Janus-Pro text-to-image: training-free methods side by side (speed)"),
 }
 
 

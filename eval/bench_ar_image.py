@@ -139,6 +139,54 @@ def count_syncs(fn, device):
     return count / max(1, max(out.stats.rounds, default=0) + 1)  # + 1: the prefill
 
 
+def measure(names, call, calls, batch_size, image_tokens, args, device, judge=None):
+    """The benchmarks' protocol over `names` (a warm-up call each, then `args.repeats` interleaved rounds of `calls`
+    calls on the same seeds): `call(name, c, seed) -> (out, wall_s)` runs one call of a pipeline that returns a
+    `SpeculativeImageOutput`, `judge(out, c) -> correct images` (or None: no accuracy). Returns the per-method
+    report (median latency per image, speedup over `plain`, compression, accepted length, accuracy)."""
+    syncs = {}
+    for name in names:  # warm-up; on CUDA it also counts the host syncs of one call
+        syncs[name] = count_syncs(lambda name=name: call(name, 0, args.seed), device)
+    results = {n: dict(latency=[], forwards=[], accepted_len=[], compression=[], row_compression=[], correct=0, total=0)
+               for n in names}  # fmt: skip
+    bar = tqdm(total=args.repeats * calls * len(names), unit="call", disable=args.quiet)
+    for rep in range(args.repeats):
+        for c in range(calls):
+            seed = args.seed + 1000 * rep + c
+            for name in names:
+                out, wall = call(name, c, seed)
+                bar.update(1)
+                r, s = results[name], out.stats
+                r["latency"].append(wall / batch_size)
+                r["forwards"].append(s.target_forwards)
+                r["accepted_len"].append(s.mean_accepted_length)
+                r["compression"].append(s.step_compression)
+                r["row_compression"].extend(image_tokens / (rounds + 1) for rounds in s.rounds)
+                if judge is not None:
+                    r["correct"] += judge(out, c)
+                r["total"] += batch_size
+        logger.info("repeat %d/%d done", rep + 1, args.repeats)
+    bar.close()
+
+    plain_latency = statistics.median(results["plain"]["latency"])
+    methods = {}
+    for name in names:
+        r = results[name]
+        latency = statistics.median(r["latency"])
+        methods[name] = {
+            "target_forwards_per_image": statistics.mean(r["forwards"]),
+            "mean_accepted_length": statistics.mean(r["accepted_len"]),
+            "step_compression": statistics.mean(r["compression"]),
+            "row_step_compression": statistics.mean(r["row_compression"]),
+            "latency_s": latency,
+            "speedup": plain_latency / latency,
+            "accuracy": r["correct"] / r["total"] if judge is not None else None,
+            "images": r["total"],
+            "syncs_per_round": syncs[name],
+        }
+    return methods
+
+
 @torch.no_grad()
 def run(args):
     names = args.methods
@@ -174,47 +222,13 @@ def run(args):
         out = pipe(generator=gen, output_type="pt", **condition, **kw)
         return out, time.perf_counter() - start
 
-    syncs = {}
-    for name in names:  # warm-up; on CUDA it also counts the host syncs of one call
-        syncs[name] = count_syncs(lambda name=name: call(name, 0, args.seed), device)
-    results = {n: dict(latency=[], forwards=[], accepted_len=[], compression=[], row_compression=[], correct=0, total=0)
-               for n in names}  # fmt: skip
-    bar = tqdm(total=args.repeats * calls * len(names), unit="call", disable=args.quiet)
-    for rep in range(args.repeats):
-        for c in range(calls):
-            seed = args.seed + 1000 * rep + c
-            for name in names:
-                out, wall = call(name, c, seed)
-                bar.update(1)
-                r, s = results[name], out.stats
-                r["latency"].append(wall / bs)
-                r["forwards"].append(s.target_forwards)
-                r["accepted_len"].append(s.mean_accepted_length)
-                r["compression"].append(s.step_compression)
-                n_tok = pipe.transformer.config.block_size
-                r["row_compression"].extend(n_tok / (rounds + 1) for rounds in s.rounds)
-                pred = classifier(out.images.to(device) * 2 - 1).argmax(-1)
-                r["correct"] += int((pred == torch.tensor(labels[c], device=pred.device)).sum())
-                r["total"] += bs
-        logger.info("repeat %d/%d done", rep + 1, args.repeats)
-    bar.close()
+    n_tok = pipe.transformer.config.block_size
 
-    plain_latency = statistics.median(results["plain"]["latency"])
-    methods = {}
-    for name in names:
-        r = results[name]
-        latency = statistics.median(r["latency"])
-        methods[name] = {
-            "target_forwards_per_image": statistics.mean(r["forwards"]),
-            "mean_accepted_length": statistics.mean(r["accepted_len"]),
-            "step_compression": statistics.mean(r["compression"]),
-            "row_step_compression": statistics.mean(r["row_compression"]),
-            "latency_s": latency,
-            "speedup": plain_latency / latency,
-            "accuracy": r["correct"] / r["total"],
-            "images": r["total"],
-            "syncs_per_round": syncs[name],
-        }
+    def judge(out, c):
+        pred = classifier(out.images.to(device) * 2 - 1).argmax(-1)
+        return int((pred == torch.tensor(labels[c], device=pred.device)).sum())
+
+    methods = measure(names, call, calls, bs, n_tok, args, device, judge)
     report = {
         "config": dict(
             {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names},
@@ -225,11 +239,15 @@ def run(args):
             machine=platform.machine(),
             processor=platform.processor(),
             seeds=[args.seed + 1000 * r + c for r in range(args.repeats) for c in range(calls)],
-            image_tokens=pipe.transformer.config.block_size,
+            image_tokens=n_tok,
         ),
         "methods": methods,
     }
-    for name, m in methods.items():
-        logger.info("%-12s compression %.2f  speedup %.2fx  acc %.3f", name, m["step_compression"], m["speedup"],
-                    m["accuracy"])  # fmt: skip
+    log_methods(methods)
     return report
+
+
+def log_methods(methods):
+    for name, m in methods.items():
+        acc = "" if m["accuracy"] is None else f"  acc {m['accuracy']:.3f}"
+        logger.info("%-14s compression %.2f  speedup %.2fx%s", name, m["step_compression"], m["speedup"], acc)

@@ -50,13 +50,18 @@ def tiny_config(layers=2, text_vocab=64):
     return JanusConfig(text_config=text, vision_config=vision, vq_config=vq, image_token_id=IMAGE_ID)
 
 
-def tiny_janus(layers=2, seed=0, scale=1.0):
-    """A random tiny Janus (eval, float32); `scale` multiplies the generation head (sharper / flatter laws)."""
+def tiny_janus(layers=2, seed=0, head_scale=8.0, spread=1.0):
+    """A random tiny Janus (eval, float32).
+
+    `head_scale` multiplies the generation head (random heads are near-uniform: 8 makes greedy rows differ, about 1
+    gives laws to sample from); `spread` sets how far the image-token input embeddings lie from one shared vector
+    (small: the next token depends mostly on the prompt, so Jacobi drafts get accepted)."""
     torch.manual_seed(seed)
     model = JanusForConditionalGeneration(tiny_config(layers)).eval()
-    with torch.no_grad():  # random heads are near-uniform: widen the image-token laws so greedy rows differ
-        model.model.generation_head.vision_head.weight.mul_(8.0 * scale)
-        model.model.generation_embeddings.weight.normal_(0, 1.0)
+    with torch.no_grad():
+        model.model.generation_head.vision_head.weight.mul_(head_scale)
+        embeddings = model.model.generation_embeddings.weight
+        embeddings.normal_(0, 1.0).mul_(spread).add_(torch.randn(embeddings.shape[1]))
     g = model.generation_config
     g.bos_token_id, g.pad_token_id = BOS_ID, PAD_ID
     g.generation_kwargs = {"boi_token_id": BOI_ID}
@@ -64,7 +69,9 @@ def tiny_janus(layers=2, seed=0, scale=1.0):
 
 
 def tiny_processor():
-    image_processor = JanusImageProcessorPil(size={"height": 16, "width": 16}, min_size=4)
+    image_processor = JanusImageProcessorPil(
+        size={"height": 16, "width": 16}, min_size=4, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )  # as Janus-Pro
     return JanusProcessor(image_processor=image_processor, tokenizer=tiny_tokenizer(), chat_template=CHAT,
                           num_image_tokens=GRID * GRID)  # fmt: skip
 

@@ -26,16 +26,22 @@ from mmspec.models.hf import HFTarget, right_align
 __all__ = ["JanusTarget", "special_token_ids"]
 
 
-def special_token_ids(model) -> dict[str, int]:
+def special_token_ids(model, tokenizer=None) -> dict[str, int]:
     """BOS, BOI (begin of image) and pad ids of a Janus model, from its generation config as transformers reads
-    them (`bos_token_id`, `generation_kwargs["boi_token_id"]`, `pad_token_id`); a missing one is a ValueError."""
+    them (`bos_token_id`, `generation_kwargs["boi_token_id"]`, `pad_token_id`); where the config lacks one, from
+    `tokenizer` (its `bos_token_id`, `boi_token`, `pad_token_id`). Still missing: a ValueError naming them."""
     g = model.generation_config
-    ids = {"bos_token_id": g.bos_token_id, "boi_token_id": (g.generation_kwargs or {}).get("boi_token_id"),
+    ids = {"bos_token_id": g.bos_token_id, "boi_token_id": (getattr(g, "generation_kwargs", None) or {}).get("boi_token_id"),
            "pad_token_id": g.pad_token_id}  # fmt: skip
+    if tokenizer is not None:
+        boi = getattr(tokenizer, "boi_token", None)
+        known = {"bos_token_id": tokenizer.bos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                 "boi_token_id": None if boi is None else tokenizer.convert_tokens_to_ids(boi)}  # fmt: skip
+        ids = {k: known[k] if v is None else v for k, v in ids.items()}
     missing = [name for name, value in ids.items() if not isinstance(value, int) or isinstance(value, bool)]
     if missing:
-        raise ValueError(f"{type(model).__name__}: the generation config lacks {', '.join(missing)} (needed for the "
-                         "unconditional CFG prompt; boi_token_id lives in generation_kwargs)")  # fmt: skip
+        raise ValueError(f"{type(model).__name__}: the generation config (and tokenizer) lack {', '.join(missing)}, "
+                         "needed for the unconditional CFG prompt (boi_token_id lives in generation_kwargs)")  # fmt: skip
     return ids
 
 

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["HUB_ALIASES", "SpeculativeJanusPipeline"]
 
 OUTPUT_TYPES = ("pil", "np", "pt", "tokens")
+MAX_IMAGES_PER_PROMPT = 4096  # one batch: memory grows linearly
 
 # DeepSeek's own repositories hold the remote-code "multi_modality" format; transformers reads the conversions
 HUB_ALIASES = {
@@ -181,8 +182,10 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         drafter = resolve_drafter(acceptance, drafter, set())  # no draft model / EAGLE head for Janus yet
         if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, numbers.Integral):
             raise TypeError(f"num_images_per_prompt must be an int, got {num_images_per_prompt!r}")
-        if not 1 <= num_images_per_prompt <= 256:
-            raise ValueError(f"num_images_per_prompt must be in [1, 256], got {num_images_per_prompt}")
+        if not 1 <= num_images_per_prompt <= MAX_IMAGES_PER_PROMPT:
+            raise ValueError(
+                f"num_images_per_prompt must be in [1, {MAX_IMAGES_PER_PROMPT}], got {num_images_per_prompt}"
+            )
         for name, value in (("do_sample", do_sample), ("return_dict", return_dict), ("time_phases", time_phases)):
             _check_bool(name, value)
         if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:

@@ -144,8 +144,9 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
 
         try:
             config = AutoConfig.from_pretrained(source, trust_remote_code=False, **kwargs)
-        except (OSError, ValueError, KeyError) as err:
-            raise ValueError(f"{name!r}: cannot read a Janus config ({type(err).__name__}: {err})") from err
+        except Exception as err:  # unreadable / invalid JSON, unknown model types, network errors for hub ids
+            where = name if source == name else f"{name} (its transformers conversion {source})"
+            raise ValueError(f"{where!r}: cannot read a Janus config ({type(err).__name__}: {err})") from err
         if config.model_type != "janus":
             raise ValueError(f"{name!r}: model_type={config.model_type!r}, not a transformers Janus checkpoint "
                              "(model_type 'janus'; DeepSeek's 'multi_modality' repositories have transformers "
@@ -155,7 +156,7 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
                 source, config=config, dtype=torch_dtype, output_loading_info=True, trust_remote_code=False, **kwargs
             )
             processor = JanusProcessor.from_pretrained(source, trust_remote_code=False, **kwargs)
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+        except Exception as err:  # truncated / corrupt files surface as many types (safetensors, json, OSError)
             raise ValueError(
                 f"{name!r}: cannot load the Janus model / processor ({type(err).__name__}: {err})"
             ) from err

@@ -232,8 +232,7 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
                 attention_mask.repeat_interleave(num_images_per_prompt, 0))  # fmt: skip
 
     def check_ids(self, input_ids, attention_mask):
-        """`input_ids [B, L]` integer ids in the text vocabulary; `attention_mask` None or 0/1 `[B, L]` with a token
-        in every row."""
+        """`input_ids [B, L]` integer ids in the text vocabulary; `attention_mask` None or a 0/1 tensor."""
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
             got = tuple(input_ids.shape) if torch.is_tensor(input_ids) else type(input_ids).__name__
             raise ValueError(f"input_ids must be an integer tensor [batch, length], got {got}")
@@ -244,14 +243,11 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
             raise ValueError(f"input_ids must be token ids in [0, {vocab}), got [{int(input_ids.min())}, "
                              f"{int(input_ids.max())}]")  # fmt: skip
         if attention_mask is not None:
-            if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
-                got = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
-                raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, "
-                                 f"got {got}")  # fmt: skip
+            if not torch.is_tensor(attention_mask):
+                raise TypeError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}")
             if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
                 raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
-            if not bool(attention_mask.bool().any(1).all()):
-                raise ValueError("attention_mask has a row without any token")
+            # shape and rows without a token: `right_align` (the target's prefill, before any forward)
             attention_mask = attention_mask.long()
         return input_ids.long(), attention_mask
 

@@ -132,6 +132,7 @@ BAD_CALLS = [
     (dict(input_ids=torch.tensor([1.0, 5.0]), prompt=None), ValueError, "input_ids"),
     (dict(input_ids=torch.tensor([[1.0, 5.0]]), prompt=None), TypeError, "input_ids"),
     (dict(attention_mask=torch.ones(1, 3)), ValueError, "attention_mask goes with input_ids"),
+    (dict(input_ids=torch.tensor([[1, 5, 3]]), prompt=None, attention_mask=[[1, 1, 1]]), TypeError, "attention_mask"),
     (dict(num_images_per_prompt=0), ValueError, "num_images_per_prompt"),
     (dict(num_images_per_prompt=2.0), TypeError, "num_images_per_prompt"),
     (dict(num_images_per_prompt=10**6), ValueError, "num_images_per_prompt"),
@@ -215,7 +216,7 @@ def test_from_pretrained_refuses_bad_folders(tmp_path, pipe):
     with pytest.raises(ValueError, match="no config.json"):
         SpeculativeJanusPipeline.from_pretrained(tmp_path / "empty")
     folder = _hf_folder(tmp_path, pipe)
-    with pytest.raises(ValueError, match="trust_remote_code"):
+    with pytest.raises(ValueError, match="trust_remote_code=True is refused"):
         SpeculativeJanusPipeline.from_pretrained(folder, trust_remote_code=True)
     with pytest.raises(TypeError, match="torch_dtype"):
         SpeculativeJanusPipeline.from_pretrained(folder, torch_dtype="float16")

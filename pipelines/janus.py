@@ -398,6 +398,7 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         with stats.timer("total", device), stats.timer("decode", device):
             images = self.postprocess(state.full(), output_type)
         stats.finalize()
+        self.maybe_free_model_hooks()
         if not return_dict:
             return images, stats
         return SpeculativeImageOutput(images=images, stats=stats, trace=state.full_trace())

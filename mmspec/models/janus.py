@@ -83,6 +83,7 @@ class JanusTarget(HFTarget):
         if self.guidance.streams == 2:
             input_ids = torch.cat([input_ids, self.unconditional_ids(input_ids)])
             attention_mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
-        ids, lengths = right_align(input_ids, attention_mask, pad)
+        mask = None if attention_mask is None else attention_mask.cpu()
+        ids, lengths = right_align(input_ids.cpu(), mask, pad)  # host-side bookkeeping, once per call
         return super().prefill(ids.to(self.model.device), lengths.to(self.model.device), num_tokens, scratch,
                                return_hidden=return_hidden)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from .ar_image import SpeculativeARImagePipeline, SpeculativeImageOutput
 from .continuous import SpeculativeContinuousARPipeline, SpeculativeContinuousOutput
+from .janus import SpeculativeJanusPipeline
 from .vlm import SpeculativeVLMOutput, SpeculativeVLMPipeline
 
 
@@ -10,6 +11,7 @@ __all__ = [
     "SpeculativeContinuousARPipeline",
     "SpeculativeContinuousOutput",
     "SpeculativeImageOutput",
+    "SpeculativeJanusPipeline",
     "SpeculativeVLMOutput",
     "SpeculativeVLMPipeline",
 ]

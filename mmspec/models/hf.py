@@ -203,11 +203,18 @@ class HFTarget:
         source: `"target"` or `"draft"` (the adapter also runs draft LMs): names the model in NaN errors.
         vocab: draft LMs only, optional `[N]` token ids: score only these (FR-Spec draft vocabulary, Zhao et al.
             2025); every other token gets logit `-inf`, i.e. probability 0 in `q_draft`.
+
+    Hooks for models that generate another modality through the same decoder (`mmspec.models.janus.JanusTarget`):
+    `token_inputs` (what the decoder gets for new tokens: `input_ids`, or `inputs_embeds` of image tokens),
+    `logits` (the output head) and `supports_guidance` (CFG rows `[cond; uncond]`: `forward`, `commit`,
+    `select_rows` and `lengths` speak in batch items and address both streams, `prefill` takes the model rows).
     """
+
+    supports_guidance = False  # text targets: one stream
 
     def __init__(self, model, guidance: Guidance, positions: Positions | None = None, source: str = "target",
                  vocab: Tensor | None = None):  # fmt: skip
-        if guidance.streams != 1:
+        if guidance.streams != 1 and not self.supports_guidance:
             raise ValueError("classifier-free guidance is not supported for text targets (guidance_scale must be 1)")
         text = model.config.get_text_config()
         if getattr(text, "final_logit_softcapping", None):
@@ -266,6 +273,10 @@ class HFTarget:
                      use_cache=True, **inputs)  # fmt: skip
         return out.last_hidden_state
 
+    def token_inputs(self, tokens: Tensor) -> dict:
+        """Decoder inputs of new tokens `[rows, M]` (default: the token ids)."""
+        return {"input_ids": tokens}
+
     def logits(self, hidden: Tensor) -> Tensor:
         if self.vocab is None:
             return self.model.get_output_embeddings()(hidden)
@@ -278,10 +289,11 @@ class HFTarget:
     def prefill(self, input_ids: Tensor, lengths: Tensor, num_tokens: int, scratch: int, return_hidden=False,
                 **model_inputs) -> TargetOutput:  # fmt: skip
         """Write every row's prompt (right-padded `input_ids [B, L]`, `lengths [B]`) and return the first token's
-        distribution. `model_inputs`: `pixel_values` etc. (the vision tower runs here, once).
+        distribution. `model_inputs`: `pixel_values` etc. (the vision tower runs here, once). With guidance on,
+        `input_ids` / `lengths` are the model rows (`[cond; uncond]`, `2B`).
 
         Returns:
-            `TargetOutput(p_target [B, 1, V], hidden [B, L, dim] | None, input_ids, lengths)` -- validated.
+            `TargetOutput(p_target [B, 1, V], hidden [rows, L, dim] | None, input_ids, lengths)` -- validated.
         """
         rows, width = input_ids.shape
         device = input_ids.device
@@ -299,25 +311,28 @@ class HFTarget:
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
-        lengths = self.cache.lengths
+        lengths, rows = self.cache.lengths, self.guidance.rows(tokens)  # every CFG stream scores the same tokens
         if parents is None:
             logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
         else:
-            logical, slots, mask = tree_inputs(parents, lengths)
-        hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, input_ids=tokens)
+            logical, slots, mask = tree_inputs(self.guidance.rows(parents), lengths)
+        hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, **self.token_inputs(rows))
         p = self.guidance.probs(self.logits(hidden), self.source)
         return TargetOutput(p, hidden if return_hidden else None)
 
     def commit(self, num_tokens: Tensor, path: Tensor | None = None) -> None:
+        num = self.guidance.rows(num_tokens)
         if path is None:
-            self.cache.commit(num_tokens)
+            self.cache.commit(num)
         else:
-            self.cache.commit_path(path, num_tokens)
+            self.cache.commit_path(self.guidance.rows(path), num)
 
     def select_rows(self, index: Tensor) -> None:
-        self.cache.select_rows(index)
-        self.positions.select_rows(index)
+        rows = self.guidance.row_index(index, self.cache.rows // self.guidance.streams)
+        self.cache.select_rows(rows)
+        self.positions.select_rows(rows)
 
     @property
     def lengths(self) -> Tensor:
-        return self.cache.lengths
+        """`[B]` committed cache lengths of the batch items."""
+        return self.guidance.items(self.cache.lengths)

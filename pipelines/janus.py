@@ -1,0 +1,432 @@
+"""Speculative image generation with Janus / Janus-Pro (transformers `JanusForConditionalGeneration`):
+`SpeculativeJanusPipeline`.
+
+The model's image mode (`generate(generation_mode="image")`: prompt -> `num_image_tokens` VQ tokens -> image) runs
+on the shared decoding engine (`mmspec.decoding`) through `mmspec.models.janus.JanusTarget` (mmspec's static KV
+cache, CFG rows `[cond; uncond]`), so every training-free method of `mmspec.methods` runs on it:
+
+| `acceptance` | `drafter` | method                                                  | lossless |
+|--------------|-----------|---------------------------------------------------------|----------|
+| `"none"`     | -         | plain AR sampling (= transformers' `generate`)          | yes      |
+| `"jacobi"`   | jacobi    | SJD (Teng et al. 2024); `coupling=True`: SCD re-drafts  | yes      |
+| `"exact"`    | jacobi    | speculative sampling of the Jacobi window's drafts      | yes      |
+| `"relaxed"`  | jacobi    | LANTERN on Jacobi drafts (VQ codebook neighbourhoods)   | no (TV <= delta per token) |
+| `"grouped"`  | jacobi    | GSD grouped acceptance on Jacobi drafts                 | no       |
+
+Draft-model and EAGLE drafting need a drafter trained for the target; none exists for Janus yet.
+
+Prompts go through the processor as transformers' image mode expects: the chat template (a user turn), then
+`processor(text=..., generation_mode="image")`, which appends the begin-of-image token; or pass `input_ids` (+
+`attention_mask`) made that way. The processor pads left; the target right-aligns every row (positions as for the
+unpadded prompt). Guidance, temperature, top-k and top-p are applied in transformers' order (CFG on the raw
+generation-head logits first), so plain greedy decoding equals `model.generate(..., generation_mode="image",
+do_sample=False)` token for token (`guidance_scale > 1`; transformers' loop fails at `guidance_scale <= 1`, where
+this pipeline runs the conditional stream alone). transformers' sampling defaults to `top_k=50` from the generation
+config; here `top_k=None` means no top-k.
+"""
+
+import logging
+import math
+import numbers
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import torch
+import torch.nn.functional as F
+from diffusers import DiffusionPipeline
+
+from mmspec.decoding import Guidance, SequenceState, decode
+from mmspec.drafters.jacobi import JacobiDrafter
+from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
+from mmspec.models.janus import JanusTarget, special_token_ids
+from mmspec.random import check_generator
+from mmspec.sampling import SamplingParams, sample
+from mmspec.stats import SpecStats
+from mmspec.verify import Exact, Grouped, Lantern, codebook_neighbours
+
+from .ar_image import SpeculativeImageOutput
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HUB_ALIASES", "SpeculativeJanusPipeline"]
+
+OUTPUT_TYPES = ("pil", "np", "pt", "tokens")
+MAX_IMAGES_PER_PROMPT = 4096  # one batch: memory grows linearly
+
+# DeepSeek's own repositories hold the remote-code "multi_modality" format; transformers reads the conversions
+HUB_ALIASES = {
+    "deepseek-ai/Janus-Pro-1B": "deepseek-community/Janus-Pro-1B",
+    "deepseek-ai/Janus-Pro-7B": "deepseek-community/Janus-Pro-7B",
+    "deepseek-ai/Janus-1.3B": "deepseek-community/Janus-1.3B",
+}
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+class SpeculativeJanusPipeline(DiffusionPipeline):
+    """Speculative image generation for Janus / Janus-Pro (see the module docstring).
+
+    Args:
+        model: a transformers `JanusForConditionalGeneration` (eval mode).
+        processor: its `JanusProcessor` (tokenizer with the begin-of-image token, chat template, image processor).
+
+    Examples:
+        >>> pipe = SpeculativeJanusPipeline.from_pretrained("deepseek-ai/Janus-Pro-1B", torch_dtype=torch.bfloat16,
+        ...                                                 device="cuda")
+        >>> out = pipe("a red fox in the snow", acceptance="jacobi", generator=torch.Generator("cuda").manual_seed(0))
+        >>> out.images[0].save("fox.png"); print(out.stats.step_compression)
+    """
+
+    _callback_tensor_inputs = ["tokens", "trace"]
+
+    def __init__(self, model, processor):
+        super().__init__()
+        from transformers import JanusForConditionalGeneration
+
+        if not isinstance(model, JanusForConditionalGeneration):
+            raise TypeError(f"model must be a JanusForConditionalGeneration, got {type(model).__name__}")
+        if processor is None or not hasattr(processor, "tokenizer") or not hasattr(processor, "image_processor"):
+            raise TypeError(f"processor must be a JanusProcessor, got {type(processor).__name__}")
+        grid = model.model.vqmodel.quantize.quant_state_dims
+        n = model.model.vision_model.config.num_image_tokens
+        if grid[0] * grid[1] != n:
+            raise ValueError(f"model: vision_config.num_image_tokens={n} does not fill the VQ's {grid[0]}x{grid[1]} "
+                             "token grid (vq_config.num_patches squared)")  # fmt: skip
+        self.register_modules(model=model, processor=processor)
+        self._neighbours = {}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, torch_dtype=None, device=None, **kwargs):
+        """Load a Janus checkpoint: a hub id (`"deepseek-ai/Janus-Pro-1B"`, read from its transformers conversion
+        `HUB_ALIASES`; needs network access), a local transformers folder (`config.json` of `model_type`
+        "janus", weights, processor files), or a folder written by `save_pretrained`. Never runs remote code.
+
+        Args:
+            pretrained_model_name_or_path: hub id or folder.
+            torch_dtype: weights dtype (e.g. `torch.bfloat16` on a GPU; distributions stay float32).
+            device: where the model goes.
+            kwargs: passed to transformers' `from_pretrained` (`revision`, `cache_dir`, `local_files_only`, ...).
+
+        Raises:
+            ValueError naming the path: a missing folder, a folder without a Janus config, missing or mis-shaped
+            weights, unreadable files.
+        """
+        if kwargs.pop("trust_remote_code", False):
+            raise ValueError("trust_remote_code=True is refused: Janus loads through transformers' own classes")
+        if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
+            raise TypeError(f"torch_dtype must be a torch.dtype or None, got {torch_dtype!r}")
+        name = str(pretrained_model_name_or_path)
+        folder = Path(name).expanduser()
+        if (folder / "model_index.json").is_file():  # a pipeline folder of save_pretrained
+            pipe = super().from_pretrained(folder, torch_dtype=torch_dtype, **kwargs)
+            return pipe.to(device) if device is not None else pipe
+        local = folder.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1
+        if local and not folder.is_dir():
+            raise ValueError(f"pretrained_model_name_or_path={name!r}: no such folder (nor a hub id 'owner/name')")
+        if local and not (folder / "config.json").is_file():
+            raise ValueError(f"{name!r}: not a transformers folder (no config.json)")
+        source = str(folder) if local else HUB_ALIASES.get(name, name)
+        if source != name and not local:
+            logger.info("%s is DeepSeek's remote-code format; loading its transformers conversion %s", name, source)
+        model, processor = cls._load_parts(name, source, torch_dtype, kwargs)
+        pipe = cls(model, processor)
+        return pipe.to(device) if device is not None else pipe
+
+    @staticmethod
+    def _load_parts(name, source, torch_dtype, kwargs):
+        """`(model, processor)` from `source`; every failure a ValueError naming `name`."""
+        from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
+
+        try:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=False, **kwargs)
+        except Exception as err:  # unreadable / invalid JSON, unknown model types, network errors for hub ids
+            where = name if source == name else f"{name} (its transformers conversion {source})"
+            raise ValueError(f"{where!r}: cannot read a Janus config ({type(err).__name__}: {err})") from err
+        if config.model_type != "janus":
+            raise ValueError(f"{name!r}: model_type={config.model_type!r}, not a transformers Janus checkpoint "
+                             "(model_type 'janus'; DeepSeek's 'multi_modality' repositories have transformers "
+                             f"conversions: {sorted(HUB_ALIASES.values())})")  # fmt: skip
+        try:
+            model, info = JanusForConditionalGeneration.from_pretrained(
+                source, config=config, dtype=torch_dtype, output_loading_info=True, trust_remote_code=False, **kwargs
+            )
+            processor = JanusProcessor.from_pretrained(source, trust_remote_code=False, **kwargs)
+        except Exception as err:  # truncated / corrupt files surface as many types (safetensors, json, OSError)
+            raise ValueError(
+                f"{name!r}: cannot load the Janus model / processor ({type(err).__name__}: {err})"
+            ) from err
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
+        if bad:
+            detail = "; ".join(f"{k}: {sorted(map(str, v))[:5]}" for k, v in bad.items())
+            raise ValueError(f"{name!r}: the checkpoint does not fit its config ({detail})")
+        if info.get("unexpected_keys"):
+            logger.warning("%s: unused weights %s", name, sorted(info["unexpected_keys"])[:5])
+        return model.eval(), processor
+
+    # ------------------------------------------------------------------ inputs
+    @property
+    def num_image_tokens(self) -> int:
+        return int(self.model.model.vision_model.config.num_image_tokens)
+
+    def special_ids(self) -> dict[str, int]:
+        """BOS / BOI / pad ids: the generation config's (as transformers), else the processor's tokenizer's."""
+        return special_token_ids(self.model, self.processor.tokenizer)
+
+    def check_inputs(self, acceptance, drafter, output_type, num_images_per_prompt, do_sample, return_dict,
+                     time_phases, callback_on_step_end, callback_on_step_end_tensor_inputs):  # fmt: skip
+        """Validate the call's method and I/O arguments; returns the resolved drafter name."""
+        drafter = resolve_drafter(acceptance, drafter, set())  # no draft model / EAGLE head for Janus yet
+        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, numbers.Integral):
+            raise TypeError(f"num_images_per_prompt must be an int, got {num_images_per_prompt!r}")
+        if not 1 <= num_images_per_prompt <= MAX_IMAGES_PER_PROMPT:
+            raise ValueError(
+                f"num_images_per_prompt must be in [1, {MAX_IMAGES_PER_PROMPT}], got {num_images_per_prompt}"
+            )
+        for name, value in (("do_sample", do_sample), ("return_dict", return_dict), ("time_phases", time_phases)):
+            _check_bool(name, value)
+        if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        if callback_on_step_end is not None and not callable(callback_on_step_end):
+            raise TypeError(
+                f"callback_on_step_end must be callable or None, got {type(callback_on_step_end).__name__}"
+            )
+        names = callback_on_step_end_tensor_inputs
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"callback_on_step_end_tensor_inputs must be a list of names, got {names!r}")
+        bad = set(names) - set(self._callback_tensor_inputs)
+        if bad:
+            raise ValueError(f"callback_on_step_end_tensor_inputs {sorted(bad)} not in {self._callback_tensor_inputs}")
+        return drafter
+
+    def encode_prompt(self, prompt, input_ids, attention_mask, num_images_per_prompt):
+        """`(input_ids [B, L], attention_mask [B, L])` of the call (each prompt repeated `num_images_per_prompt`
+        times): `prompt` through the chat template (a user turn) and `processor(..., generation_mode="image")`, or
+        `input_ids` / `attention_mask` as given (checked)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt and input_ids")
+        if prompt is not None:
+            if attention_mask is not None:
+                raise ValueError("attention_mask goes with input_ids, not with prompt")
+            prompts = [prompt] if isinstance(prompt, str) else prompt
+            if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+                raise TypeError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
+            empty = [i for i, p in enumerate(prompts) if not p.strip()]
+            if empty:
+                raise ValueError(f"prompt must not be empty (prompt {empty[0]} is {prompts[empty[0]]!r})")
+            if getattr(self.processor, "chat_template", None):
+                prompts = [self.processor.apply_chat_template(
+                    [{"role": "user", "content": [{"type": "text", "text": p}]}], add_generation_prompt=True,
+                    tokenize=False) for p in prompts]  # fmt: skip
+            enc = self.processor(text=list(prompts), generation_mode="image", padding=True, return_tensors="pt")
+            input_ids, attention_mask = enc["input_ids"], enc.get("attention_mask")
+        else:
+            input_ids, attention_mask = self.check_ids(input_ids, attention_mask)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return (input_ids.repeat_interleave(num_images_per_prompt, 0),
+                attention_mask.repeat_interleave(num_images_per_prompt, 0))  # fmt: skip
+
+    def check_ids(self, input_ids, attention_mask):
+        """`input_ids [B, L]` integer ids in the text vocabulary; `attention_mask` None or a 0/1 tensor."""
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            got = tuple(input_ids.shape) if torch.is_tensor(input_ids) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer tensor [batch, length], got {got}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        vocab = self.model.config.get_text_config().vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab}), got [{int(input_ids.min())}, "
+                             f"{int(input_ids.max())}]")  # fmt: skip
+        if attention_mask is not None:
+            if not torch.is_tensor(attention_mask):
+                raise TypeError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}")
+            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+            # shape and rows without a token: `right_align` (the target's prefill, before any forward)
+            attention_mask = attention_mask.long()
+        return input_ids.long(), attention_mask
+
+    def check_context(self, attention_mask, scratch):
+        """Refuse prompts that leave no room for the image in the model's context (`max_position_embeddings`)."""
+        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        longest = int(attention_mask.sum(1).max())
+        if context is not None and longest + self.num_image_tokens + scratch > context:
+            raise ValueError(f"prompt is {longest} tokens long: with {self.num_image_tokens} image tokens (+ {scratch} "
+                             f"draft slots) it does not fit the model's context of {context} tokens")  # fmt: skip
+
+    def codebook(self):
+        """The VQ codebook `[V, D]`, L2-normalised as the VQ decodes it (float32)."""
+        return F.normalize(self.model.model.vqmodel.quantize.embedding.weight.detach().float(), dim=-1)
+
+    def neighbours(self, k):
+        """LANTERN neighbourhoods `[V, k]` of the codebook (once per k; k capped at V - 1)."""
+        k = min(int(k), self.model.model.vqmodel.quantize.num_embeddings - 1)
+        if k not in self._neighbours:
+            self._neighbours[k] = codebook_neighbours(self.codebook(), k)
+        return self._neighbours[k]
+
+    def make_rule(self, acceptance, knobs):
+        """The `mmspec.verify` acceptance rule object of `acceptance` with the call's knobs."""
+        if acceptance == "relaxed":
+            lam = knobs["relaxation_lambda"]
+            return Lantern(neighbours=self.neighbours(knobs["relaxation_top_k"]), lam=lam,
+                           delta=None if lam is not None else knobs["relaxation_delta"], resample=knobs["resample"])  # fmt: skip
+        if acceptance == "grouped":
+            return Grouped(embeddings=self.codebook(), group_size=knobs["group_size"],
+                           prob_threshold=knobs["group_prob_threshold"], dist_threshold=knobs["group_dist_threshold"],
+                           resample=knobs["resample"])  # fmt: skip
+        return Exact()
+
+    def make_drafter(self, drafter, vocab_size, knobs):
+        """The engine drafter of this call, or None for plain decoding (Jacobi self-drafting only, for now)."""
+        if drafter == "jacobi":
+            return JacobiDrafter(vocab_size, knobs["jacobi_window"], knobs["jacobi_init"], knobs["coupling"])
+        return None
+
+    # ------------------------------------------------------------------ call
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        guidance_scale: float = 5.0,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        do_sample: bool = True,
+        num_images_per_prompt: int = 1,
+        acceptance: str = "jacobi",
+        drafter: str | None = None,
+        num_draft_tokens: int | None = KNOBS["num_draft_tokens"].default,
+        tree_depth: int | None = KNOBS["tree_depth"].default,
+        tree_top_k: int = KNOBS["tree_top_k"].default,
+        relaxation_top_k: int = KNOBS["relaxation_top_k"].default,
+        relaxation_delta: float = KNOBS["relaxation_delta"].default,
+        relaxation_lambda: float | None = KNOBS["relaxation_lambda"].default,
+        group_size: int = KNOBS["group_size"].default,
+        group_prob_threshold: float = KNOBS["group_prob_threshold"].default,
+        group_dist_threshold: float = KNOBS["group_dist_threshold"].default,
+        jacobi_window: int = KNOBS["jacobi_window"].default,
+        jacobi_init: str = KNOBS["jacobi_init"].default,
+        coupling: bool = KNOBS["coupling"].default,
+        resample: str = KNOBS["resample"].default,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end=None,
+        callback_on_step_end_tensor_inputs=("tokens",),
+        time_phases: bool = False,
+    ):
+        """Generate images for `prompt` (or ready `input_ids`).
+
+        Args:
+            prompt: a prompt or a list (one image each, times `num_images_per_prompt`).
+            input_ids, attention_mask: instead of `prompt`: image-mode prompts as the processor makes them (chat
+                template applied, begin-of-image token last; any-side padding, `attention_mask` 1 = token).
+            guidance_scale: CFG scale (default 5, as transformers); 1 runs the conditional stream alone.
+            temperature, top_k, top_p, do_sample: sampling knobs after CFG (`do_sample=False` = greedy).
+            num_images_per_prompt: images per prompt.
+            acceptance: `"none"` | `"exact"` | `"relaxed"` | `"grouped"` | `"jacobi"` (module docstring).
+            drafter: `"jacobi"` (the default for every speculative acceptance); `"model"` / `"eagle"` need trained
+                components that Janus has not got yet.
+            num_draft_tokens, tree_depth, tree_top_k: draft-model / EAGLE knobs (checked; unused by Jacobi).
+            relaxation_top_k, relaxation_delta, relaxation_lambda: LANTERN (neighbourhoods of the L2-normalised
+                VQ codebook).
+            group_size, group_prob_threshold, group_dist_threshold: GSD.
+            jacobi_window, jacobi_init, coupling: SJD window, fresh-token init, SCD coupling.
+            resample: `"optimal"` or `"released"` residuals of the relaxed rules.
+            generator: one `torch.Generator` on the model's device, or one per image.
+            output_type: `"pil"` | `"np"` (NHWC in [0, 1]) | `"pt"` (NCHW in [0, 1]) | `"tokens"` (`[B, N]`).
+            return_dict: a `SpeculativeImageOutput` (else `(images, stats)`).
+            callback_on_step_end: `fn(pipe, round, generated_tokens, callback_kwargs)` after every round
+                (`"tokens"`: the `[B, N]` grid, -1 = not yet; `"trace"`); read-only.
+            time_phases: also time the draft and verify phases.
+
+        Returns:
+            `SpeculativeImageOutput(images, stats, trace)` or `(images, stats)`.
+        """
+        # 1. check inputs, resolve the method
+        drafter = self.check_inputs(acceptance, drafter, output_type, num_images_per_prompt, do_sample, return_dict,
+                                    time_phases, callback_on_step_end, callback_on_step_end_tensor_inputs)  # fmt: skip
+        knobs = check_knobs(num_draft_tokens=num_draft_tokens, tree_depth=tree_depth, tree_top_k=tree_top_k,
+                            relaxation_top_k=relaxation_top_k, relaxation_delta=relaxation_delta,
+                            relaxation_lambda=relaxation_lambda, group_size=group_size,
+                            group_prob_threshold=group_prob_threshold, group_dist_threshold=group_dist_threshold,
+                            jacobi_window=jacobi_window, jacobi_init=jacobi_init, coupling=coupling,
+                            resample=resample)  # fmt: skip
+        sampling = SamplingParams(guidance_scale, temperature, top_k, top_p, do_sample)
+        if sampling.greedy and ACCEPTANCES[acceptance].sampling_only:
+            raise ValueError(f"acceptance={acceptance!r} is a sampling rule; use do_sample=True and temperature > 0")
+        guidance = Guidance(sampling)
+        special = self.special_ids()
+
+        # 2. prepare prompts, generators, the rule and the drafter
+        device = self.model.device
+        ids, mask = self.encode_prompt(prompt, input_ids, attention_mask, num_images_per_prompt)
+        batch, n_tokens = ids.shape[0], self.num_image_tokens
+        check_generator(generator, batch, device)
+        target = JanusTarget(self.model, guidance, special)
+        draft = self.make_drafter(drafter, target.vocab_size, knobs)
+        scratch = 1 + (draft.max_width if draft else 0)
+        self.check_context(mask, scratch)
+        rule = self.make_rule(acceptance, knobs)
+        stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
+
+        # 3. prefill: every row's prompt (and its unconditional twin); the first token comes from the target alone
+        with stats.timer("total", device), stats.timer("prefill", device):
+            first = target.prefill(ids, mask, n_tokens, scratch=scratch)
+            state = SequenceState(sample(first.p_target[:, 0], generator), n_tokens, generator=generator)
+            if draft is not None:
+                draft.prefill(state, first)
+        stats.record_prefill(1)
+
+        # 4. decode: draft -> verify -> commit rounds until every image is complete
+        callback = None
+        if callback_on_step_end is not None:
+            callback = self._callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
+        with stats.timer("total", device), self.progress_bar(total=batch * n_tokens) as progress:
+            decode(target, draft, rule, state, guidance, stats, progress=progress, callback=callback)
+        stats.draft_forwards = getattr(draft, "draft_forwards", 0)
+
+        # 5. tokens -> images
+        with stats.timer("total", device), stats.timer("decode", device):
+            images = self.postprocess(state.full(), output_type)
+        stats.finalize()
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return images, stats
+        return SpeculativeImageOutput(images=images, stats=stats, trace=state.full_trace())
+
+    def _callback(self, fn, names):
+        """Wrap the user's `callback_on_step_end` as the loop's `callback(state, round)`."""
+
+        def callback(state, round_index):
+            tensors = {name: state.full() if name == "tokens" else state.full_trace() for name in names}
+            out = fn(self, round_index, int(state.num_generated().sum()), tensors)
+            if out and "tokens" in out and not torch.equal(out["tokens"], state.full()):
+                raise ValueError("callback_on_step_end may not change tokens: committed tokens live in the KV caches")
+
+        return callback
+
+    # ------------------------------------------------------------------ output
+    def postprocess(self, tokens, output_type):
+        """Token grids `[B, N]` -> images: the VQ decodes (`decode_image_tokens`), the processor's `postprocess`
+        undoes its normalisation and rescales to 8 bits."""
+        if output_type == "tokens":
+            return tokens
+        pixels = self.model.decode_image_tokens(tokens).permute(0, 3, 1, 2).float().cpu()  # [B, C, H, W]
+        pil = output_type == "pil"
+        out = self.processor.postprocess(list(pixels), return_tensors="PIL.Image.Image" if pil else None)
+        images = out["pixel_values"]
+        if pil:
+            return [image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(image) for image in images]
+        array = np.stack([np.asarray(image) for image in images]).astype(np.float32) / 255.0  # [B, C, H, W]
+        if not math.isfinite(float(array.sum())):
+            raise ValueError("model: the VQ decoder produced non-finite pixels")
+        return torch.from_numpy(array) if output_type == "pt" else array.transpose(0, 2, 3, 1)

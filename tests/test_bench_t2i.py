@@ -79,9 +79,12 @@ def _report_keys():
 
 
 def test_report_on_a_tiny_janus_folder(tmp_path):
-    import janus_fixtures  # tests/janus_fixtures.py
-    folder = janus_fixtures.save_tiny_janus(tmp_path / "janus")
-    (tmp_path / "p.txt").write_text("a red fox\nthe digit 3\n")
+    from janus_fixtures import prompts, tiny_janus, tiny_processor
+
+    folder = tmp_path / "janus"
+    tiny_janus(spread=0.1).save_pretrained(folder)
+    tiny_processor().save_pretrained(folder)
+    (tmp_path / "p.txt").write_text("\n".join(prompts(2)) + "\n")
     out = tmp_path / "bench.json"
     rc = main(["t2i", "--model", str(folder), "--prompts", str(tmp_path / "p.txt"), "--methods", "jacobi,sjd",
                "--num-images", "2", "--repeats", "1", "--threads", "1", "--quiet", "--json", str(out)])  # fmt: skip

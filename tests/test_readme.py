@@ -4,7 +4,10 @@ command of the README parses with the real argument parsers (a renamed or remove
 
 Blocks marked `<!-- readme-test: official files -->` load official LlamaGen / MAR checkpoints by file name: they run
 after `tests/readme_official_files.install()` has written tiny stand-ins of those files, in the official formats,
-under the README's names in the working directory (see that module)."""
+under the README's names in the working directory (see that module). Blocks marked `<!-- readme-test: online -->`
+load a hub model on a GPU (e.g. `deepseek-ai/Janus-Pro-1B` in bfloat16 on "cuda"): they run as pasted except that
+`"cuda"` becomes `"cpu"` and the pipeline's `from_pretrained` of a hub id reads a tiny random model of the same class
+(`tests/readme_online_models.py`), after the hub id went through the pipeline's own id checks."""
 
 import argparse
 import importlib
@@ -21,16 +24,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 OFFICIAL = "<!-- readme-test: official files -->"
+ONLINE = "<!-- readme-test: online -->"
 TIMEOUT_S = 240  # per block (the VLM block's first run on a machine dequantizes SmolLM2, ~25 s)
 
 
 def python_blocks(text):
-    """[(first line number, code, needs the official files)] of every ```python block."""
+    """[(first line number, code, marker or None)] of every ```python block."""
     blocks, lines = [], text.splitlines()
     i = 0
     while i < len(lines):
         if lines[i].strip() == "```python":
-            marked = i > 0 and lines[i - 1].strip() == OFFICIAL
+            marked = lines[i - 1].strip() if i > 0 and lines[i - 1].strip() in (OFFICIAL, ONLINE) else None
             end = lines.index("```", i + 1)
             blocks.append((i + 2, "\n".join(lines[i + 1 : end]) + "\n", marked))
             i = end
@@ -80,7 +84,8 @@ COMMANDS = shell_commands(TEXT)
 
 
 def test_the_readme_has_the_blocks_and_commands_this_test_runs():
-    assert len(BLOCKS) >= 7 and sum(marked for *_, marked in BLOCKS) == 2
+    markers = [marked for *_, marked in BLOCKS]
+    assert len(BLOCKS) >= 7 and markers.count(OFFICIAL) == 2 and markers.count(ONLINE) == 1
     assert len(COMMANDS) >= 20 and any(module for _, module, _ in COMMANDS)
 
 
@@ -88,9 +93,13 @@ def test_the_readme_has_the_blocks_and_commands_this_test_runs():
 @pytest.mark.parametrize("line, code, official", BLOCKS, ids=[f"README.md:{line}" for line, _, _ in BLOCKS])
 def test_python_block_runs_as_pasted(line, code, official, tmp_path):
     prelude = ""
-    if official:
+    if official == OFFICIAL:
         prelude = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import readme_official_files; "
                    "readme_official_files.install(); del sys.path[0]\n")  # fmt: skip
+    elif official == ONLINE:
+        prelude = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import readme_online_models; "
+                   "readme_online_models.install(); del sys.path[0]\n")  # fmt: skip
+        code = code.replace('"cuda"', '"cpu"')
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
            "TQDM_DISABLE": "1"}  # fmt: skip
     env.pop("PYTHONPATH", None)

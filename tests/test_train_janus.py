@@ -196,7 +196,6 @@ def test_tiny_janus_run_resumes_after_a_kill_and_refuses_a_changed_flag(tmp_path
 
 
 # ----------------------------------------------------------------------------- the shipped model
-@pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="assets/mnist-janus not shipped")
 @torch.no_grad()
 def test_shipped_janus_loads_offline_and_draws_the_requested_digits():
     from safetensors import safe_open

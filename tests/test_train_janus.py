@@ -224,3 +224,15 @@ def test_shipped_janus_loads_offline_and_draws_the_requested_digits():
     predictions = load(ASSETS / "mnist-classifier").eval().predict(images)
     accuracy = (predictions == torch.tensor(digits)).float().mean()
     assert accuracy >= 0.7, (accuracy, predictions.tolist())
+
+
+def test_bad_model_shape_is_a_usage_error_before_anything_loads(tmp_path, capsys):
+    from mmspec.train.__main__ import main
+
+    data = tmp_path / "codes.pt"
+    data.write_bytes(b"")  # never read: the usage check comes first
+    with pytest.raises(SystemExit) as exit_info:
+        main(["janus-t2i", "--out", str(tmp_path / "out"), "--data", str(data), "--dim", "30", "--n-head", "4"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --n-head" in err and "not divisible" in err
+    assert not (tmp_path / "out").exists()

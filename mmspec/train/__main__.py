@@ -23,6 +23,10 @@ TASKS = {
     "mar": ("mmspec.train.mar", "class-conditional MAR (target or --preset draft) on KL tokens (mnist-mar)"),
     "vlm": ("mmspec.train.vlm", "offline VLM target: LLaVA = frozen SmolLM2-135M + small CLIP tower (mnist-vlm)"),
     "t2i": ("mmspec.train.t2i", "text-to-image LlamaGen GPT on VQ tokens + MiniLM caption features (mnist-t2i)"),
+    "janus-t2i": (
+        "mmspec.train.janus_t2i",
+        "text-to-image transformers Janus (small Llama + the converted VQ) (mnist-janus)",
+    ),
     "vlm-answers": ("mmspec.train.vlm_answers", "the VLM target's own answers on training canvases (drafter data)"),
     "vlm-draft": ("mmspec.train.vlm_draft", "layer-truncated SmolLM2 draft distilled on the VLM target's answers"),
     "vlm-eagle": ("mmspec.train.vlm_eagle", "EAGLE head on the VLM target's features (training-time test)"),

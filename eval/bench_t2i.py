@@ -82,8 +82,8 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--methods", type=names_of(T2I_PRESETS), default=",".join(T2I_PRESETS),
                         help="comma-separated subset of " + ",".join(T2I_PRESETS))  # fmt: skip
-    parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=5.0,
-                        help="classifier-free guidance (transformers' Janus default: 5)")  # fmt: skip
+    parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0,
+                        help="classifier-free guidance (the zoo model's; transformers' Janus default is 5)")  # fmt: skip
     parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
     parser.add_argument("--top-k", type=sampling_type("top_k", int), default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",

@@ -26,7 +26,6 @@ config; here `top_k=None` means no top-k.
 """
 
 import logging
-import math
 import numbers
 from pathlib import Path
 
@@ -252,12 +251,14 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         return input_ids.long(), attention_mask
 
     def check_context(self, attention_mask, scratch):
-        """Refuse prompts that leave no room for the image in the model's context (`max_position_embeddings`)."""
+        """Refuse prompts that leave no room for the image in the model's context (`max_position_embeddings`): the
+        positions fed are the prompt's and the image tokens' but the last (drafts never run past the last image
+        token); the `scratch` slots of a round's drafts are cache slots, not positions."""
         context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         longest = int(attention_mask.sum(1).max())
-        if context is not None and longest + self.num_image_tokens + scratch > context:
-            raise ValueError(f"prompt is {longest} tokens long: with {self.num_image_tokens} image tokens (+ {scratch} "
-                             f"draft slots) it does not fit the model's context of {context} tokens")  # fmt: skip
+        if context is not None and longest + self.num_image_tokens - 1 > context:
+            raise ValueError(f"prompt is {longest} tokens long: with {self.num_image_tokens} image tokens it does not "
+                             f"fit the model's context of {context} positions")  # fmt: skip
 
     def codebook(self):
         """The VQ codebook `[V, D]`, L2-normalised as the VQ decodes it (float32)."""
@@ -416,17 +417,22 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
 
     # ------------------------------------------------------------------ output
     def postprocess(self, tokens, output_type):
-        """Token grids `[B, N]` -> images: the VQ decodes (`decode_image_tokens`), the processor's `postprocess`
-        undoes its normalisation and rescales to 8 bits."""
+        """Token grids `[B, N]` -> images: the VQ decodes (`decode_image_tokens`), then the processor's
+        normalisation is undone (`pixel * image_std + image_mean`, per channel) and the image rescaled to 8 bits, as
+        the processor's `postprocess` does (which only handles 3 channels; the zoo's MNIST model has 1)."""
         if output_type == "tokens":
             return tokens
         pixels = self.model.decode_image_tokens(tokens).permute(0, 3, 1, 2).float().cpu()  # [B, C, H, W]
-        pil = output_type == "pil"
-        out = self.processor.postprocess(list(pixels), return_tensors="PIL.Image.Image" if pil else None)
-        images = out["pixel_values"]
-        if pil:
-            return [image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(image) for image in images]
-        array = np.stack([np.asarray(image) for image in images]).astype(np.float32) / 255.0  # [B, C, H, W]
-        if not math.isfinite(float(array.sum())):
+        if not torch.isfinite(pixels).all():
             raise ValueError("model: the VQ decoder produced non-finite pixels")
+        ip = self.processor.image_processor
+        if ip.do_normalize:
+            mean = torch.as_tensor(ip.image_mean, dtype=torch.float32).reshape(-1, 1, 1)  # [C or 1, 1, 1]
+            std = torch.as_tensor(ip.image_std, dtype=torch.float32).reshape(-1, 1, 1)
+            pixels = pixels * std + mean
+        array = (pixels * 255).clamp(0, 255).to(torch.uint8).numpy()  # [B, C, H, W], 8 bits as the processor
+        if output_type == "pil":
+            hwc = array.transpose(0, 2, 3, 1)
+            return [PIL.Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image) for image in hwc]
+        array = array.astype(np.float32) / 255.0
         return torch.from_numpy(array) if output_type == "pt" else array.transpose(0, 2, 3, 1)

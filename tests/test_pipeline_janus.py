@@ -168,9 +168,12 @@ def test_bad_arguments_are_refused_before_the_model_runs(pipe, kwargs, error, ma
 
 
 def test_prompts_that_do_not_fit_the_context_are_refused(pipe):
-    ids = torch.ones(1, 250, dtype=torch.long)  # + 16 image tokens > max_position_embeddings 256
+    # positions fed: the prompt's and the image tokens' but the last; draft slots are not positions
+    ids = torch.ones(1, 242, dtype=torch.long)  # 242 + 16 - 1 = 257 > max_position_embeddings 256
     with pytest.raises(ValueError, match="context of 256"):
         pipe(input_ids=ids)
+    out = pipe(input_ids=ids[:, :241], output_type="tokens", acceptance="jacobi", jacobi_window=16)  # 256: fits
+    assert out.images.shape == (1, 16)
 
 
 def test_callback_sees_the_grid_and_may_not_change_it(pipe):

@@ -100,6 +100,17 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         self._neighbours = {}
 
     @classmethod
+    def from_zoo(cls, root=None, name="mnist-janus", **kwargs):
+        """The offline zoo's Janus: `<root>/<name>` (default: the shipped zoo's `mnist-janus`, from any working
+        directory), a plain transformers folder; `kwargs` as `from_pretrained`."""
+        from mmspec.models import DEFAULT_ZOO
+
+        folder = Path(DEFAULT_ZOO if root is None else root) / name
+        if not folder.is_dir():
+            raise ValueError(f"root: no zoo folder {str(folder)!r}")
+        return cls.from_pretrained(str(folder), **kwargs)
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, torch_dtype=None, device=None, **kwargs):
         """Load a Janus checkpoint: a hub id (`"deepseek-ai/Janus-Pro-1B"`, read from its transformers conversion
         `HUB_ALIASES`; needs network access), a local transformers folder (`config.json` of `model_type`

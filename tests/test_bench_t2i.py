@@ -59,8 +59,10 @@ def test_hub_ids_pass_the_checks_without_downloading(tmp_path, monkeypatch):
 def test_methods_are_the_training_free_presets():
     assert {"plain", "jacobi", "grouped", "sjd", "relaxed-jacobi", "exact-jacobi"} <= set(bench_t2i.T2I_PRESETS)
     for name, preset in PRESETS.items():  # a preset that needs a trained drafter component is not offered
-        needs_component = preset.get("drafter") in ("model", "eagle") or preset["acceptance"] == "relaxed" and (
-            preset.get("drafter") != "jacobi"
+        needs_component = (
+            preset.get("drafter") in ("model", "eagle")
+            or preset["acceptance"] == "relaxed"
+            and (preset.get("drafter") != "jacobi")
         )
         assert (name in bench_t2i.T2I_PRESETS) != needs_component, name
 

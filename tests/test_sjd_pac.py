@@ -194,3 +194,84 @@ def test_knob_refusals():
     knobs = dict(jacobi_window=4, jacobi_init="repeat", coupling=True)
     assert type(make_jacobi_drafter(V, knobs)) is JacobiDrafter
     assert type(make_jacobi_drafter(V, knobs | dict(jacobi_tree_width=2))) is ProactiveJacobiDrafter
+
+
+@pytest.fixture(scope="module")
+def zoo_pipe():
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    pipe = SpeculativeARImagePipeline.from_zoo()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("labels", [[3], [0, 7, 4]], ids=["batch1", "ragged3"])
+def test_greedy_sjd_pac_equals_plain_greedy_on_the_zoo(zoo_pipe, labels):
+    gens = [torch.Generator().manual_seed(i) for i in range(len(labels))]
+    plain = zoo_pipe(class_labels=labels, acceptance="none", do_sample=False, output_type="tokens", generator=gens)
+    gens = [torch.Generator().manual_seed(i) for i in range(len(labels))]
+    out = zoo_pipe(class_labels=labels, acceptance="jacobi", jacobi_tree_width=3, jacobi_tree_depth=3,
+                   jacobi_window=8, do_sample=False, output_type="tokens", generator=gens)  # fmt: skip
+    assert torch.equal(out.images, plain.images)
+    assert out.stats.target_forwards < plain.stats.target_forwards
+
+
+def test_trace_and_stats_agree_on_the_zoo(zoo_pipe):
+    """Sampled SJD-PAC on the zoo (ragged batch of 2): per row and round, the trace's tokens are the accepted drafts
+    then one closing token; a round closes with a bonus exactly when its path reached a leaf (every leaf of the tree
+    is at depth >= depth - 1, and a round that accepted the whole window closes with a bonus); the per-row accepted
+    counts and rounds of the stats are those of the trace."""
+    from mmspec.decoding import ACCEPTED, BONUS, RESAMPLED
+
+    depth, window = 3, 8
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(2)]
+    out = zoo_pipe(class_labels=[2, 5], acceptance="jacobi", jacobi_tree_width=3, jacobi_tree_depth=depth,
+                   jacobi_window=window, output_type="tokens", generator=gens)  # fmt: skip
+    trace, stats = out.trace, out.stats
+    for b in range(2):
+        rounds = int(trace.round[b].max())
+        per_round_accepted = []
+        for r in range(1, rounds + 1):
+            origin = trace.origin[b][trace.round[b] == r]
+            accepted = int((origin == ACCEPTED).sum())
+            per_round_accepted.append(accepted)
+            assert accepted <= window and (origin[:accepted] == ACCEPTED).all()
+            assert origin[-1] in (BONUS, RESAMPLED) or r == rounds  # the last round may be cut at the image end
+            if origin[-1] == BONUS and r < rounds:
+                assert accepted >= depth - 1
+            if accepted == window:
+                assert origin[-1] == BONUS
+        assert sum(per_round_accepted) == stats.accepted_tokens[b]
+        assert trace.counts()["accepted"][b] == stats.accepted_tokens[b]
+    assert max(per_round_accepted) > 0
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["generate", "--jacobi-tree-width", "0"], "--jacobi-tree-width"),
+        (["generate", "--jacobi-tree-depth", "1"], "--jacobi-tree-depth"),
+        (
+            ["generate", "--jacobi-tree-width", "3", "--jacobi-tree-depth", "6", "--jacobi-window", "4"],
+            "--jacobi-tree-depth",
+        ),
+        (
+            ["bench", "ar-image", "--methods", "jacobi", "--jacobi-tree-width", "9", "--jacobi-tree-depth", "5"],
+            "--jacobi-tree-width",
+        ),
+    ],
+    ids=["width0", "depth1", "deeper-than-window", "too-many-nodes"],
+)
+def test_cli_refuses_bad_tree_knobs_before_loading(argv, flag, capsys, monkeypatch):
+    from mmspec import cli
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(SpeculativeARImagePipeline, "from_zoo", no_load)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in err and flag[2:].replace("-", "_") in err, err  # the flag and the knob's own message

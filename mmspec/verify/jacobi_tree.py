@@ -25,8 +25,9 @@ from torch import Tensor
 
 from mmspec.random import Generators, rand
 from mmspec.sampling import sample
+from mmspec.verify.chain import verify_chain
 from mmspec.verify.registry import resolve_rule
-from mmspec.verify.results import JacobiResult
+from mmspec.verify.results import JacobiResult, VerifyResult
 from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
 from mmspec.verify.tree import verify_tree
 
@@ -34,18 +35,74 @@ from mmspec.verify.tree import verify_tree
 __all__ = ["main_branch", "verify_jacobi_tree"]
 
 
-def main_branch(parents: Tensor) -> list[int]:
+def main_branch(parents: Tensor | list[int]) -> list[int]:
     """The main branch of a Jacobi tree layout ``parents [N]`` (-1 = child of the pending token, topological
     order): the first child (lowest index) of the root, then the first child of each main node, as node indices
     (host list; one read of ``parents``)."""
     first: dict[int, int] = {}
-    for i, par in enumerate(parents.tolist()):
+    for i, par in enumerate(parents if isinstance(parents, list) else parents.tolist()):
         first.setdefault(par, i)
     nodes, cur = [], -1
     while cur in first:
         cur = first[cur]
         nodes.append(cur)
     return nodes
+
+
+def _chain_tail(layout: list[int], main: list[int]) -> int:
+    """Number of trailing nodes that form a chain under the main branch: each the next main node, the last nodes
+    of the layout, and the only child of its parent."""
+    n = len(layout)
+    kids: dict[int, int] = {}
+    for par in layout:
+        kids[par] = kids.get(par, 0) + 1
+    tail = 0
+    while tail < len(main) - 1 and main[-1 - tail] == n - 1 - tail and kids[layout[n - 1 - tail]] == 1:
+        tail += 1
+    return tail
+
+
+def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, rule, validate):
+    """`verify_tree` (without replacement) over the whole Jacobi tree, computed as the tree part followed, for the
+    rows whose path reached the main node the chain hangs from (the anchor), by `verify_chain` over the chain: the
+    same recursion (a chain is a tree of single children), without a Python step per chain node and sibling slot.
+    The tree part's emitted token of the rows that go on into the chain is discarded (an independent draw)."""
+    batch, n = tokens.shape
+    layout_list = layout.tolist()
+    tail = _chain_tail(layout_list, main)
+    if tail == 0:
+        return verify_tree(tokens, layout, p_target, q_draft, mode="without_replacement", generator=generator,
+                           rule=rule, validate=validate)  # fmt: skip
+    n0 = n - tail  # tree-part nodes
+    anchor = main[len(main) - tail - 1]  # the main node the chain hangs from
+    depth = len(main) - tail  # its depth
+    tree = verify_tree(tokens[:, :n0], layout[:n0], p_target[:, : n0 + 1], q_draft[:, :n0],
+                       mode="without_replacement", generator=generator, rule=rule, validate=validate)  # fmt: skip
+    reached = tree.path.gather(1, tree.num_accepted[:, None])[:, 0] == anchor + 1  # [B]
+    chain_tokens = tokens[:, n0:]
+    present = (chain_tokens >= 0).long().cumprod(1).sum(1)
+    rows = torch.cat([torch.tensor([anchor + 1]), torch.arange(n0 + 1, n + 1)]).to(p_target.device)
+    chain = verify_chain(rule, chain_tokens.clamp(min=0), p_target[:, rows], q_draft[:, n0:], generator=generator,
+                         num_draft=torch.where(reached, present, 0), validate=validate)  # fmt: skip
+    width = depth + tail + 1
+    out = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
+    path = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
+    w = tree.tokens.shape[1]
+    out[:, :w], path[:, :w] = tree.tokens, tree.path
+    slot = torch.arange(tail + 1, device=tokens.device)
+    out[:, depth:] = torch.where(reached[:, None], chain.tokens, out[:, depth:])
+    chain_path = torch.where(slot[:tail] < chain.num_accepted[:, None], n0 + 1 + slot[:tail], -1)
+    path[:, depth + 1 :] = torch.where(reached[:, None], chain_path, path[:, depth + 1 :])
+    nan = torch.full_like(chain.accept_prob, float("nan"))
+    return VerifyResult(
+        num_accepted=tree.num_accepted + torch.where(reached, chain.num_accepted, 0),
+        accept_mask=torch.cat([tree.accept_mask, chain.accept_mask & reached[:, None]], dim=1),
+        tokens=out,
+        path=path,
+        accept_prob=torch.cat(
+            [tree.accept_prob, torch.where(reached[:, None], chain.accept_prob.to(nan.dtype), nan)], 1
+        ),
+    )
 
 
 def verify_jacobi_tree(
@@ -85,12 +142,10 @@ def verify_jacobi_tree(
     layout = parents if parents.ndim == 1 else parents[0]
     if validate and parents.ndim == 2 and not bool((parents == layout).all()):
         raise ValueError("parents: a Jacobi tree has one layout for every row (absent nodes are tree_tokens -1)")
-    res = verify_tree(
-        tree_tokens, layout, p_target, q_draft, mode="without_replacement", generator=generator, rule=rule,
-        validate=validate,
-    )  # fmt: skip
+    main_list = main_branch(layout)
+    res = _verify_tree_then_chain(tree_tokens, layout, main_list, p_target, q_draft, generator, rule, validate)
     vocab = p_target.shape[-1]
-    main = torch.tensor(main_branch(layout), dtype=torch.long, device=tree_tokens.device)  # [L]
+    main = torch.tensor(main_list, dtype=torch.long, device=tree_tokens.device)  # [L]
     k = main.numel()
     # a row's main branch ends at its first absent main node
     lengths = (tree_tokens[:, main] >= 0).long().cumprod(1).sum(1)  # [B]

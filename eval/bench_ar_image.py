@@ -3,7 +3,7 @@
 Methods are the named presets of `mmspec.methods.PRESETS` (names fixed for the JSON): `plain` (AR sampling),
 `exact-draft` (small GPT drafter), `exact-eagle` (EAGLE head, pipeline default: a sampled chain), `exact-eagle-tree`
 (EAGLE-2 dynamic tree: 24 nodes, depth 5, top-k 4), `relaxed` (LANTERN on EAGLE drafts), `grouped` (GSD on Jacobi
-drafts), `jacobi` (SJD + SCD), `sjd-pac` (SJD-PAC: a Jacobi tree, width 3, depth 3). One option per pipeline knob of `mmspec.methods.KNOBS` (`--tree-depth`, `--coupling`, ...);
+drafts), `jacobi` (SJD + SCD), `sjd-pac` (SJD-PAC: a Jacobi tree, width 3, depth 2, window 16). One option per pipeline knob of `mmspec.methods.KNOBS` (`--tree-depth`, `--coupling`, ...);
 options left unset keep the pipeline's defaults; a method's own settings (e.g. the tree's) win over them.
 
 Protocol: one warm-up call per method, then `--repeats` rounds; each round runs every method (interleaved, so drift

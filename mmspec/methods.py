@@ -267,7 +267,7 @@ PRESETS = {
     "relaxed": dict(acceptance="relaxed", drafter="eagle"),
     "grouped": dict(acceptance="grouped", drafter="jacobi"),
     "jacobi": dict(acceptance="jacobi"),
-    "sjd-pac": dict(acceptance="jacobi", coupling=True, jacobi_tree_width=3, jacobi_tree_depth=3, jacobi_window=16),
+    "sjd-pac": dict(acceptance="jacobi", coupling=True, jacobi_tree_width=3, jacobi_tree_depth=2, jacobi_window=16),
 }
 
 

@@ -275,3 +275,32 @@ def test_cli_refuses_bad_tree_knobs_before_loading(argv, flag, capsys, monkeypat
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert flag in err and flag[2:].replace("-", "_") in err, err  # the flag and the knob's own message
+
+
+def test_fresh_position_siblings_from_the_last_carried_law_are_verified_with_that_law(make_generator, chi2_pvalue):
+    """At a fresh position (point-mass main draft) the side siblings come from the last carried position's law; the
+    proposal's `q_draft` must say so, or the recursion accepts them wrongly. Position 1 is always accepted here
+    (p = its draft), position 2's main draft has target probability 0.05: the emitted token there must follow p2."""
+    rows = 60_000
+    gen = make_generator(21)
+    drafter = ProactiveJacobiDrafter(V, window=2, width=3, depth=3, init="repeat", coupling=True)
+    state = SequenceState(torch.zeros(rows, dtype=torch.long), 10, generator=gen)
+    drafter.prefill(state, None)
+    q0 = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    drafter.drafts[:, 0] = torch.multinomial(q0, rows, replacement=True, generator=gen)
+    drafter.q_draft[:, 0] = q0
+    drafter.drafts[:, 1] = 0  # fresh, point mass
+    drafter.q_draft[:, 1] = torch.nn.functional.one_hot(torch.zeros(rows, dtype=torch.long), V).float()
+    drafter.num_carried = torch.ones(rows, dtype=torch.long)
+    prop = drafter.propose(state)
+    assert (prop.tokens[:, 4:6] >= 0).all()  # siblings of the fresh main draft exist
+    n = prop.tokens.shape[1]
+    p2 = torch.tensor([0.05, 0.5, 0.05, 0.4])
+    p = torch.full((rows, n + 1, V), 1.0 / V)
+    p[:, 0] = torch.nn.functional.one_hot(drafter.drafts[:, 0], V).float()
+    p[:, 1] = p2  # after the main node of position 1 (node 0)
+    from mmspec.verify.jacobi_tree import verify_jacobi_tree
+
+    res = verify_jacobi_tree(prop.tokens, prop.parents, p, prop.q_draft, generator=gen, coupling=True)
+    assert (res.num_accepted >= 1).all() and (res.tokens[:, 0] == drafter.drafts[:, 0]).all()
+    assert chi2_pvalue(res.tokens[:, 1], p2) > 1e-4

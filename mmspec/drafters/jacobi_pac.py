@@ -10,8 +10,9 @@ positions ``1 .. depth-1`` branch ``width`` ways, positions ``depth .. L`` conti
 branch. Children of a main node: the carried main draft ``d_j`` first, then ``width - 1`` tokens drawn without
 replacement from ``q_j`` with ``d_j`` removed; children of a side node: ``width`` tokens drawn without replacement
 from ``q_j``. So every sibling set is one sequential without-replacement draw from ``q_j`` (main draft first), the
-law `mmspec.verify.verify_jacobi_tree` verifies with. A point-mass ``q_j`` (fresh token) gives one child; nodes past
-a row's last position, and the children of absent nodes, are absent (-1). The draws use the cached ``q_j`` only: no
+law `mmspec.verify.verify_jacobi_tree` verifies with. At a fresh position (point-mass ``q_j``) the side siblings are
+drawn from the last carried position's ``q`` instead (neighbouring image tokens look alike) and their ``q_draft``
+says so; with nothing carried a fresh position has one child. Nodes past a row's last position, and the children of absent nodes, are absent (-1). The draws use the cached ``q_j`` only: no
 forward. Nodes are in breadth-first order (level by level, each parent's children contiguous, main first).
 
 Adaptive continuation (the main branch's coupled re-draft) happens inside verification (`verify_jacobi_tree`).
@@ -98,6 +99,29 @@ class ProactiveJacobiDrafter(JacobiDrafter):
             )
         return self._layouts[key]
 
+    def prefill(self, state, target_out=None):
+        super().prefill(state, target_out)
+        self.num_carried = torch.zeros(state.batch_size, dtype=torch.long, device=state.tokens.device)
+
+    def commit(self, result, target_out, state):
+        super().commit(result, target_out, state)
+        self.num_carried = result.num_carried.clone()
+
+    def select_rows(self, index):
+        super().select_rows(index)
+        self.num_carried = self.num_carried[index]
+
+    def _side_laws(self, q):
+        """``[B, L, V]``: the law the side siblings at each position are drawn from: the window's ``q_j`` where it
+        was carried (a real distribution), else -- a fresh token with a point-mass law -- the last carried
+        position's ``q`` (image tokens look like their neighbours); rows with nothing carried keep ``q_j`` (one
+        child). The verifier gets exactly these laws per node (`q_draft`), so any choice stays lossless."""
+        window = q.shape[1]
+        carried = self.num_carried.clamp(max=window)
+        last = q.gather(1, (carried - 1).clamp(min=0)[:, None, None].expand(-1, 1, q.shape[-1]))  # [B, 1, V]
+        fresh = torch.arange(window, device=q.device)[None, :] >= carried[:, None]
+        return torch.where((fresh & (carried > 0)[:, None])[..., None], last, q)
+
     def propose(self, state):
         chain = super().propose(state)  # the window, cut to what any row can use
         drafts, q, num_draft = chain.tokens, chain.q_draft, chain.num_draft
@@ -106,10 +130,11 @@ class ProactiveJacobiDrafter(JacobiDrafter):
         n = parents.numel()
         tokens = torch.full((batch, n), -1, dtype=torch.long, device=drafts.device)
         tokens[:, starts] = drafts  # the main branch
+        q_side = self._side_laws(q)
         for j in range(1, min(self.depth, window + 1)):  # branching positions 1 .. D-1
             lo, hi = starts[j - 1], (starts[j] if j < window else n)
             parts = (hi - lo) // self.width  # parents at this level (main first)
-            q_j = q[:, j - 1, None, :].expand(batch, parts, self.vocab_size)
+            q_j = q_side[:, j - 1, None, :].expand(batch, parts, self.vocab_size)
             first = torch.full((batch, parts), -1, dtype=torch.long, device=drafts.device)
             first[:, 0] = drafts[:, j - 1]
             need = torch.where(num_draft >= j, parts, 0)
@@ -124,7 +149,10 @@ class ProactiveJacobiDrafter(JacobiDrafter):
             lo, hi = starts[j - 1], (starts[j] if j < window else n)
             alive = tokens.gather(1, par[:, lo:hi]) >= 0
             tokens[:, lo:hi] = torch.where(alive, tokens[:, lo:hi], -1)
-        q_nodes = q.gather(1, (position - 1)[None, :, None].expand(batch, n, self.vocab_size))
+        index = (position - 1)[None, :, None].expand(batch, n, self.vocab_size)
+        is_main = torch.zeros(n, dtype=torch.bool, device=drafts.device)
+        is_main[starts] = True
+        q_nodes = torch.where(is_main[None, :, None], q.gather(1, index), q_side.gather(1, index))
         return Proposal(
             tokens, num_draft, q_draft=q_nodes, parents=parents[None].expand(batch, n), jacobi_coupling=self.coupling
         )

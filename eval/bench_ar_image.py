@@ -3,7 +3,7 @@
 Methods are the named presets of `mmspec.methods.PRESETS` (names fixed for the JSON): `plain` (AR sampling),
 `exact-draft` (small GPT drafter), `exact-eagle` (EAGLE head, pipeline default: a sampled chain), `exact-eagle-tree`
 (EAGLE-2 dynamic tree: 24 nodes, depth 5, top-k 4), `relaxed` (LANTERN on EAGLE drafts), `grouped` (GSD on Jacobi
-drafts), `jacobi` (SJD). One option per pipeline knob of `mmspec.methods.KNOBS` (`--tree-depth`, `--coupling`, ...);
+drafts), `jacobi` (SJD + SCD), `sjd-pac` (SJD-PAC: a Jacobi tree, width 3, depth 2, window 16). One option per pipeline knob of `mmspec.methods.KNOBS` (`--tree-depth`, `--coupling`, ...);
 options left unset keep the pipeline's defaults; a method's own settings (e.g. the tree's) win over them.
 
 Protocol: one warm-up call per method, then `--repeats` rounds; each round runs every method (interleaved, so drift
@@ -32,6 +32,7 @@ from mmspec.cli import (
     MAX_BATCH,
     add_knob_arguments,
     check_device,
+    check_knob_combination,
     check_zoo_folders,
     int_in_range,
     knob_values,
@@ -99,6 +100,7 @@ def check_args(parser, args):
             parser.error(f"argument --methods: {name}: {err}: the zoo {args.zoo!r} lacks its drafter folder")
         if ACCEPTANCES[preset["acceptance"]].sampling_only and args.temperature == 0:
             parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling method {name}")
+        check_knob_combination(parser, knob_values(args) | preset)
     if args.batch_size > args.num_images or args.num_images % args.batch_size:
         parser.error(f"argument --batch-size: {args.batch_size} does not divide --num-images {args.num_images} "
                      "(every method must generate exactly --num-images images per repeat)")  # fmt: skip

@@ -36,6 +36,7 @@ __all__ = [
     "MAX_THREADS",
     "add_knob_arguments",
     "check_device",
+    "check_knob_combination",
     "check_output_file",
     "check_output_folder",
     "check_zoo_folders",
@@ -307,6 +308,19 @@ def check_knobs_used(parser, knobs, acceptance, drafter):
         if used_by and acceptance not in used_by and drafter not in used_by:
             method = f"--acceptance {acceptance}" + (f" with the {drafter} drafter" if drafter else "")
             parser.error(f"argument --{name.replace('_', '-')}: is read only by {', '.join(used_by)}, not by {method}")
+    check_knob_combination(parser, knobs)
+
+
+def check_knob_combination(parser, knobs):
+    """Usage error for knob values that are fine alone but not together (`mmspec.methods.check_knobs`: e.g. an
+    SJD-PAC tree deeper than the Jacobi window); the message names the first knob of the pair."""
+    from mmspec.methods import KNOBS, check_knobs
+
+    try:
+        check_knobs(**{name: value for name, value in knobs.items() if name in KNOBS})
+    except ValueError as err:
+        name = str(err).split("=")[0].split(",")[0].strip()
+        parser.error(f"argument --{name.replace('_', '-')}: {err}")
 
 
 def knob_values(args):

@@ -114,7 +114,18 @@ VLM_LIMITS = {"num_draft_tokens": 256, "tree_depth": 32, "tree_top_k": 32, "max_
 # Upper bounds of the image-side knobs that cost memory or time: the Jacobi window scores window x vocabulary
 # logits per forward (1024 = every token of a 512 px LlamaGen image), LANTERN's neighbourhood holds k neighbours of
 # every codebook entry, GSD's group is a rank window over the vocabulary.
-IMAGE_LIMITS = {"jacobi_window": 1024, "relaxation_top_k": 4096, "group_size": 1024}
+IMAGE_LIMITS = {
+    "jacobi_window": 1024,
+    "relaxation_top_k": 4096,
+    "group_size": 1024,
+    "jacobi_tree_width": 16,  # the SJD-PAC tree has width ** (depth - 1) nodes at its last branching level
+    "jacobi_tree_depth": 8,
+}
+
+
+# The branching part of an SJD-PAC tree (width + width**2 + ... + width**(depth-1) nodes) is bounded like the
+# other size knobs: every node is a token of the target forward.
+MAX_JACOBI_TREE_NODES = 1024
 
 
 def _rule_default(rule, name):
@@ -220,6 +231,22 @@ def _knobs():
             Knob("jacobi_init", ("repeat", "random"), "repeat", "SJD fresh-token initialisation", used_by=("jacobi",)),
             Knob("coupling", bool, True, "SCD maximal-coupling re-drafts (lossless)", used_by=("jacobi",)),
             Knob(
+                "jacobi_tree_width",
+                int,
+                1,
+                "SJD-PAC proactive drafting: children per node of the Jacobi tree (1 = a chain: SJD / SCD)",
+                *_int_range(1, IMAGE_LIMITS["jacobi_tree_width"]),
+                used_by=("jacobi",),
+            ),
+            Knob(
+                "jacobi_tree_depth",
+                int,
+                3,
+                "SJD-PAC tree depth, the pending token counted (<= jacobi_window + 1)",
+                *_int_range(2, IMAGE_LIMITS["jacobi_tree_depth"]),
+                used_by=("jacobi",),
+            ),
+            Knob(
                 "resample",
                 tuple(RESAMPLES),
                 "optimal",
@@ -240,6 +267,7 @@ PRESETS = {
     "relaxed": dict(acceptance="relaxed", drafter="eagle"),
     "grouped": dict(acceptance="grouped", drafter="jacobi"),
     "jacobi": dict(acceptance="jacobi"),
+    "sjd-pac": dict(acceptance="jacobi", coupling=True, jacobi_tree_width=3, jacobi_tree_depth=2, jacobi_window=16),
 }
 
 
@@ -277,8 +305,23 @@ def check_knob(name, value):
 
 
 def check_knobs(**values):
-    """`check_knob` for each keyword; returns the validated dict."""
-    return {name: check_knob(name, value) for name, value in values.items()}
+    """`check_knob` for each keyword, then the cross-knob bounds (the SJD-PAC tree must fit in the Jacobi window,
+    and its size is bounded); returns the validated dict."""
+    checked = {name: check_knob(name, value) for name, value in values.items()}
+    width, depth = checked.get("jacobi_tree_width", 1), checked.get("jacobi_tree_depth")
+    if width > 1 and depth is not None:
+        window = checked.get("jacobi_window", KNOBS["jacobi_window"].default)
+        if depth - 1 > window:
+            raise ValueError(
+                f"jacobi_tree_depth={depth} needs jacobi_window >= {depth - 1} (the tree's positions), got {window}"
+            )
+        nodes = sum(width**i for i in range(1, depth))
+        if nodes > MAX_JACOBI_TREE_NODES:
+            raise ValueError(
+                f"jacobi_tree_width={width}, jacobi_tree_depth={depth}: a tree of {nodes} nodes, more than "
+                f"{MAX_JACOBI_TREE_NODES} (every node is scored by the target forward)"
+            )
+    return checked
 
 
 def resolve_drafter(acceptance, drafter, available):

@@ -43,7 +43,7 @@ from diffusers.utils import BaseOutput
 
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
-from mmspec.drafters.jacobi import JacobiDrafter
+from mmspec.drafters.jacobi_pac import make_jacobi_drafter
 from mmspec.drafters.model import ModelDrafter
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
@@ -379,8 +379,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             return EagleDrafter(self.eagle_head, self.transformer, guidance, knobs["tree_depth"], knobs["tree_top_k"],
                                 knobs["num_draft_tokens"] or 24)  # fmt: skip
         if drafter == "jacobi":
-            return JacobiDrafter(self.transformer.config.vocab_size, knobs["jacobi_window"], knobs["jacobi_init"],
-                                 knobs["coupling"])  # fmt: skip
+            return make_jacobi_drafter(self.transformer.config.vocab_size, knobs)
         return None
 
     # ------------------------------------------------------------------ call
@@ -411,6 +410,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         jacobi_window: int = KNOBS["jacobi_window"].default,
         jacobi_init: str = KNOBS["jacobi_init"].default,
         coupling: bool = KNOBS["coupling"].default,
+        jacobi_tree_width: int = KNOBS["jacobi_tree_width"].default,
+        jacobi_tree_depth: int = KNOBS["jacobi_tree_depth"].default,
         resample: str = KNOBS["resample"].default,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "pil",
@@ -451,6 +452,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             jacobi_window, jacobi_init, coupling: SJD window (draft tokens per forward), fresh-token init
                 (`"repeat"` | `"random"`), and SCD maximal-coupling re-drafts (default on: lossless and raises
                 acceptance; `coupling=False` is the original SJD).
+            jacobi_tree_width, jacobi_tree_depth: SJD-PAC proactive drafting (Kang et al., arXiv 2603.18599): with
+                width > 1 the Jacobi window is proposed as a tree rooted at the pending token, `jacobi_tree_depth`
+                levels counting that token (window positions 1 .. depth-1 branch `jacobi_tree_width` ways: the
+                carried draft first, then siblings drawn without replacement from its cached distribution), then one
+                chain out to `jacobi_window`; verified by recursive rejection, the main branch re-drafted as SCD
+                (adaptive continuation). Lossless; no extra forward, a wider one. Width 1 (default): the SJD chain.
             resample: `"optimal"` (TV-optimal residual for relaxed rules) or `"released"` (as the papers' code).
             generator: the only source of randomness: one `torch.Generator` on the model's device, or a list with
                 one per image (then an image does not depend on what else is in its batch).
@@ -474,6 +481,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                             relaxation_lambda=relaxation_lambda, group_size=group_size,
                             group_prob_threshold=group_prob_threshold, group_dist_threshold=group_dist_threshold,
                             jacobi_window=jacobi_window, jacobi_init=jacobi_init, coupling=coupling,
+                            jacobi_tree_width=jacobi_tree_width, jacobi_tree_depth=jacobi_tree_depth,
                             resample=resample)  # fmt: skip
         if knobs["tree_depth"] is None:
             knobs["tree_depth"] = 7 if acceptance in ("relaxed", "grouped") else 5

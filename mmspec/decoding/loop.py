@@ -26,6 +26,7 @@ from mmspec.cache import prepend_root
 from mmspec.drafters.base import Proposal
 from mmspec.sampling import sample
 from mmspec.verify import VerifyResult, verify_chain, verify_jacobi, verify_tree
+from mmspec.verify.jacobi_tree import verify_jacobi_tree
 
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ def verify_proposal(rule, proposal: Proposal, p_target, generator, greedy: bool)
         token = sample(p_target[:, 0], generator)  # one-hot under greedy: the argmax
         none = torch.zeros(batch, dtype=torch.long, device=p_target.device)
         return VerifyResult(num_accepted=none, accept_mask=proposal.tokens.bool(), tokens=token[:, None])
+    if proposal.parents is not None and proposal.jacobi_coupling is not None:  # SJD-PAC: Jacobi tree + re-draft
+        return verify_jacobi_tree(proposal.tokens, proposal.parents, p_target, proposal.q_draft, rule=rule,
+                                  generator=generator, coupling=proposal.jacobi_coupling, validate=False)  # fmt: skip
     if proposal.parents is not None:
         return verify_tree(proposal.tokens, proposal.parents, p_target, proposal.q_draft, rule=rule,
                            mode="deterministic", generator=generator, greedy=greedy, validate=False)  # fmt: skip
@@ -53,13 +57,14 @@ def verify_proposal(rule, proposal: Proposal, p_target, generator, greedy: bool)
                         num_draft=proposal.num_draft, greedy=greedy, validate=False)  # fmt: skip
 
 
-def _closes_with_bonus(result, proposal, parents):
+def _closes_with_bonus(result, proposal, parents, tokens):
     """`[B]`: the round's last token was drawn from `p_target` itself -- every draft of the chain accepted, or the
-    accepted tree path ended at a leaf (`parents`: the verification tree, root first) -- rather than from a residual."""
+    accepted tree path ended at a leaf (`parents` / `tokens`: the verification tree, root first; -1 tokens are
+    absent nodes) -- rather than from a residual."""
     if parents is None:
         return result.num_accepted >= proposal.num_draft
     last = result.path.gather(1, result.num_accepted[:, None])  # [B, 1] the last accepted node (root = 0)
-    return ~(parents == last).any(1)
+    return ~((parents == last) & (tokens >= 0)).any(1)
 
 
 def _drop_finished(state, target, drafter):
@@ -106,11 +111,14 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
                 tokens, parents = torch.cat([state.pending[:, None], proposal.tokens], dim=1), None
             else:  # tree [pending (root), nodes]
                 tokens, parents = prepend_root(state.pending, proposal.tokens, proposal.parents)
-            out = target.forward(tokens, parents, return_hidden=drafter is not None and drafter.needs_hidden)
+            # absent tree nodes (-1: ragged trees) are scored as token 0 and never used
+            out = target.forward(
+                tokens.clamp(min=0), parents, return_hidden=drafter is not None and drafter.needs_hidden
+            )
             stats.target_forwards += 1
             result = verify_proposal(rule, proposal, out.p_target, state.generator, guidance.greedy)
         target.commit(result.num_emitted, None if parents is None else result.path.clamp(min=0))
-        num = state.emit(result.tokens, result.num_emitted, _closes_with_bonus(result, proposal, parents))
+        num = state.emit(result.tokens, result.num_emitted, _closes_with_bonus(result, proposal, parents, tokens))
         if drafter is not None:
             with stats.phase("draft", device):
                 drafter.commit(result, out, state)

@@ -1,0 +1,172 @@
+"""SJD-PAC proactive drafting: the Jacobi window proposed as a shallow wide tree plus a chain (no extra forward).
+
+Paper: SJD-PAC (Kang et al., CVPR 2026, arXiv 2603.18599). Notation: ``p_target`` = the target's processed
+distribution, ``q_draft`` = the law a draft was drawn from.
+
+The window ``d_1 .. d_L`` with laws ``q_1 .. q_L`` is kept exactly as `JacobiDrafter` keeps it (carried re-drafts,
+then fresh ``repeat`` / ``random`` tokens with a point-mass law). Each round it is proposed as a tree rooted at the
+pending token (the token resampled after the last rejection) of ``depth`` levels counting the root: window
+positions ``1 .. depth-1`` branch ``width`` ways, positions ``depth .. L`` continue as one chain under the main
+branch. Children of a main node: the carried main draft ``d_j`` first, then ``width - 1`` tokens drawn without
+replacement from ``q_j`` with ``d_j`` removed; children of a side node: ``width`` tokens drawn without replacement
+from ``q_j``. So every sibling set is one sequential without-replacement draw from ``q_j`` (main draft first), the
+law `mmspec.verify.verify_jacobi_tree` verifies with. At a fresh position (point-mass ``q_j``) the side siblings are
+drawn from the last carried position's ``q`` instead (neighbouring image tokens look alike) and their ``q_draft``
+says so; with nothing carried a fresh position has one child. Nodes past a row's last position, and the children of absent nodes, are absent (-1). The draws use the cached ``q_j`` only: no
+forward. Nodes are in breadth-first order (level by level, each parent's children contiguous, main first).
+
+Adaptive continuation (the main branch's coupled re-draft) happens inside verification (`verify_jacobi_tree`).
+"""
+
+import torch
+
+from mmspec.drafters.base import Proposal
+from mmspec.drafters.jacobi import JacobiDrafter
+from mmspec.random import rand
+
+
+__all__ = ["ProactiveJacobiDrafter", "make_jacobi_drafter", "tree_layout"]
+
+# the knob ranges (mmspec.methods repeats them for the CLI / pipeline checks)
+MAX_TREE_WIDTH = 16
+MAX_TREE_DEPTH = 8
+
+
+def tree_layout(width: int, depth: int, window: int) -> tuple[list[int], list[int], list[int]]:
+    """The node layout for ``window`` positions: ``(parents, position, level_start)`` as host lists.
+
+    ``parents[i]`` (-1 = child of the pending token), ``position[i]`` (window position, 1-based) of node i;
+    ``level_start[j]`` = index of the first node of position ``j+1`` (its main node), for every position.
+    """
+    parents, position, level_start = [], [], []
+    prev = [-1]  # the nodes of the previous level, main first
+    for j in range(1, window + 1):
+        level_start.append(len(parents))
+        kids = width if j < depth else 1
+        level = []
+        for par in prev if j < depth else prev[:1]:
+            for _ in range(kids):
+                level.append(len(parents))
+                parents.append(par)
+                position.append(j)
+        prev = level
+    return parents, position, level_start
+
+
+def _without_replacement(q, count, first, generator, counts):
+    """``count`` tokens drawn sequentially without replacement from ``q [B, P, V]`` (exponential race: the order of
+    ``q / E``, ``E ~ Exp(1)``); where ``first [B, P]`` >= 0 that token is forced to come first. Tokens whose key is
+    0 (``q = 0``: nothing left to draw) are -1. Returns ``[B, P, count]``."""
+    u = rand(q.shape, generator, device=q.device, dtype=q.dtype, counts=counts)
+    keys = q / (-torch.log1p(-u)).clamp_min(torch.finfo(q.dtype).tiny)
+    vocab = torch.arange(q.shape[-1], device=q.device)
+    keys = torch.where(vocab == first[..., None], torch.inf, keys)
+    top, idx = keys.topk(count, dim=-1)
+    return torch.where(top > 0, idx, -1)
+
+
+class ProactiveJacobiDrafter(JacobiDrafter):
+    """SJD-PAC drafter (module docstring): the Jacobi window proposed as a ``width``-ary tree of ``depth`` levels
+    (the pending token is level 1) plus a chain out to ``window``.
+
+    Args:
+        vocab_size: V; window: L, window positions (main-branch drafts) per round; width: W >= 2, children per
+            node in the tree part; depth: D >= 2 (``D - 1 <= L`` tree positions); init, coupling: as `JacobiDrafter`.
+    """
+
+    def __init__(self, vocab_size, window, width=3, depth=3, init="repeat", coupling=True):
+        super().__init__(vocab_size, window, init, coupling)
+        if isinstance(width, bool) or not isinstance(width, int) or not 2 <= width <= MAX_TREE_WIDTH:
+            raise ValueError(f"jacobi_tree_width must be an int in [2, {MAX_TREE_WIDTH}] for a tree, got {width!r}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= MAX_TREE_DEPTH:
+            raise ValueError(f"jacobi_tree_depth must be an int in [2, {MAX_TREE_DEPTH}], got {depth!r}")
+        if depth - 1 > self.window:
+            raise ValueError(
+                f"jacobi_tree_depth={depth} needs jacobi_window >= {depth - 1} (the tree's positions), got {self.window}"
+            )
+        self.width, self.depth = width, depth
+        self.max_width = len(tree_layout(width, depth, self.window)[0])
+        self._layouts = {}
+
+    def _layout(self, window, device):
+        key = (window, device)
+        if key not in self._layouts:
+            parents, position, starts = tree_layout(self.width, self.depth, window)
+            self._layouts[key] = (
+                torch.tensor(parents, dtype=torch.long, device=device),
+                torch.tensor(position, dtype=torch.long, device=device),
+                starts,
+            )
+        return self._layouts[key]
+
+    def prefill(self, state, target_out=None):
+        super().prefill(state, target_out)
+        self.num_carried = torch.zeros(state.batch_size, dtype=torch.long, device=state.tokens.device)
+
+    def commit(self, result, target_out, state):
+        super().commit(result, target_out, state)
+        self.num_carried = result.num_carried.clone()
+
+    def select_rows(self, index):
+        super().select_rows(index)
+        self.num_carried = self.num_carried[index]
+
+    def _side_laws(self, q):
+        """``[B, L, V]``: the law the side siblings at each position are drawn from: the window's ``q_j`` where it
+        was carried (a real distribution), else -- a fresh token with a point-mass law -- the last carried
+        position's ``q`` (image tokens look like their neighbours); rows with nothing carried keep ``q_j`` (one
+        child). The verifier gets exactly these laws per node (`q_draft`), so any choice stays lossless."""
+        window = q.shape[1]
+        carried = self.num_carried.clamp(max=window)
+        last = q.gather(1, (carried - 1).clamp(min=0)[:, None, None].expand(-1, 1, q.shape[-1]))  # [B, 1, V]
+        fresh = torch.arange(window, device=q.device)[None, :] >= carried[:, None]
+        return torch.where((fresh & (carried > 0)[:, None])[..., None], last, q)
+
+    def propose(self, state):
+        chain = super().propose(state)  # the window, cut to what any row can use
+        drafts, q, num_draft = chain.tokens, chain.q_draft, chain.num_draft
+        batch, window = drafts.shape
+        parents, position, starts = self._layout(window, drafts.device)
+        n = parents.numel()
+        tokens = torch.full((batch, n), -1, dtype=torch.long, device=drafts.device)
+        tokens[:, starts] = drafts  # the main branch
+        q_side = self._side_laws(q)
+        for j in range(1, min(self.depth, window + 1)):  # branching positions 1 .. D-1
+            lo, hi = starts[j - 1], (starts[j] if j < window else n)
+            parts = (hi - lo) // self.width  # parents at this level (main first)
+            q_j = q_side[:, j - 1, None, :].expand(batch, parts, self.vocab_size)
+            first = torch.full((batch, parts), -1, dtype=torch.long, device=drafts.device)
+            first[:, 0] = drafts[:, j - 1]
+            need = torch.where(num_draft >= j, parts, 0)
+            kids = _without_replacement(q_j, self.width, first, state.generator, need)  # [B, P, W]
+            tokens[:, lo:hi] = kids.reshape(batch, parts * self.width)
+        pos = position[None, :]
+        tokens = torch.where(pos <= num_draft[:, None], tokens, -1)
+        # children of absent side nodes are absent (levels in order: one pass; the chain hangs off main nodes,
+        # which are absent only past num_draft)
+        par = parents.clamp(min=0)[None].expand(batch, n)
+        for j in range(2, min(self.depth, window + 1)):
+            lo, hi = starts[j - 1], (starts[j] if j < window else n)
+            alive = tokens.gather(1, par[:, lo:hi]) >= 0
+            tokens[:, lo:hi] = torch.where(alive, tokens[:, lo:hi], -1)
+        index = (position - 1)[None, :, None].expand(batch, n, self.vocab_size)
+        is_main = torch.zeros(n, dtype=torch.bool, device=drafts.device)
+        is_main[starts] = True
+        q_nodes = torch.where(is_main[None, :, None], q.gather(1, index), q_side.gather(1, index))
+        return Proposal(
+            tokens, num_draft, q_draft=q_nodes, parents=parents[None].expand(batch, n), jacobi_coupling=self.coupling
+        )
+
+
+def make_jacobi_drafter(vocab_size, knobs):
+    """The Jacobi drafter for ``knobs`` (a mapping with ``jacobi_window``, ``jacobi_init``, ``coupling`` and
+    optionally ``jacobi_tree_width`` / ``jacobi_tree_depth``): `JacobiDrafter` (SJD / SCD chain) at tree width 1,
+    else `ProactiveJacobiDrafter` (SJD-PAC)."""
+    width = knobs.get("jacobi_tree_width", 1)
+    depth = knobs.get("jacobi_tree_depth", 3)
+    window, init, coupling = knobs["jacobi_window"], knobs["jacobi_init"], knobs["coupling"]
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_TREE_WIDTH:
+        raise ValueError(f"jacobi_tree_width must be an int in [1, {MAX_TREE_WIDTH}] (1 = chain), got {width!r}")
+    if width == 1:
+        return JacobiDrafter(vocab_size, window, init, coupling)
+    return ProactiveJacobiDrafter(vocab_size, window, width, depth, init, coupling)

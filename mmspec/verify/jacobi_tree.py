@@ -1,0 +1,184 @@
+"""SJD-PAC: verification of a Jacobi *tree* (proactive drafting) and the coupled re-draft of its main branch.
+
+Paper: SJD-PAC, "Accelerating Speculative Jacobi Decoding via Proactive Drafting and Adaptive Continuation"
+(Kang et al., CVPR 2026, arXiv 2603.18599; release KangJialiang/SJD-PAC). Notation: ``p_target`` is the target's
+processed distribution at a node (this round's forward), ``q_draft`` the law the node's sibling set was drawn from.
+
+The proposal (`mmspec.drafters.jacobi_pac.ProactiveJacobiDrafter`) is a shallow wide tree rooted at the pending
+token, followed by one chain out to the window length. The **main branch** is the first child of the root, then the
+first child of each main node: it carries the Jacobi window ``d_1 .. d_L`` (laws ``q_1 .. q_L``, the previous round's
+``p_target``). Every other node is a sibling drawn without replacement from its position's ``q_j``. Verification is
+`verify_tree` in ``mode="without_replacement"`` (recursive rejection over siblings, RSD): lossless because each
+sibling set is a without-replacement draw from the ``q_draft`` the verifier uses, fixed before the target looked.
+
+*Adaptive continuation* is the coupled re-draft of the main branch: after the accepted path ends at depth ``a``
+(``a`` drafts accepted, then the correction / bonus), window positions ``a+2 .. L`` keep their main draft ``d_j``
+with probability ``min(1, p_j(d_j) / q_j(d_j))`` (a fresh coin: the verifier never tried these nodes, their parents
+were not accepted) else take ``y ~ norm([p_j - q_j]_+)``, where ``p_j`` is this round's ``p_target`` at the main node
+before position ``j``; position ``L+1`` is a fresh sample of ``p_target`` after the last main node. Marginally
+``y_j ~ p_j`` (maximal coupling), which becomes the next round's ``q_j`` -- the same re-draft as SCD on a chain
+(`mmspec.verify.jacobi`), whatever branch the accepted path took.
+"""
+
+import torch
+from torch import Tensor
+
+from mmspec.random import Generators, rand
+from mmspec.sampling import sample
+from mmspec.verify.chain import verify_chain
+from mmspec.verify.registry import resolve_rule
+from mmspec.verify.results import JacobiResult, VerifyResult
+from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
+from mmspec.verify.tree import verify_tree
+
+
+__all__ = ["main_branch", "verify_jacobi_tree"]
+
+
+def main_branch(parents: Tensor | list[int]) -> list[int]:
+    """The main branch of a Jacobi tree layout ``parents [N]`` (-1 = child of the pending token, topological
+    order): the first child (lowest index) of the root, then the first child of each main node, as node indices
+    (host list; one read of ``parents``)."""
+    first: dict[int, int] = {}
+    for i, par in enumerate(parents if isinstance(parents, list) else parents.tolist()):
+        first.setdefault(par, i)
+    nodes, cur = [], -1
+    while cur in first:
+        cur = first[cur]
+        nodes.append(cur)
+    return nodes
+
+
+def _chain_tail(layout: list[int], main: list[int]) -> int:
+    """Number of trailing nodes that form a chain under the main branch: each the next main node, the last nodes
+    of the layout, and the only child of its parent."""
+    n = len(layout)
+    kids: dict[int, int] = {}
+    for par in layout:
+        kids[par] = kids.get(par, 0) + 1
+    tail = 0
+    while tail < len(main) - 1 and main[-1 - tail] == n - 1 - tail and kids[layout[n - 1 - tail]] == 1:
+        tail += 1
+    return tail
+
+
+def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, rule, validate):
+    """`verify_tree` (without replacement) over the whole Jacobi tree, computed as the tree part followed, for the
+    rows whose path reached the main node the chain hangs from (the anchor), by `verify_chain` over the chain: the
+    same recursion (a chain is a tree of single children), without a Python step per chain node and sibling slot.
+    The tree part's emitted token of the rows that go on into the chain is discarded (an independent draw)."""
+    batch, n = tokens.shape
+    layout_list = layout.tolist()
+    tail = _chain_tail(layout_list, main)
+    if tail == 0:
+        return verify_tree(tokens, layout, p_target, q_draft, mode="without_replacement", generator=generator,
+                           rule=rule, validate=validate)  # fmt: skip
+    n0 = n - tail  # tree-part nodes
+    anchor = main[len(main) - tail - 1]  # the main node the chain hangs from
+    depth = len(main) - tail  # its depth
+    tree = verify_tree(tokens[:, :n0], layout[:n0], p_target[:, : n0 + 1], q_draft[:, :n0],
+                       mode="without_replacement", generator=generator, rule=rule, validate=validate)  # fmt: skip
+    reached = tree.path.gather(1, tree.num_accepted[:, None])[:, 0] == anchor + 1  # [B]
+    chain_tokens = tokens[:, n0:]
+    present = (chain_tokens >= 0).long().cumprod(1).sum(1)
+    rows = torch.cat([torch.tensor([anchor + 1]), torch.arange(n0 + 1, n + 1)]).to(p_target.device)
+    chain = verify_chain(rule, chain_tokens.clamp(min=0), p_target[:, rows], q_draft[:, n0:], generator=generator,
+                         num_draft=torch.where(reached, present, 0), validate=validate)  # fmt: skip
+    width = depth + tail + 1
+    out = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
+    path = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
+    w = tree.tokens.shape[1]
+    out[:, :w], path[:, :w] = tree.tokens, tree.path
+    slot = torch.arange(tail + 1, device=tokens.device)
+    out[:, depth:] = torch.where(reached[:, None], chain.tokens, out[:, depth:])
+    chain_path = torch.where(slot[:tail] < chain.num_accepted[:, None], n0 + 1 + slot[:tail], -1)
+    path[:, depth + 1 :] = torch.where(reached[:, None], chain_path, path[:, depth + 1 :])
+    nan = torch.full_like(chain.accept_prob, float("nan"))
+    return VerifyResult(
+        num_accepted=tree.num_accepted + torch.where(reached, chain.num_accepted, 0),
+        accept_mask=torch.cat([tree.accept_mask, chain.accept_mask & reached[:, None]], dim=1),
+        tokens=out,
+        path=path,
+        accept_prob=torch.cat(
+            [tree.accept_prob, torch.where(reached[:, None], chain.accept_prob.to(nan.dtype), nan)], 1
+        ),
+    )
+
+
+def verify_jacobi_tree(
+    tree_tokens: Tensor,
+    parents: Tensor,
+    p_target: Tensor,
+    q_draft: Tensor,
+    *,
+    generator: Generators,
+    coupling: bool = True,
+    rule: AcceptanceRule | None = None,
+    validate: bool = True,
+) -> JacobiResult:
+    """One SJD-PAC step: verify a Jacobi tree, then re-draft the main branch (module docstring).
+
+    RNG: `verify_tree`'s draws (one coin per tried node, one per row for the emitted token), then the fresh samples
+    ``[B, L+1]`` (row b draws ``L_b + 1``), then with coupling the coins and the residual samples ``[B, L]`` (row b
+    draws ``L_b`` of each).
+
+    Args:
+        tree_tokens: ``[B, N]`` tree nodes (-1 = absent: ragged rows); parents: ``[N]`` (or ``[B, N]`` with equal
+            rows): -1 = child of the pending token, topological order; a node's first child is its main-branch
+            child.
+        p_target: ``[B, N+1, V]`` this round's distributions (row 0 after the pending token, row ``i+1`` after node i).
+        q_draft: ``[B, N, V]`` the law node i's sibling set was drawn from, without replacement, in index order
+            (on the main branch: the window's ``q_j``, the main draft first).
+        generator: one ``torch.Generator`` or one per row; coupling: maximal-coupling re-draft (SCD) or independent
+            samples (SJD); rule: the acceptance rule (default `Exact`); validate: as `verify_tree`.
+
+    Returns:
+        `JacobiResult` with ``path`` (as `verify_tree`: rows of ``p_target`` on the accepted path, for the target's
+        ``commit_path``), ``next_drafts [B, L]`` / ``next_q [B, L, V]`` / ``num_carried [B]`` (as `verify_jacobi`:
+        the main branch's re-drafts for positions ``a+2 .. L_b+1``, left-aligned; ``L_b - a`` carried).
+    """
+    rule = resolve_rule(rule, "exact", "optimal", {})
+    batch, n = tree_tokens.shape
+    layout = parents if parents.ndim == 1 else parents[0]
+    if validate and parents.ndim == 2 and not bool((parents == layout).all()):
+        raise ValueError("parents: a Jacobi tree has one layout for every row (absent nodes are tree_tokens -1)")
+    main_list = main_branch(layout)
+    res = _verify_tree_then_chain(tree_tokens, layout, main_list, p_target, q_draft, generator, rule, validate)
+    vocab = p_target.shape[-1]
+    main = torch.tensor(main_list, dtype=torch.long, device=tree_tokens.device)  # [L]
+    k = main.numel()
+    # a row's main branch ends at its first absent main node
+    lengths = (tree_tokens[:, main] >= 0).long().cumprod(1).sum(1)  # [B]
+    main = main[None].expand(batch, k)
+    p = p_target.to(res.accept_prob.dtype)
+    safe = main.clamp(min=0)
+    rows = torch.cat([torch.zeros_like(main[:, :1]), safe + 1], dim=1)  # [B, L+1] p rows for positions 1 .. L+1
+    p_main = p.gather(1, rows[..., None].expand(batch, k + 1, vocab))  # [B, L+1, V]
+    d_main = tree_tokens.gather(1, safe).clamp(min=0)  # [B, L]
+    q_main = q_draft.to(p.dtype).gather(1, safe[..., None].expand(batch, k, vocab))  # [B, L, V]
+
+    redraft = sample(p_main, generator, counts=lengths + 1)  # [B, L+1]
+    if coupling and k > 0:
+        coins = rand((batch, k), generator, device=p.device, dtype=p.dtype, counts=lengths)
+        keep = coins < Exact().accept(p_main[:, :k], q_main, d_main)
+        moved = sample(residual_probs(p_main[:, :k], q_main, d_main), generator, counts=lengths)
+        has_old = torch.arange(k, device=p.device) < lengths[:, None]
+        coupled = torch.where(keep, d_main, moved)
+        redraft = torch.cat([torch.where(has_old, coupled, redraft[:, :k]), redraft[:, k:]], dim=1)
+    a = res.num_accepted
+    num_carried = torch.where(a < lengths, lengths - a, 0)
+    slot = torch.arange(k, device=p.device)
+    src = (a[:, None] + 1 + slot).clamp(max=k)  # [B, L] the p row / position each carried re-draft comes from
+    carried = slot < num_carried[:, None]
+    next_drafts = torch.where(carried, redraft.gather(1, src), -1)
+    next_q = torch.where(carried[..., None], p_main.gather(1, src[..., None].expand(batch, k, vocab)), 0.0)
+    return JacobiResult(
+        num_accepted=res.num_accepted,
+        accept_mask=res.accept_mask,
+        tokens=res.tokens,
+        path=res.path,
+        accept_prob=res.accept_prob,
+        next_drafts=next_drafts,
+        next_q=next_q,
+        num_carried=num_carried,
+    )

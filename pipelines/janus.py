@@ -8,7 +8,7 @@ cache, CFG rows `[cond; uncond]`), so every training-free method of `mmspec.meth
 | `acceptance` | `drafter` | method                                                  | lossless |
 |--------------|-----------|---------------------------------------------------------|----------|
 | `"none"`     | -         | plain AR sampling (= transformers' `generate`)          | yes      |
-| `"jacobi"`   | jacobi    | SJD (Teng et al. 2024); `coupling=True`: SCD re-drafts  | yes      |
+| `"jacobi"`   | jacobi    | SJD (Teng et al. 2024); `coupling=True`: SCD re-drafts; `jacobi_tree_width > 1`: SJD-PAC | yes |
 | `"exact"`    | jacobi    | speculative sampling of the Jacobi window's drafts      | yes      |
 | `"relaxed"`  | jacobi    | LANTERN on Jacobi drafts (VQ codebook neighbourhoods)   | no (TV <= delta per token) |
 | `"grouped"`  | jacobi    | GSD grouped acceptance on Jacobi drafts                 | no       |
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from diffusers import DiffusionPipeline
 
 from mmspec.decoding import Guidance, SequenceState, decode
-from mmspec.drafters.jacobi import JacobiDrafter
+from mmspec.drafters import make_jacobi_drafter
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
 from mmspec.models.janus import JanusTarget, special_token_ids
 from mmspec.random import check_generator
@@ -295,9 +295,10 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         return Exact()
 
     def make_drafter(self, drafter, vocab_size, knobs):
-        """The engine drafter of this call, or None for plain decoding (Jacobi self-drafting only, for now)."""
+        """The engine drafter of this call, or None for plain decoding (Jacobi self-drafting: SJD / SCD, or SJD-PAC
+        at `jacobi_tree_width > 1`; no trained drafter for Janus yet)."""
         if drafter == "jacobi":
-            return JacobiDrafter(vocab_size, knobs["jacobi_window"], knobs["jacobi_init"], knobs["coupling"])
+            return make_jacobi_drafter(vocab_size, knobs)
         return None
 
     # ------------------------------------------------------------------ call
@@ -327,6 +328,8 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         jacobi_window: int = KNOBS["jacobi_window"].default,
         jacobi_init: str = KNOBS["jacobi_init"].default,
         coupling: bool = KNOBS["coupling"].default,
+        jacobi_tree_width: int = KNOBS["jacobi_tree_width"].default,
+        jacobi_tree_depth: int = KNOBS["jacobi_tree_depth"].default,
         resample: str = KNOBS["resample"].default,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "pil",
@@ -352,6 +355,9 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
                 VQ codebook).
             group_size, group_prob_threshold, group_dist_threshold: GSD.
             jacobi_window, jacobi_init, coupling: SJD window, fresh-token init, SCD coupling.
+            jacobi_tree_width, jacobi_tree_depth: SJD-PAC (Kang et al., CVPR'26): `jacobi_tree_width > 1` proposes the
+                window as a tree (`width` siblings drawn without replacement from the cached distributions at the
+                first `depth - 1` positions, then a chain); lossless.
             resample: `"optimal"` or `"released"` residuals of the relaxed rules.
             generator: one `torch.Generator` on the model's device, or one per image.
             output_type: `"pil"` | `"np"` (NHWC in [0, 1]) | `"pt"` (NCHW in [0, 1]) | `"tokens"` (`[B, N]`).
@@ -371,6 +377,7 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
                             relaxation_lambda=relaxation_lambda, group_size=group_size,
                             group_prob_threshold=group_prob_threshold, group_dist_threshold=group_dist_threshold,
                             jacobi_window=jacobi_window, jacobi_init=jacobi_init, coupling=coupling,
+                            jacobi_tree_width=jacobi_tree_width, jacobi_tree_depth=jacobi_tree_depth,
                             resample=resample)  # fmt: skip
         sampling = SamplingParams(guidance_scale, temperature, top_k, top_p, do_sample)
         if sampling.greedy and ACCEPTANCES[acceptance].sampling_only:

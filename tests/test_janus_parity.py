@@ -16,7 +16,9 @@ from mmspec.sampling import SamplingParams
 
 
 LOSSLESS = [dict(acceptance="jacobi", coupling=True), dict(acceptance="jacobi", coupling=False),
-            dict(acceptance="exact", drafter="jacobi"), dict(acceptance="jacobi", jacobi_window=8, jacobi_init="random")]  # fmt: skip
+            dict(acceptance="exact", drafter="jacobi"), dict(acceptance="jacobi", jacobi_window=8, jacobi_init="random"),
+            dict(acceptance="jacobi", jacobi_tree_width=3, jacobi_tree_depth=3),  # SJD-PAC: a tree per round
+            dict(acceptance="jacobi", jacobi_tree_width=2, jacobi_tree_depth=4, jacobi_init="random")]  # fmt: skip
 
 
 def make_pipe(**kw):
@@ -140,7 +142,8 @@ def exact_two_token_laws(model, ids, mask, guidance_scale, temperature, top_k):
 
 
 @pytest.mark.parametrize("method", [dict(acceptance="none"), dict(acceptance="jacobi", coupling=True),
-                                    dict(acceptance="jacobi", coupling=False), dict(acceptance="exact")])  # fmt: skip
+                                    dict(acceptance="jacobi", coupling=False), dict(acceptance="exact"),
+                                    dict(acceptance="jacobi", jacobi_tree_width=3, jacobi_tree_depth=3)])  # fmt: skip
 def test_sampled_marginals_equal_the_exact_laws(method, chi2_pvalue):
     """The first two image tokens of plain sampling, SJD and SCD follow the laws computed from the model's logits
     (CFG, temperature, top-k in transformers' order)."""

@@ -2,6 +2,7 @@
 `SpeculativeJanusPipeline`: greedy equals transformers' own image-mode `generate` token for token, the lossless
 methods equal it, and images come out with the VQ's single channel."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,7 +31,8 @@ def test_greedy_equals_transformers_generate_on_the_trained_model(pipe):
     for prompt in PROMPTS:
         expected = _transformers_greedy(pipe, prompt, 2.0)  # [1, 64]
         for kw in (dict(acceptance="none"), dict(acceptance="jacobi"), dict(acceptance="jacobi", coupling=False),
-                   dict(acceptance="exact", drafter="jacobi")):  # fmt: skip
+                   dict(acceptance="exact", drafter="jacobi"),
+                   dict(acceptance="jacobi", jacobi_tree_width=3, jacobi_tree_depth=2)):  # fmt: skip
             out = pipe(prompt, guidance_scale=2.0, do_sample=False, output_type="tokens", **kw)
             assert torch.equal(out.images, expected), (prompt, kw)
             if kw["acceptance"] != "none":
@@ -42,7 +44,7 @@ def test_images_have_the_vqs_single_channel(pipe):
     assert out.images.shape == (2, 1, 32, 32) and 0 <= float(out.images.min()) <= float(out.images.max()) <= 1
     pil = pipe(PROMPTS, guidance_scale=2.0, generator=torch.Generator().manual_seed(0)).images[0]
     assert pil.mode == "L" and pil.size == (32, 32)
-    assert torch.equal(torch.tensor(list(pil.getdata()), dtype=torch.float32).reshape(32, 32) / 255,
+    assert torch.equal(torch.from_numpy(np.asarray(pil)).float() / 255,
                        out.images[0, 0])  # fmt: skip
 
 

@@ -34,7 +34,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 SCREENSHOT = Path(__file__).resolve().parent.parent / "assets" / "demo" / "screenshot.png"
-KNOBS_DEFAULT = (None, None, 1, 16, 0.2, None, 25, 0.15, 1.0, 16, "repeat", True, "optimal")  # registry order
+KNOBS_DEFAULT = (None, None, 1, 16, 0.2, None, 25, 0.15, 1.0, 16, "repeat", True, 1, 3, "optimal")  # registry order
 
 
 def _free_port():

@@ -44,7 +44,7 @@ def test_images_have_the_vqs_single_channel(pipe):
     assert out.images.shape == (2, 1, 32, 32) and 0 <= float(out.images.min()) <= float(out.images.max()) <= 1
     pil = pipe(PROMPTS, guidance_scale=2.0, generator=torch.Generator().manual_seed(0)).images[0]
     assert pil.mode == "L" and pil.size == (32, 32)
-    assert torch.equal(torch.from_numpy(np.asarray(pil)).float() / 255,
+    assert torch.equal(torch.from_numpy(np.array(pil)).float() / 255,
                        out.images[0, 0])  # fmt: skip
 
 

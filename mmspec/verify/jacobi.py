@@ -18,7 +18,7 @@ from mmspec.verify.results import JacobiResult
 from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
 
 
-__all__ = ["verify_jacobi"]
+__all__ = ["carry_window", "verify_jacobi"]
 
 
 def verify_jacobi(
@@ -78,7 +78,6 @@ def verify_jacobi(
     )
     p, q, tokens, lengths, n = chain.p, chain.q, chain.tokens, chain.lengths, chain.num_accepted
     batch, k = tokens.shape
-    vocab = p.shape[-1]
 
     # Re-draft every position j = 0..L from this iteration's p_j (only j in n+1..L are kept).
     redraft = sample(p, generator, counts=lengths + 1)  # [B, K+1] fresh
@@ -89,12 +88,7 @@ def verify_jacobi(
         coupled = torch.where(keep, tokens, moved)
         has_old = torch.arange(k, device=p.device) < lengths[:, None]  # an old draft to couple with
         redraft = torch.cat([torch.where(has_old, coupled, redraft[:, :k]), redraft[:, k:]], dim=1)
-    num_carried = torch.where(n < lengths, lengths - n, 0)  # [B]
-    slot = torch.arange(k, device=p.device)
-    src = (n[:, None] + 1 + slot).clamp(max=k)  # [B, K] source position in this window
-    carried = slot < num_carried[:, None]
-    next_drafts = torch.where(carried, redraft.gather(1, src), -1)
-    next_q = torch.where(carried[..., None], p.gather(1, src[..., None].expand(batch, k, vocab)), 0.0)
+    next_drafts, next_q, num_carried = carry_window(redraft, p, n, lengths)
     return JacobiResult(
         num_accepted=result.num_accepted,
         accept_mask=result.accept_mask,
@@ -104,3 +98,19 @@ def verify_jacobi(
         next_q=next_q,
         num_carried=num_carried,
     )
+
+
+def carry_window(redraft: Tensor, p: Tensor, num_accepted: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The next Jacobi window from this round's re-drafts: a row that accepted ``n < L`` drafts (``lengths [B]`` =
+    L) carries the re-drafts of positions ``n+1 .. L`` (``redraft [B, K+1]``, one per window position), left-aligned,
+    with their laws ``p [B, K+1, V]`` as the next ``q_draft``; a row that accepted its whole window carries nothing.
+
+    Returns: ``(next_drafts [B, K] (-1 after the carried ones), next_q [B, K, V] (0 after), num_carried [B])``."""
+    batch, k, vocab = redraft.shape[0], redraft.shape[1] - 1, p.shape[-1]
+    num_carried = torch.where(num_accepted < lengths, lengths - num_accepted, 0)  # [B]
+    slot = torch.arange(k, device=p.device)
+    src = (num_accepted[:, None] + 1 + slot).clamp(max=k)  # [B, K] source position in this window
+    carried = slot < num_carried[:, None]
+    next_drafts = torch.where(carried, redraft.gather(1, src), -1)
+    next_q = torch.where(carried[..., None], p.gather(1, src[..., None].expand(batch, k, vocab)), 0.0)
+    return next_drafts, next_q, num_carried

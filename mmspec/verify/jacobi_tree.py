@@ -26,6 +26,7 @@ from torch import Tensor
 from mmspec.random import Generators, rand
 from mmspec.sampling import sample
 from mmspec.verify.chain import verify_chain
+from mmspec.verify.jacobi import carry_window
 from mmspec.verify.registry import resolve_rule
 from mmspec.verify.results import JacobiResult, VerifyResult
 from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
@@ -165,13 +166,7 @@ def verify_jacobi_tree(
         has_old = torch.arange(k, device=p.device) < lengths[:, None]
         coupled = torch.where(keep, d_main, moved)
         redraft = torch.cat([torch.where(has_old, coupled, redraft[:, :k]), redraft[:, k:]], dim=1)
-    a = res.num_accepted
-    num_carried = torch.where(a < lengths, lengths - a, 0)
-    slot = torch.arange(k, device=p.device)
-    src = (a[:, None] + 1 + slot).clamp(max=k)  # [B, L] the p row / position each carried re-draft comes from
-    carried = slot < num_carried[:, None]
-    next_drafts = torch.where(carried, redraft.gather(1, src), -1)
-    next_q = torch.where(carried[..., None], p_main.gather(1, src[..., None].expand(batch, k, vocab)), 0.0)
+    next_drafts, next_q, num_carried = carry_window(redraft, p_main, res.num_accepted, lengths)
     return JacobiResult(
         num_accepted=res.num_accepted,
         accept_mask=res.accept_mask,

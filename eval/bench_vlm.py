@@ -12,8 +12,11 @@ tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node,
 ``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
 ``--tree-nodes`` nodes).
 
-Protocol: ``--num-prompts`` held-out canvases (MNIST *test* digits, ``--min-digits`` 4 per canvas by default so the
-descriptions are long) with ``--prompt``; for each batch size of ``--batch-size`` (a comma list), the prompts are
+Workloads (``--workload``): ``templated`` (the default): ``--num-prompts`` held-out canvases (MNIST *test* digits,
+``--min-digits`` 4 per canvas by default so the descriptions are long), all asked ``--prompt`` ("Describe the image.",
+whose answer the target learned as a fixed template); ``free-form``: ``--num-prompts`` held-out canvases, each with
+one held-out free-form prompt (`mmspec.train.vlm_prompts`: detail, story, layout, compare two digits, a two-turn
+follow-up; kinds in turn), none of whose templates or canvas digits the drafters were trained on. For each batch size of ``--batch-size`` (a comma list), the prompts are
 cut into batches and every method runs on each batch in turn (interleaved, so load drift hits all alike), after one
 warm-up call per method.
 Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (plain's latency / the method's),
@@ -21,7 +24,8 @@ Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (pla
 method's), ``tokens_per_s`` (generated tokens / decode time; transformers methods: / latency), ``tau`` (tokens per
 verification round, bonus included) and ``tau_without_bonus`` (accepted drafts per round), ``step_compression``
 (tokens per target forward, prefill included; counted with a forward hook for transformers' methods too),
-``matches_plain`` (every greedy answer identical to plain's), ``mean_new_tokens``.
+``matches_plain`` (every greedy answer identical to plain's), ``mean_new_tokens``. The JSON records ``workload``
+(free-form: ``prompts``, each prompt's kind, template, turns and last user turn, instead of ``prompt``).
 """
 
 import argparse
@@ -65,6 +69,9 @@ METHODS = (
 
 
 MAX_PROMPTS = 10_000  # `--num-prompts`
+WORKLOADS = ("templated", "free-form")
+TEMPLATED_PROMPT = "Describe the image."
+DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128}  # free-form answers are long: cut at 128 tokens
 MAX_DIGITS = 4  # a canvas has 4 cells (`mmspec.train.vlm_data.sample_layout`): at most 4 digits
 DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
                                        "draft-model-frspec"), "mnist-vlm-eagle": ("eagle", "draft-model-frspec")}  # fmt: skip
@@ -85,10 +92,14 @@ def add_arguments(parser):
                         help="answers per timed call (comma list; each at most --num-prompts)")  # fmt: skip
     parser.add_argument("--num-prompts", type=int_in_range(1, MAX_PROMPTS), default=8,
                         help="canvases (one answer each)")  # fmt: skip
-    parser.add_argument("--prompt", default="Describe the image.")
+    parser.add_argument("--workload", choices=WORKLOADS, default="templated",
+                        help="templated: every canvas asked --prompt; free-form: held-out free-form prompts "
+                             "(mmspec.train.vlm_prompts)")  # fmt: skip
+    parser.add_argument("--prompt", default=None, help=f"templated workload only (default {TEMPLATED_PROMPT!r})")
     parser.add_argument("--methods", type=names_of(METHODS), default=None,
                         help=f"comma list of {','.join(METHODS)} (default: every one the zoo has drafters for)")  # fmt: skip
-    parser.add_argument("--max-new-tokens", type=int_in_range(1, VLM_LIMITS["max_new_tokens"]), default=96)
+    parser.add_argument("--max-new-tokens", type=int_in_range(1, VLM_LIMITS["max_new_tokens"]), default=None,
+                        help="answer length cap (default: 96 templated, 128 free-form)")  # fmt: skip
     parser.add_argument("--num-draft-tokens", type=nodes, default=4, help="draft-model chain length")
     parser.add_argument("--confident-draft-tokens", type=nodes, default=8, help="draft-model-confident K")
     parser.add_argument("--draft-confidence", type=_confidence, default=0.4, help="draft-model-confident stop")
@@ -113,7 +124,14 @@ def check_args(parser, args):
     from mmspec.models import read_config
 
     check_zoo_folders(parser, args.zoo, ["mnist-vlm"])
-    if not args.prompt.strip():
+    if args.workload == "free-form" and args.prompt is not None:
+        parser.error("argument --prompt: not allowed with --workload free-form (its prompts are the held-out "
+                     "free-form templates); drop --prompt or use --workload templated")  # fmt: skip
+    if args.workload == "free-form" and args.min_digits < 2:
+        parser.error(f"argument --min-digits: {args.min_digits} is below 2, which --workload free-form needs (its "
+                     "compare prompts name two digits of the canvas)")  # fmt: skip
+    resolve_workload_defaults(args)
+    if args.prompt is not None and not args.prompt.strip():
         parser.error("argument --prompt: is empty")
     missing = {m for folder, names in DRAFTER_FOLDERS.items() if not (Path(args.zoo) / folder).is_dir() for m in names}
     explicit = args.methods is not None
@@ -147,6 +165,26 @@ def check_args(parser, args):
         parser.error(f"argument --max-new-tokens: {args.max_new_tokens} new tokens and {image_tokens} image tokens "
                      f"do not fit the model's context of {context} tokens")  # fmt: skip
     check_device(parser, args.device)
+
+
+def resolve_workload_defaults(args):
+    """Fill `--prompt` / `--max-new-tokens` left unset with the workload's defaults (templated: today's)."""
+    workload = getattr(args, "workload", "templated")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload={workload!r}: use one of {WORKLOADS}")
+    if workload == "templated" and args.prompt is None:
+        args.prompt = TEMPLATED_PROMPT
+    if args.max_new_tokens is None:
+        args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[workload]
+
+
+def free_form_inputs(num, seed, min_digits=4):
+    """The free-form workload: (`num` held-out PIL canvases, their held-out `FreeFormPrompt`s)."""
+    from mmspec.train.vlm_data import to_pil
+    from mmspec.train.vlm_prompts import sample_prompts
+
+    _, canvases, prompts = sample_prompts(num, "held-out", seed, min_digits)
+    return [to_pil(c) for c in canvases], prompts
 
 
 def held_out_canvases(num, seed, min_digits=3):
@@ -198,6 +236,11 @@ def build_pipeline(args):
 
 
 def run(args, pipe=None, canvases=None):
+    """The report (module docstring). `canvases`: PIL images instead of the held-out ones (templated workload)."""
+    workload = getattr(args, "workload", "templated")
+    resolve_workload_defaults(args)
+    if workload == "free-form" and canvases is not None:
+        raise ValueError("canvases: the free-form workload draws its own held-out canvases (they go with its prompts)")
     if args.methods is None:  # not through `mmspec bench` (no check_args): every method the pipeline can run
         args.methods = list(METHODS)
     if not args.batch_size:
@@ -207,8 +250,13 @@ def run(args, pipe=None, canvases=None):
     device = torch.device(args.device)
     pipe = (pipe or build_pipeline(args)).to(device)
     pipe.set_progress_bar_config(disable=True)
-    canvases = canvases or held_out_canvases(args.num_prompts, args.seed, args.min_digits)
-    prompts = [args.prompt] * len(canvases)
+    free_form = None
+    if workload == "free-form":
+        canvases, free_form = free_form_inputs(args.num_prompts, args.seed, args.min_digits)
+        prompts, key = [p.messages for p in free_form], "messages"
+    else:
+        canvases = canvases or held_out_canvases(args.num_prompts, args.seed, args.min_digits)
+        prompts, key = [args.prompt] * len(canvases), "prompt"
     eos = pipe.eos_token_ids()
     counters = {"target": _Counter(pipe.model)}
     if pipe.draft_model is not None:
@@ -242,7 +290,7 @@ def run(args, pipe=None, canvases=None):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if name in ours:
-            out = pipe(images=ims, prompt=texts, output_type="ids", **common, **ours[name])
+            out = pipe(images=ims, **{key: texts}, output_type="ids", **common, **ours[name])
             dt = time.perf_counter() - t0
             s = out.stats
             answers = [[t for t in row if t >= 0] for row in out.sequences.tolist()]
@@ -250,7 +298,7 @@ def run(args, pipe=None, canvases=None):
                         tau_without_bonus=s.mean_accepted_drafts, step_compression=s.step_compression,
                         target_calls=s.target_forwards, draft_calls=s.draft_forwards)  # fmt: skip
         else:
-            ids, lengths, extra = pipe.encode(ims, texts, None, device)
+            ids, lengths, extra = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
             if ids.shape[0] != 1:
                 raise ValueError("transformers' methods run at batch 1")
             kw = dict(assistant_model=pipe.draft_model) if name == "hf-assisted" else {}
@@ -324,7 +372,23 @@ def run(args, pipe=None, canvases=None):
     return {
         "bench": "vlm",
         "zoo": str(args.zoo),
-        "prompt": args.prompt,
+        "workload": workload,
+        "prompt": args.prompt if free_form is None else None,
+        **(
+            {}
+            if free_form is None
+            else {
+                "prompts": [
+                    {
+                        "kind": p.kind,
+                        "template": p.template,
+                        "turns": sum(m["role"] == "user" for m in p.messages),
+                        "text": p.text,
+                    }
+                    for p in free_form
+                ]
+            }
+        ),  # fmt: skip
         "example_answer": pipe.tokenizer.decode(answers["plain"][0], skip_special_tokens=True),
         "knobs": {
             "max_new_tokens": args.max_new_tokens,

@@ -1,16 +1,23 @@
 """The VLM drafters' distillation set: `python -m mmspec.train vlm-answers --target assets/mnist-vlm
 --out runs/vlm-answers.pt`.
 
-Training canvases (MNIST *train* digits, `mmspec.train.vlm_data`) with questions of every kind (mostly "Describe the
-image.", whose answers are the long ones), answered by the target itself with greedy decoding (mmspec's plain loop).
+`--workload templated` (the default): training canvases (MNIST *train* digits, `mmspec.train.vlm_data`) with
+questions of every kind (mostly "Describe the image.", whose answers are the long ones), answered by the target itself
+with greedy decoding (mmspec's plain loop). `--workload free-form`: training canvases with the *train* templates of
+the free-form prompts (`mmspec.train.vlm_prompts`: detail, story, layout, compare, two-turn follow-ups; canvases drawn
+with seed `--seed` + 1), each answered greedily or, with probability `--sampled-fraction`, sampled at
+`--temperature` (a generator per row, seeded from `--seed` and the row: resumes and batch sizes give the same rows).
+`--workload both`: the `--num` templated rows, then `--num` free-form rows. Held-out canvases and templates
+(`mmspec bench vlm --workload free-form`) never appear here.
 Drafters distilled on the target's own answers learn what they will be asked to draft (Medusa-2 / EAGLE-3 style
 self-distillation). Written chunk by chunk: re-running the command resumes after the last finished chunk; the file
 records the flags that define its rows (`run_flags`: target weights, seed, number, batch size, answer length) and a
 resume with other ones is refused.
 
 Saved (`torch.save`, loads with `weights_only=True`): `canvases uint8 [N, 64, 64]`, `input_ids [N, T]`
-(prompt + answer, right-padded with the pad id), `prompt_lengths [N]`, `lengths [N]`, `questions` (list of str), and
-the generation settings.
+(prompt + answer, right-padded with the pad id; the prompt of a follow-up holds both turns and the first answer),
+`prompt_lengths [N]`, `lengths [N]`, `questions` (list of str: the last user turn), `messages` (the conversations),
+`kinds` / `templates` (templated rows: "templated"), `sampled` (bool [N]), and the generation settings.
 """
 
 import logging
@@ -18,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import int_in_range, non_negative_int
+from mmspec.cli import int_in_range, non_negative_int, positive_float, probability
 from mmspec.methods import VLM_LIMITS
 from mmspec.train.common import (
     MAX_THREADS,
@@ -35,15 +42,23 @@ from mmspec.train.common import (
 logger = logging.getLogger(__name__)
 
 KIND_WEIGHTS = {"describe": 0.6, "what": 0.15, "which": 0.15, "count": 0.1}
+WORKLOADS = ("templated", "free-form", "both")
+SAMPLE_SEED_STRIDE = 1_000_003  # row r of a run with --seed s samples with a generator seeded s * stride + r
 
 
 def add_arguments(parser):
     parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
     parser.add_argument("--out", required=True, help="output file (.pt); resumes if it exists")
-    parser.add_argument("--num", type=int_in_range(1, 1_000_000), default=512, help="canvases (one question each)")
+    parser.add_argument("--num", type=int_in_range(1, 1_000_000), default=512,
+                        help="canvases (one question each) per workload")  # fmt: skip
+    parser.add_argument("--workload", choices=WORKLOADS, default="templated",
+                        help="templated questions, free-form train prompts (mmspec.train.vlm_prompts), or both")  # fmt: skip
+    parser.add_argument("--sampled-fraction", type=probability, default=0.5,
+                        help="free-form rows answered by sampling (the rest greedy)")  # fmt: skip
+    parser.add_argument("--temperature", type=positive_float, default=1.0, help="of the sampled answers")
     parser.add_argument("--batch-size", type=int_in_range(1, 4096), default=16, help="answers generated per call")
-    parser.add_argument("--max-new-tokens", type=int_in_range(1, VLM_LIMITS["max_new_tokens"]), default=128,
-                        help="answer length cap")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int_in_range(1, VLM_LIMITS["max_new_tokens"]), default=256,
+                        help="answer length cap (free-form answers run past 128 tokens)")  # fmt: skip
     parser.add_argument("--seed", type=non_negative_int, default=1234, help="canvas / question seed")
     parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=2,
                         help="torch CPU threads (0: torch's default)")  # fmt: skip
@@ -61,6 +76,40 @@ def sample_questions(num, generator, split="train"):
     picks = torch.multinomial(torch.tensor([KIND_WEIGHTS[k] for k in kinds]), num, True, generator=generator)
     questions = [make_qa(layout, kinds[int(k)], generator)[0] for layout, k in zip(layouts, picks)]
     return canvases, questions
+
+
+def user_turn(question):
+    """A one-turn conversation: the image, then `question` (what the pipeline builds from a `prompt`)."""
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+
+def workload_rows(workload, num, seed, sampled_fraction):
+    """The rows to answer: dict of `canvases` float [N, 64, 64], `messages`, `questions`, `kinds`, `templates`,
+    `sampled` (list of bool); templated rows (as `sample_questions` with `--seed`) first, then free-form ones."""
+    from mmspec.train.vlm_prompts import sample_prompts
+
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload={workload!r}: use one of {WORKLOADS}")
+    canvases, rows = [], {"messages": [], "questions": [], "kinds": [], "templates": [], "sampled": []}
+    generator = torch.Generator().manual_seed(seed)
+    if workload in ("templated", "both"):
+        templated, questions = sample_questions(num, generator)
+        canvases.append(templated)
+        rows["messages"] += [user_turn(q) for q in questions]
+        rows["questions"] += questions
+        rows["kinds"] += ["templated"] * num
+        rows["templates"] += ["templated"] * num
+        rows["sampled"] += [False] * num
+    if workload in ("free-form", "both"):
+        _, free, prompts = sample_prompts(num, "train", seed + 1)
+        canvases.append(free)
+        rows["messages"] += [p.messages for p in prompts]
+        rows["questions"] += [p.text for p in prompts]
+        rows["kinds"] += [p.kind for p in prompts]
+        rows["templates"] += [p.template for p in prompts]
+        rows["sampled"] += (torch.rand(num, generator=generator) < sampled_fraction).tolist()
+    rows["canvases"] = torch.cat(canvases)
+    return rows
 
 
 def pad_cat(rows, pad):
@@ -105,25 +154,37 @@ def run(args):
     flags = run_flags(args)
     done = load_answers(out, flags) if out.is_file() else {"rows": [], "prompt_lengths": []}
     done["run_flags"] = flags
-    generator = seed_everything(args.seed)
-    canvases, questions = sample_questions(args.num, generator)
+    seed_everything(args.seed)
+    work = workload_rows(args.workload, args.num, args.seed, args.sampled_fraction)
+    canvases, total = work["canvases"], len(work["canvases"])
     model, processor = load_vlm(args.target)
     pipe = SpeculativeVLMPipeline(model, processor)
     pipe.set_progress_bar_config(disable=True)
     pad = processor.tokenizer.pad_token_id or 0
     start = len(done["prompt_lengths"])
     if start:
-        logger.info("resuming %s after %d / %d answers", out, start, args.num)
-    for lo in tqdm(range(start, args.num, args.batch_size), disable=args.quiet, desc="answers"):
-        hi = min(lo + args.batch_size, args.num)
-        ims = [to_pil(c) for c in canvases[lo:hi]]
-        ids, lengths, _ = pipe.encode(ims, questions[lo:hi], None, "cpu")
-        res = pipe(images=ims, prompt=questions[lo:hi], max_new_tokens=args.max_new_tokens, acceptance="none",
-                   output_type="ids")  # fmt: skip
-        for r in range(hi - lo):
-            answer = [t for t in res.sequences[r].tolist() if t >= 0]
-            done["rows"].append(ids[r, : lengths[r]].tolist() + answer)
-            done["prompt_lengths"].append(int(lengths[r]))
+        logger.info("resuming %s after %d / %d answers", out, start, total)
+    for lo in tqdm(range(start, total, args.batch_size), disable=args.quiet, desc="answers"):
+        hi = min(lo + args.batch_size, total)
+        answers = {}
+        for sampled in (False, True):  # one call per decoding mode
+            rows = [r for r in range(lo, hi) if work["sampled"][r] == sampled]
+            if not rows:
+                continue
+            ims, chats = [to_pil(canvases[r]) for r in rows], [work["messages"][r] for r in rows]
+            ids, lengths, _ = pipe.encode(ims, None, chats, "cpu")
+            knobs = dict(do_sample=False)
+            if sampled:
+                knobs = dict(do_sample=True, temperature=args.temperature,
+                             generator=[torch.Generator().manual_seed(args.seed * SAMPLE_SEED_STRIDE + r) for r in rows])  # fmt: skip
+            res = pipe(images=ims, messages=chats, max_new_tokens=args.max_new_tokens, acceptance="none",
+                       output_type="ids", **knobs)  # fmt: skip
+            for i, r in enumerate(rows):
+                answer = [t for t in res.sequences[i].tolist() if t >= 0]
+                answers[r] = (ids[i, : lengths[i]].tolist() + answer, int(lengths[i]))
+        for r in range(lo, hi):
+            done["rows"].append(answers[r][0])
+            done["prompt_lengths"].append(answers[r][1])
         tmp = out.with_suffix(".partial")
         torch.save(done, tmp)
         tmp.replace(out)
@@ -134,7 +195,13 @@ def run(args):
         "input_ids": pad_cat(rows, pad),
         "lengths": torch.tensor([len(r) for r in rows]),
         "canvases": (canvases * 255).round().to(torch.uint8),
-        "questions": questions,
+        "questions": work["questions"],
+        "messages": work["messages"],
+        "kinds": work["kinds"],
+        "templates": work["templates"],
+        "sampled": torch.tensor(work["sampled"], dtype=torch.bool),
+        "workload": args.workload,
+        "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,
         "target": str(args.target),
         "seed": args.seed,

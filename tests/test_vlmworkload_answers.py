@@ -1,0 +1,58 @@
+"""`vlm-answers --workload templated|free-form|both`: the target's own answers to the free-form *train* prompts,
+greedy and sampled, deterministic across batch sizes, resumable and refusing another workload."""
+
+import argparse
+
+import pytest
+import torch
+
+from mmspec.train import vlm_answers
+from mmspec.train.common import load_checkpoint
+from mmspec.train.vlm_prompts import split_templates
+
+
+def _args(out, *argv):
+    parser = argparse.ArgumentParser()
+    vlm_answers.add_arguments(parser)
+    return parser.parse_args(["--out", str(out), "--num", "5", "--max-new-tokens", "2", "--threads", "1", "--quiet",
+                              *argv])  # fmt: skip
+
+
+def test_defaults_leave_room_for_long_answers():
+    parser = argparse.ArgumentParser()
+    vlm_answers.add_arguments(parser)
+    args = parser.parse_args(["--out", "x.pt"])
+    assert args.workload == "templated" and args.max_new_tokens >= 128
+
+
+def test_both_workloads_greedy_and_sampled_deterministic_and_resume_refuses_another_workload(tmp_path):
+    hot = ["--workload", "both", "--sampled-fraction", "1", "--temperature", "5"]
+    record = vlm_answers.run(_args(tmp_path / "a.pt", *hot, "--batch-size", "5"))
+    assert len(record["rows"]) == 10 and record["kinds"][:5] == ["templated"] * 5
+    assert record["sampled"].tolist() == [False] * 5 + [True] * 5
+    held = set(split_templates()["held-out"])
+    assert all(t not in held for t in record["templates"][5:]) and "follow-up" in record["kinds"]
+    from mmspec.models.vlm_zoo import load_vlm
+
+    tokenizer = load_vlm(vlm_answers.zoo_folder("mnist-vlm"))[1].tokenizer
+    for r in range(10):  # the prompt is the conversation asked; a follow-up's holds the first answer too
+        prompt = tokenizer.decode(record["rows"][r][: record["prompt_lengths"][r]])
+        assert prompt.count(record["questions"][r]) >= 1
+        user_turns = sum(m["role"] == "user" for m in record["messages"][r])
+        assert prompt.count("<|im_start|>user") == user_turns
+        if record["kinds"][r] == "follow-up":
+            assert user_turns == 2 and record["messages"][r][1]["content"][0]["text"] in prompt
+        assert len(record["rows"][r]) - record["prompt_lengths"][r] == 2  # 2 new tokens (no EOS that soon)
+
+    again = vlm_answers.run(_args(tmp_path / "b.pt", *hot, "--batch-size", "3"))  # other batches: same answers
+    assert again["rows"] == record["rows"] and torch.equal(again["canvases"], record["canvases"])
+    greedy = vlm_answers.run(_args(tmp_path / "c.pt", "--workload", "free-form", "--sampled-fraction", "0"))
+    assert greedy["questions"] == record["questions"][5:] and not greedy["sampled"].any()
+    assert [r[:n] for r, n in zip(greedy["rows"], greedy["prompt_lengths"])] == [
+        r[:n] for r, n in zip(record["rows"][5:], record["prompt_lengths"][5:])
+    ]
+    assert greedy["rows"] != record["rows"][5:]  # sampled at temperature 5: other answers
+
+    with pytest.raises(ValueError, match="--workload free-form differs from the checkpoint's --workload both"):
+        vlm_answers.run(_args(tmp_path / "a.pt", *hot, "--batch-size", "5", "--workload", "free-form"))
+    assert load_checkpoint(tmp_path / "a.pt")["workload"] == "both"

@@ -1,0 +1,79 @@
+"""`mmspec bench vlm --workload templated|free-form`: free-form runs held-out canvases x held-out prompts (multi-turn
+included) and records them; templated keeps today's defaults; bad combinations are usage errors before loading."""
+
+import argparse
+
+import pytest
+from vlm_fixtures import tiny_llava, tiny_processor
+
+from mmspec import cli
+from mmspec.eval import bench_vlm
+from mmspec.models.hf_draft import truncated_draft
+from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+from mmspec.train.vlm_prompts import KINDS, split_templates
+
+
+def _pipe():
+    target = tiny_llava(4, seed=1)
+    pipe = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=truncated_draft(target, 3))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    bench_vlm.add_arguments(parser)
+    return parser.parse_args(["--methods", "plain,draft-model", "--max-new-tokens", "6", *argv])
+
+
+def test_free_form_runs_held_out_prompts_of_every_kind_and_records_them():
+    report = bench_vlm.run(_args("--workload", "free-form", "--num-prompts", "5", "--batch-size", "1,2"), pipe=_pipe())
+    assert report["workload"] == "free-form" and report["prompt"] is None
+    held = set(split_templates()["held-out"])
+    prompts = report["prompts"]
+    assert len(prompts) == 5 and {p["kind"] for p in prompts} == set(KINDS)
+    assert all(p["template"] in held for p in prompts)
+    assert [p["turns"] for p in prompts if p["kind"] == "follow-up"] == [2]
+    for table in report["by_batch_size"].values():
+        assert table["draft-model"]["matches_plain"] and table["draft-model"]["tau"] > 1.0
+    assert report["knobs"]["max_new_tokens"] == 6
+
+
+def test_free_form_answers_differ_from_templated_ones_and_templated_keeps_its_defaults():
+    pipe = _pipe()
+    templated = bench_vlm.run(_args("--num-prompts", "2"), pipe=pipe)
+    assert templated["workload"] == "templated" and templated["prompt"] == "Describe the image."
+    assert "prompts" not in templated
+    parser = argparse.ArgumentParser()
+    bench_vlm.add_arguments(parser)
+    args = parser.parse_args(["--workload", "free-form"])
+    bench_vlm.resolve_workload_defaults(args)
+    assert args.max_new_tokens == 128 and args.prompt is None
+    args = parser.parse_args([])
+    bench_vlm.resolve_workload_defaults(args)
+    assert args.max_new_tokens == 96 and args.prompt == "Describe the image."
+    with pytest.raises(ValueError, match="canvases"):
+        bench_vlm.run(_args("--workload", "free-form", "--num-prompts", "2"), pipe=pipe, canvases=[None, None])
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("reached the bench run although the arguments were invalid")
+
+
+@pytest.mark.parametrize(
+    "argv, flag, words",
+    [
+        (["--workload", "free-form", "--prompt", "Tell a story."], "--prompt", "free-form"),
+        (["--workload", "free-form", "--min-digits", "1"], "--min-digits", "free-form"),
+        (["--workload", "story"], "--workload", "invalid choice"),
+    ],
+)
+def test_bad_workload_combinations_are_usage_errors_before_loading(argv, flag, words, capsys, monkeypatch):
+    monkeypatch.setattr(bench_vlm, "run", _refuse)
+    monkeypatch.setattr(SpeculativeVLMPipeline, "from_zoo", _refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "vlm", *argv])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert f"argument {flag}" in last and words in last, err

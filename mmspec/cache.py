@@ -103,13 +103,34 @@ class StaticKVCache:
 
     def update(self, layer, write_slots, k_new, v_new):
         """Write `k_new, v_new [rows, n_kv_head, M, head_dim]` at `write_slots [rows, M]` of `layer`; return the
-        layer's full K, V `[rows, n_kv_head, max_seq, head_dim]` (views into the cache)."""
+        layer's full K, V `[rows, n_kv_head, max_seq, head_dim]` (views into the cache).
+
+        When every row writes the same contiguous slots `s .. s + M - 1` (a 1-token step at equal lengths, batch 1
+        chains, prefill) the write is one slice copy (`contiguous_run`, decided once per `write_slots` tensor);
+        otherwise one `index_put` of every `(row, slot)`. Both write exactly the same values."""
         k_layer, v_layer = self.k[layer], self.v[layer]
+        k_new, v_new = k_new.to(k_layer.dtype), v_new.to(v_layer.dtype)  # no copy when the dtypes agree
+        start = self._run_start(write_slots)
+        stop = None if start is None else start + write_slots.shape[1]
+        if start is not None and start >= 0 and stop <= self.max_seq:  # else index_put (its errors, its wrap-around)
+            k_layer[:, :, start:stop] = k_new
+            v_layer[:, :, start:stop] = v_new
+            return k_layer, v_layer
         rows = torch.arange(write_slots.shape[0], device=write_slots.device)[:, None].expand_as(write_slots)
         # index_put on the [rows, slots, heads, hd] view (2-3x faster than a 4-D scatter_ for M > 1 on CPU)
-        k_layer.transpose(1, 2)[rows, write_slots] = k_new.transpose(1, 2).to(k_layer.dtype)
-        v_layer.transpose(1, 2)[rows, write_slots] = v_new.transpose(1, 2).to(v_layer.dtype)
+        k_layer.transpose(1, 2)[rows, write_slots] = k_new.transpose(1, 2)
+        v_layer.transpose(1, 2)[rows, write_slots] = v_new.transpose(1, 2)
         return k_layer, v_layer
+
+    def _run_start(self, write_slots):
+        """`contiguous_run(write_slots)`, remembered for the tensor (and its version) last asked about: every layer
+        of a forward writes the same `write_slots`, so the check runs once per forward, not once per layer."""
+        memo = getattr(self, "_run_memo", None)
+        if memo is not None and memo[0] is write_slots and memo[1] == write_slots._version:
+            return memo[2]
+        start = contiguous_run(write_slots)
+        self._run_memo = (write_slots, write_slots._version, start)
+        return start
 
     def visibility(self, key_slots, key_mask):
         """Full boolean mask `[rows, M, max_seq]` for `M` queries.
@@ -182,6 +203,17 @@ class StaticKVCache:
             store.scatter_(3, index_dst, gathered)
         self.lengths = self.lengths + path_len
         return self
+
+
+def contiguous_run(write_slots):
+    """`s` if every row of `write_slots [rows, M]` is `s, s + 1, ..., s + M - 1` (the same slots in every row), else
+    None. Decided only where reading the slots on the host is free (CPU tensors, not while compiling): elsewhere
+    None, so an accelerator never syncs for it and takes the general write."""
+    if write_slots.device.type != "cpu" or torch.compiler.is_compiling() or write_slots.numel() == 0:
+        return None
+    first = write_slots[:1, :1]
+    run = first + torch.arange(write_slots.shape[1], dtype=write_slots.dtype)[None, :]
+    return int(first) if torch.equal(write_slots, run.expand_as(write_slots)) else None
 
 
 # ---------------------------------------------------------------------- input helpers

@@ -262,7 +262,9 @@ class HFTarget:
             grow(cache, min(self.max_slots, max(2 * cache.max_seq, _round_up(needed))))
         cache = window_view(cache, min(cache.max_seq, _round_up(needed)))  # read only the slots in use
         visible = cache.visibility(key_slots, mask)[:, None]  # [rows, 1, M, window]
-        if self.model.config._attn_implementation not in ("sdpa", "flex_attention"):  # eager: additive float mask
+        # eager and SDPA: an additive float mask, built once per forward (SDPA's CPU kernels would otherwise turn the
+        # boolean mask into one in every layer); flex attention takes the boolean mask
+        if self.model.config._attn_implementation != "flex_attention":
             dtype = cache.dtype
             visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
                 ~visible, torch.finfo(dtype).min

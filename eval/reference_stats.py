@@ -127,10 +127,14 @@ def adm_batch_to_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).permute(0, 3, 1, 2)
 
 
-def save_reference_stats(path: str | Path, stats: ReferenceStats, dtype: str = "float64") -> Path:
+def save_reference_stats(
+    path: str | Path, stats: ReferenceStats, dtype: str = "float64", packed: bool = False
+) -> Path:
     """Write `stats` as an ADM-style `.npz` (`mu`, `sigma`, plus `num_samples` and `protocol` JSON).
 
     `dtype="float32"` halves the file (readers compute in float64 either way); it is recorded in the protocol.
+    `packed=True` stores a symmetric `sigma` as its upper triangle `sigma_triu` (exact, half the bytes; read back by
+    `load_reference_stats`, not by ADM's own tools).
     """
     if not isinstance(stats, ReferenceStats):
         raise TypeError(f"stats must be a ReferenceStats, got {type(stats).__name__}")
@@ -144,10 +148,25 @@ def save_reference_stats(path: str | Path, stats: ReferenceStats, dtype: str = "
     if stats.num_samples is not None:
         extra["num_samples"] = np.int64(stats.num_samples)
     protocol = stats.protocol | ({"stored_dtype": dtype} if dtype != "float64" else {})
-    np.savez(path, mu=stats.mu.astype(dtype), sigma=stats.sigma.astype(dtype), protocol=np.str_(json.dumps(protocol)),
-             **extra)  # fmt: skip
+    sigma = stats.sigma.astype(dtype)
+    if packed and np.array_equal(sigma, sigma.T):  # its upper triangle holds it exactly, in half the bytes
+        extra["sigma_triu"] = sigma[np.triu_indices(sigma.shape[0])]
+    else:
+        extra["sigma"] = sigma
+    np.savez(path, mu=stats.mu.astype(dtype), protocol=np.str_(json.dumps(protocol)), **extra)
     logger.info("saved reference statistics (d=%d, n=%s) to %s", stats.feature_dim, stats.num_samples, path)
     return path
+
+
+def unpack_symmetric(triu: np.ndarray, dim: int) -> np.ndarray:
+    """The symmetric `[dim, dim]` matrix whose upper triangle (row-major, `np.triu_indices(dim)`) is `triu`."""
+    if triu.ndim != 1 or triu.shape[0] != dim * (dim + 1) // 2:
+        raise ValueError(
+            f"sigma_triu has shape {triu.shape}, expected ({dim * (dim + 1) // 2},) for mu of length {dim}"
+        )
+    sigma = np.zeros((dim, dim), dtype=triu.dtype)
+    sigma[np.triu_indices(dim)] = triu
+    return sigma + np.triu(sigma, 1).T
 
 
 def load_reference_stats(path: str | Path) -> ReferenceStats:
@@ -158,10 +177,11 @@ def load_reference_stats(path: str | Path) -> ReferenceStats:
     try:
         with np.load(path, allow_pickle=False) as data:
             keys = set(data.files)
-            if not {"mu", "sigma"} <= keys:
+            if "mu" not in keys or not keys & {"sigma", "sigma_triu"}:
                 hint = " (an ADM batch without statistics: use reference_stats_from_images)" if "arr_0" in keys else ""
                 raise ValueError(f"{path} has keys {sorted(keys)}, expected 'mu' and 'sigma'{hint}")
-            mu, sigma = data["mu"], data["sigma"]
+            mu = data["mu"]
+            sigma = data["sigma"] if "sigma" in keys else unpack_symmetric(data["sigma_triu"], mu.shape[-1])
             num = int(data["num_samples"]) if "num_samples" in keys else None
             protocol = json.loads(str(data["protocol"])) if "protocol" in keys else {}
     except (zipfile.BadZipFile, OSError, EOFError, json.JSONDecodeError) as err:

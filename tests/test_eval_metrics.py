@@ -340,3 +340,29 @@ def test_mnist_in_domain_fid_and_accuracy():
         classifier_accuracy(clf, images[:4], labels[:3])
     with pytest.raises(ValueError, match="grayscale"):
         feats(images[:2].expand(-1, 3, -1, -1))
+
+
+def test_packed_reference_stats_round_trip_exactly_and_only_for_symmetric_sigma(tmp_path):
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(40, 6))
+    sym = ReferenceStats(a.mean(0), np.cov(a, rowvar=False), num_samples=40, protocol={"features": "toy"})
+    path = save_reference_stats(tmp_path / "packed.npz", sym, packed=True)
+    with np.load(path) as data:
+        assert "sigma" not in data.files and data["sigma_triu"].shape == (21,)  # half the matrix
+    back = load_reference_stats(path)
+    assert np.array_equal(back.sigma, sym.sigma) and np.array_equal(back.mu, sym.mu) and back.num_samples == 40
+    assert path.stat().st_size < save_reference_stats(tmp_path / "full.npz", sym).stat().st_size
+    skew = np.arange(36.0).reshape(6, 6)  # not symmetric: kept whole, never rebuilt from one triangle
+    path = save_reference_stats(tmp_path / "skew.npz", ReferenceStats(np.zeros(6), skew @ skew.T + skew), packed=True)
+    with np.load(path) as data:
+        assert "sigma" in data.files and "sigma_triu" not in data.files
+    np.savez(tmp_path / "bad.npz", mu=np.zeros(6), sigma_triu=np.zeros(20))
+    with pytest.raises(ValueError, match="sigma_triu has shape"):
+        load_reference_stats(tmp_path / "bad.npz")
+
+
+def test_shipped_inception_stats_are_packed_and_symmetric():
+    path = Path(__file__).resolve().parents[1] / "assets" / "reference-stats" / "mnist-test-inception.npz"
+    stats = load_reference_stats(path)
+    assert stats.sigma.shape == (2048, 2048) and np.array_equal(stats.sigma, stats.sigma.T)
+    assert stats.num_samples == 10000 and path.stat().st_size < 9_000_000

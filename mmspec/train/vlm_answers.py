@@ -7,7 +7,8 @@ with greedy decoding (mmspec's plain loop). `--workload free-form`: training can
 the free-form prompts (`mmspec.train.vlm_prompts`: detail, story, layout, compare, two-turn follow-ups; canvases drawn
 with seed `--seed` + 1), each answered greedily or, with probability `--sampled-fraction`, sampled at
 `--temperature` (a generator per row, seeded from `--seed` and the row: resumes and batch sizes give the same rows).
-`--workload both`: the `--num` templated rows, then `--num` free-form rows. Held-out canvases and templates
+`--workload both`: the `--num` templated rows, then `--num` free-form rows. `--merge A.pt B.pt ...` generates nothing:
+it concatenates finished answer files (e.g. a templated and a free-form run) into `--out`. Held-out canvases and templates
 (`mmspec bench vlm --workload free-form`) never appear here.
 Drafters distilled on the target's own answers learn what they will be asked to draft (Medusa-2 / EAGLE-3 style
 self-distillation). Written chunk by chunk: re-running the command resumes after the last finished chunk; the file
@@ -63,6 +64,8 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=2,
                         help="torch CPU threads (0: torch's default)")  # fmt: skip
     declare_paths(parser, model_folders=("target",), output_files=("out",))
+    parser.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                        help="concatenate these finished answer files into --out instead of generating")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -118,7 +121,17 @@ def pad_cat(rows, pad):
 
 
 def check_args(parser, args):
-    """Usage error (before any model loads) when `--out` holds answers made with other flags, or is broken."""
+    """Usage error (before any model loads) when `--out` holds answers made with other flags, or is broken; with
+    `--merge`, when an input is missing, unfinished or not an answers file, or is `--out` itself."""
+    if args.merge is not None:
+        for path in args.merge:
+            if Path(path).resolve() == Path(args.out).resolve():
+                parser.error(f"argument --merge: {path!r} is also --out")
+            try:
+                load_finished(Path(path))
+            except ValueError as err:
+                parser.error(f"argument --merge: {err}")
+        return
     if Path(args.out).is_file():
         try:
             load_answers(Path(args.out), run_flags(args))
@@ -142,6 +155,37 @@ def load_answers(path: Path, flags: dict) -> dict:
     return {"rows": list(done["rows"]), "prompt_lengths": list(done["prompt_lengths"])}
 
 
+FIELDS = ("rows", "prompt_lengths", "canvases", "questions", "messages", "kinds", "templates", "sampled", "run_flags")
+
+
+def load_finished(path: Path) -> dict:
+    """A finished answers file (as `run` writes it at the end), else a ValueError naming `path`."""
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} does not exist")
+    record = load_checkpoint(path)
+    missing = [k for k in FIELDS if not isinstance(record, dict) or k not in record]
+    if missing:
+        raise ValueError(f"{str(path)!r} is not a finished vlm-answers file (no {missing[0]}): finish its run first")
+    return record
+
+
+def merge_answers(paths, pad: int) -> dict:
+    """Concatenate finished answer files `paths` (rows in order); `run_flags` lists each input's flags."""
+    records = [load_finished(Path(p)) for p in paths]
+    merged = {k: [x for r in records for x in r[k]] for k in ("rows", "prompt_lengths", "questions", "messages",
+                                                             "kinds", "templates")}  # fmt: skip
+    merged.update(
+        input_ids=pad_cat(merged["rows"], pad),
+        lengths=torch.tensor([len(r) for r in merged["rows"]]),
+        canvases=torch.cat([r["canvases"] for r in records]),
+        sampled=torch.cat([torch.as_tensor(r["sampled"], dtype=torch.bool) for r in records]),
+        workload="+".join(str(r.get("workload", "templated")) for r in records),
+        run_flags={"merge": [r["run_flags"] for r in records]},
+        merged_from=[str(p) for p in paths],
+    )
+    return merged
+
+
 def run(args):
     from tqdm.auto import tqdm
 
@@ -151,6 +195,15 @@ def run(args):
 
     configure_threads(args.threads)
     out = Path(args.out)
+    if args.merge is not None:
+        from mmspec.models.vlm_zoo import load_vlm
+
+        record = merge_answers(args.merge, load_vlm(args.target)[1].tokenizer.pad_token_id or 0)
+        tmp = out.with_suffix(".partial")
+        torch.save(record, tmp)
+        tmp.replace(out)
+        logger.info("merged %d answers from %s into %s", len(record["rows"]), ", ".join(args.merge), out)
+        return record
     flags = run_flags(args)
     done = load_answers(out, flags) if out.is_file() else {"rows": [], "prompt_lengths": []}
     done["run_flags"] = flags

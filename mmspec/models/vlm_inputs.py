@@ -1,0 +1,49 @@
+"""What a VLM's decoder receives at prefill: the input embeddings with the projected image features merged in
+(`inputs_embeds [rows, L, dim]`) and where the image tokens are (`image_mask [rows, L]`).
+
+Vision-aware drafters (ViSpec, SpecVLM, MSD: `mmspec.models.vision_eagle`) read the target's projector outputs
+`E_img`, not its hidden states at image positions. The vision tower must still run once: `capture_decoder_inputs`
+records the decoder's `inputs_embeds` during the target's own prefill forward (a forward pre-hook on the decoder
+stack, `mmspec.models.hf.decoder_of`), so nothing is recomputed and the merge is exactly the model's.
+"""
+
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+
+__all__ = ["capture_decoder_inputs", "image_token_mask"]
+
+
+@contextmanager
+def capture_decoder_inputs(model):
+    """Within the block, every forward of `model`'s decoder stack stores what it received in the yielded dict:
+    `inputs_embeds [rows, L, dim]` (a causal LM's decoder gets `input_ids`; their embeddings are stored)."""
+    from mmspec.models.hf import decoder_of
+
+    decoder, seen = decoder_of(model), {}
+
+    def hook(module, args, kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            embeds = model.get_input_embeddings()(ids)
+        seen["inputs_embeds"] = embeds.detach()
+
+    handle = decoder.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def image_token_mask(model, input_ids: Tensor) -> Tensor:
+    """`[rows, L]` True at image placeholder tokens (`config.image_token_id` / `image_token_index`); all False for a
+    model without images."""
+    config = model.config
+    image_id = getattr(config, "image_token_id", None)
+    image_id = getattr(config, "image_token_index", None) if image_id is None else image_id
+    if image_id is None or not hasattr(model.model, "vision_tower"):
+        return torch.zeros_like(input_ids, dtype=torch.bool)
+    return input_ids == image_id

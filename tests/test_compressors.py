@@ -325,7 +325,11 @@ def test_elastic_training_uses_no_global_rng():
     torch.manual_seed(123)
     policy(image, question, generator=torch.Generator().manual_seed(0))
     Resampler(2, 4, tokens_per_image=T, dim=DIM, generator=torch.Generator().manual_seed(0))
+    built = build_policy("elastic", DIM, T, generator=torch.Generator().manual_seed(7))
     assert torch.equal(torch.rand(3), expected)
+    rebuilt = build_policy("elastic", DIM, T, generator=torch.Generator().manual_seed(7))
+    for (name, p), q in zip(built.named_parameters(), rebuilt.parameters()):
+        assert torch.equal(p, q), name
 
 
 @pytest.mark.parametrize("case", ["passthrough", "prune", "pool", "conv", "resampler-global", "elastic"])

@@ -8,6 +8,8 @@ expert set for `Elastic`.
 
 import inspect
 
+import torch
+
 from mmspec.compressors.base import VisionPolicy, VisionTokens, gather_images
 from mmspec.compressors.conv import Conv
 from mmspec.compressors.elastic import Elastic
@@ -50,13 +52,18 @@ def _default_heads(dim: int) -> int:
     return next(h for h in (dim // 64, 8, 4, 2, 1) if h >= 1 and dim % h == 0)
 
 
-def default_experts(dim: int, tokens_per_image: int, ratio: int = 4, num_queries: int = 2) -> dict[str, VisionPolicy]:
-    """SpecVLM's expert set: prune / pool / conv at `ratio`, a `num_queries` resampler, and text-only."""
+def default_experts(
+    dim: int, tokens_per_image: int, ratio: int = 4, num_queries: int = 2, generator: torch.Generator | None = None
+) -> dict[str, VisionPolicy]:
+    """SpecVLM's expert set: prune / pool / conv at `ratio`, a `num_queries` resampler (initial weights drawn with
+    `generator`), and text-only."""
     return {
         "prune": Prune(ratio, tokens_per_image=tokens_per_image, dim=dim),
         "pool": Pool(ratio, tokens_per_image=tokens_per_image, dim=dim),
         "conv": Conv(ratio, tokens_per_image=tokens_per_image, dim=dim),
-        "resampler": Resampler(num_queries, _default_heads(dim), tokens_per_image=tokens_per_image, dim=dim),
+        "resampler": Resampler(
+            num_queries, _default_heads(dim), tokens_per_image=tokens_per_image, dim=dim, generator=generator
+        ),
         "text-only": TextOnly(tokens_per_image=tokens_per_image, dim=dim),
     }
 
@@ -74,7 +81,8 @@ def build_policy(name: str, dim: int, tokens_per_image: int = 64, **kwargs) -> V
         raise ValueError(f"{unknown[0]}: not an argument of vision policy {name!r}; it takes {sorted(allowed)}")
     if name == "elastic":
         experts = kwargs.pop("experts", None)
-        experts = default_experts(dim, tokens_per_image) if experts is None else experts
+        if experts is None:
+            experts = default_experts(dim, tokens_per_image, generator=kwargs.get("generator"))
         policy = Elastic(experts, dim, **kwargs)
         if policy.tokens_per_image != tokens_per_image:
             raise ValueError(f"experts use tokens_per_image={policy.tokens_per_image}, not {tokens_per_image}")

@@ -42,6 +42,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
+from mmspec.cli_vlm import EAGLE_HEADS  # `from_zoo(eagle=...)`: the head folder `<name>-<kind>`
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
@@ -58,7 +59,6 @@ from mmspec.verify import Exact
 logger = logging.getLogger(__name__)
 
 ACCEPTANCES = ("none", "exact", "greedy")
-EAGLE_HEADS = ("eagle", "vispec", "specvlm", "msd")  # `from_zoo(eagle=...)`: the head folder `<name>-<kind>`
 OUTPUT_TYPES = ("text", "ids")
 
 

@@ -6,7 +6,7 @@ the real ViSpec / SpecVLM / MSD heads are in `tests/test_vision_drafters.py`."""
 
 import pytest
 import torch
-from vision_seam_fixtures import StrideImageHead, stride_head_from
+from vision_seam_fixtures import StrideImageHead, check_positions, record_head_positions, stride_head_from
 from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, prompts, tiny_llava, tiny_lm, tiny_processor, train_tiny_head
 
 from mmspec.decoding import Guidance
@@ -98,84 +98,6 @@ def test_vision_head_ragged_batch4_rows_finishing_early(stride_pipe, knobs):
     assert torch.equal(out.sequences, plain)
     assert out.stats.mean_accepted_length > 1.0
     assert out.stats.extra["draft_image_tokens_per_answer"] == [IMAGE_TOKENS // StrideImageHead.stride] * 4
-
-
-def record_head_positions(pipe, head, run):
-    """Run `run()` and record, for every forward of the head's decoder layer, the RoPE positions it received and
-    the target's positions of those tokens: at prefill the kept prompt pairs, then per round the accepted pairs
-    (the pending token sits at `P = L_r + count - 1`) and the drafts (depth `d` at `P + d`)."""
-    calls, now = [], {"ctx": {}}
-    make = pipe.make_drafter
-
-    def make_drafter(*args, **kwargs):
-        drafter = make(*args, **kwargs)
-        lengths = args[4]  # the prompt lengths of the call's rows
-        prefill, propose, setup = drafter.prefill, drafter.propose, drafter.head.setup_cache
-        start = {}
-
-        def setup_cache(*a, **k):
-            cache = setup(*a, **k)
-            start["lengths"] = cache.lengths.clone()
-            return cache
-
-        def traced_prefill(state, target_out):
-            ctx = now["ctx"] = dict(phase="prefill", lengths=lengths, image_mask=target_out.image_mask)
-            drafter.head.setup_cache = setup_cache
-            try:
-                prefill(state, target_out)
-            finally:
-                del drafter.head.setup_cache
-            ctx.update(kept=drafter.cache.lengths - start["lengths"], image_tokens=drafter.draft_image_tokens)
-
-        def traced_propose(state):
-            pending = lengths[state.ids] + state.count - 1
-            now["ctx"] = dict(phase="round", pending=pending, num_valid=drafter.num_valid.clone(), calls=0)
-            return propose(state)
-
-        drafter.prefill, drafter.propose = traced_prefill, traced_propose
-        return drafter
-
-    def hook(module, args):
-        ctx = now["ctx"]
-        calls.append((ctx["phase"], args[1].clone(), ctx if ctx["phase"] == "prefill" else dict(ctx)))
-        if ctx["phase"] == "round":
-            ctx["calls"] += 1
-
-    pipe.make_drafter = make_drafter
-    handle = head.rotary.register_forward_pre_hook(hook)
-    try:
-        out = run()
-    finally:
-        handle.remove()
-        del pipe.make_drafter
-    return out, calls
-
-
-def check_positions(calls):
-    """Every kept token at the target's position (see `record_head_positions`)."""
-    prefill = [(pos, ctx) for kind, pos, ctx in calls if kind == "prefill"]
-    assert prefill, "the head wrote nothing at prefill"
-    rounds = [(pos, ctx) for kind, pos, ctx in calls if kind == "round"]
-    assert rounds
-    ctx = prefill[-1][1]
-    written = torch.cat([pos for pos, _ in prefill], dim=1)
-    for r in range(written.shape[0]):
-        length, kept = int(ctx["lengths"][r]), int(ctx["kept"][r])
-        got = written[r, :kept].tolist()
-        image = ctx["image_mask"][r, :length].tolist()
-        assert got == sorted(set(got)) and all(1 <= q <= length - 1 for q in got), (r, got)
-        text_pairs = {t + 1 for t in range(length - 1) if not image[t + 1]}  # pairs whose next token is text
-        assert text_pairs <= set(got), (r, sorted(text_pairs - set(got)))
-        image_pairs = [q for q in got if image[q]]  # the policy's tokens, at image positions
-        assert len(image_pairs) == int(ctx["image_tokens"][r]) and len(got) == len(text_pairs) + len(image_pairs)
-    for pos, ctx in rounds:
-        pending, num_valid, i = ctx["pending"], ctx["num_valid"], ctx["calls"]
-        for r in range(pos.shape[0]):
-            if i == 0:  # the accepted pairs: positions P - n + 1 .. P
-                n = int(num_valid[r])
-                assert pos[r, :n].tolist() == list(range(int(pending[r]) - n + 1, int(pending[r]) + 1)), (r, i)
-            else:  # depth-i drafts (chain token or tree frontier)
-                assert (pos[r] == pending[r] + i).all(), (r, i, pos[r].tolist(), int(pending[r]))
 
 
 @pytest.mark.parametrize("knobs", KNOBS)

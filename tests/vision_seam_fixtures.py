@@ -7,7 +7,7 @@ Pairs are the target's `(h[t], x[t+1])`, written at the target's position `t + 1
 
 import torch
 
-from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.cache import StaticKVCache
 from mmspec.models.hf_eagle import TextEagleHead
 
 
@@ -48,22 +48,14 @@ class StrideImageHead(TextEagleHead):
         slots = cache.lengths[:, None] + torch.arange(m)[None]
         causal = torch.ones(m, m, dtype=torch.bool).tril()[None] & valid[:, None, :]
         causal = causal | torch.eye(m, dtype=torch.bool)[None]  # a padded query sees itself (no empty rows)
-        TextEagleHead.forward(self, h, ids, target, cache, positions, slots, causal)
+        self(h, ids, target, cache, positions, slots, causal)  # offsets are 0 until the end of the prefill
         cache.commit(kept)
         cache.position_offset = num_valid - 1 - kept  # the pending pair: slot 1 + kept, position L_r
         image_kept = (keep & image_next).sum(1)
         return {"draft_image_tokens": image_kept, "choice": None, "choice_names": None}
 
-    def forward(self, hidden, input_ids, target, cache, input_pos=None, write_slots=None, attention_mask=None,
-                cache_mask=None, validate=True):  # fmt: skip
-        if input_pos is None:
-            input_pos, slots, causal = chain_inputs(cache.lengths, input_ids.shape[1])
-            write_slots = slots if write_slots is None else write_slots
-            attention_mask = causal if attention_mask is None else attention_mask
-        write_slots = input_pos if write_slots is None else write_slots
-        positions = input_pos + cache.position_offset[:, None]
-        return super().forward(hidden, input_ids, target, cache, positions, write_slots, attention_mask, cache_mask,
-                               validate)  # fmt: skip
+    def _rope_positions(self, input_pos, cache):  # slot -> the target's position (0 offset during the prefill)
+        return input_pos + cache.position_offset[:, None]
 
 
 def stride_head_from(head):
@@ -71,3 +63,81 @@ def stride_head_from(head):
     new = StrideImageHead(**{k: v for k, v in head.config.items() if not k.startswith("_")})
     new.load_state_dict(head.state_dict())
     return new.eval()
+
+
+def record_head_positions(pipe, head, run):
+    """Run `run()` and record, for every forward of the head's decoder layer, the RoPE positions it received and
+    the target's positions of those tokens: at prefill the kept prompt pairs, then per round the accepted pairs
+    (the pending token sits at `P = L_r + count - 1`) and the drafts (depth `d` at `P + d`)."""
+    calls, now = [], {"ctx": {}}
+    make = pipe.make_drafter
+
+    def make_drafter(*args, **kwargs):
+        drafter = make(*args, **kwargs)
+        lengths = args[4]  # the prompt lengths of the call's rows
+        prefill, propose, setup = drafter.prefill, drafter.propose, drafter.head.setup_cache
+        start = {}
+
+        def setup_cache(*a, **k):
+            cache = setup(*a, **k)
+            start["lengths"] = cache.lengths.clone()
+            return cache
+
+        def traced_prefill(state, target_out):
+            ctx = now["ctx"] = dict(phase="prefill", lengths=lengths, image_mask=target_out.image_mask)
+            drafter.head.setup_cache = setup_cache
+            try:
+                prefill(state, target_out)
+            finally:
+                del drafter.head.setup_cache
+            ctx.update(kept=drafter.cache.lengths - start["lengths"], image_tokens=drafter.draft_image_tokens)
+
+        def traced_propose(state):
+            pending = lengths[state.ids] + state.count - 1
+            now["ctx"] = dict(phase="round", pending=pending, num_valid=drafter.num_valid.clone(), calls=0)
+            return propose(state)
+
+        drafter.prefill, drafter.propose = traced_prefill, traced_propose
+        return drafter
+
+    def hook(module, args):
+        ctx = now["ctx"]
+        calls.append((ctx["phase"], args[1].clone(), ctx if ctx["phase"] == "prefill" else dict(ctx)))
+        if ctx["phase"] == "round":
+            ctx["calls"] += 1
+
+    pipe.make_drafter = make_drafter
+    handle = head.rotary.register_forward_pre_hook(hook)
+    try:
+        out = run()
+    finally:
+        handle.remove()
+        del pipe.make_drafter
+    return out, calls
+
+
+def check_positions(calls):
+    """Every kept token at the target's position (see `record_head_positions`)."""
+    prefill = [(pos, ctx) for kind, pos, ctx in calls if kind == "prefill"]
+    assert prefill, "the head wrote nothing at prefill"
+    rounds = [(pos, ctx) for kind, pos, ctx in calls if kind == "round"]
+    assert rounds
+    ctx = prefill[-1][1]
+    written = torch.cat([pos for pos, _ in prefill], dim=1)
+    for r in range(written.shape[0]):
+        length, kept = int(ctx["lengths"][r]), int(ctx["kept"][r])
+        got = written[r, :kept].tolist()
+        image = ctx["image_mask"][r, :length].tolist()
+        assert got == sorted(set(got)) and all(1 <= q <= length - 1 for q in got), (r, got)
+        text_pairs = {t + 1 for t in range(length - 1) if not image[t + 1]}  # pairs whose next token is text
+        assert text_pairs <= set(got), (r, sorted(text_pairs - set(got)))
+        image_pairs = [q for q in got if image[q]]  # the policy's tokens, at image positions
+        assert len(image_pairs) == int(ctx["image_tokens"][r]) and len(got) == len(text_pairs) + len(image_pairs)
+    for pos, ctx in rounds:
+        pending, num_valid, i = ctx["pending"], ctx["num_valid"], ctx["calls"]
+        for r in range(pos.shape[0]):
+            if i == 0:  # the accepted pairs: positions P - n + 1 .. P
+                n = int(num_valid[r])
+                assert pos[r, :n].tolist() == list(range(int(pending[r]) - n + 1, int(pending[r]) + 1)), (r, i)
+            else:  # depth-i drafts (chain token or tree frontier)
+                assert (pos[r] == pending[r] + i).all(), (r, i, pos[r].tolist(), int(pending[r]))

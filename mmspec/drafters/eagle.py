@@ -188,7 +188,8 @@ class EagleDrafter:
     Attributes (text targets, set at `prefill`, one entry per batch item):
         draft_image_tokens: `[B]` image tokens the head reads for the prompt: a `TextEagleHead` reads a pair at every
             image token; a vision-aware head the tokens its policy keeps.
-        gate_choice: SpecVLM's gate, the compressor chosen per item (names), else None.
+        gate_choice: SpecVLM's gate, the compressor chosen per item (names; None for an item without image), else
+            None.
     """
 
     needs_hidden = True
@@ -244,7 +245,8 @@ class EagleDrafter:
         self.num_valid = torch.ones(rows, dtype=torch.long, device=ids.device)
         self.draft_image_tokens = self.guidance.items(info["draft_image_tokens"])
         choice, names = info.get("choice"), info.get("choice_names")
-        self.gate_choice = None if choice is None else [names[i] for i in self.guidance.items(choice).tolist()]
+        if choice is not None:  # -1: a row without an image (the gate was not asked)
+            self.gate_choice = [names[i] if i >= 0 else None for i in self.guidance.items(choice).tolist()]
 
     def propose(self, state):
         g = self.guidance

@@ -169,6 +169,7 @@ def test_sampled_first_tokens_follow_the_target_law_at_t07(vpipe):
     out = p(images=[image] * n, prompt=text * n, max_new_tokens=3, do_sample=True, temperature=temperature,
             acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip
     assert out.stats.mean_accepted_drafts > 0.05  # the drafts matter
+    check_image_stats(policy, p, out.stats.extra, n)  # drafted from the policy's view of the image
     v = law2.shape[0]
     for column, law in ((1, law2), (2, law3)):
         tokens = out.sequences[:, column]
@@ -230,3 +231,9 @@ class TestVisionDrafterPipeline(SpeculativePipelineTesterMixin):
 
     def scored_model(self, pipe):
         return pipe.model.model.language_model
+
+    def check_rounds(self, out, method):
+        super().check_rounds(out, method)
+        if method is not self.plain_method:  # the head drafted from its policy's view of the image
+            policy = self.pipe.eagle_head.config.vision_policy
+            check_image_stats(policy, self.pipe, out.stats.extra, out.sequences.shape[0])

@@ -65,6 +65,32 @@ def test_sampled_runs_at_temperature_07_and_batch_4(setup):
     )
 
 
+def test_the_three_vision_heads_as_bench_rows_greedy_and_sampled(setup):
+    """The real `VisionEagleHead`s (tiny, random policies on a fitted EAGLE layer) as the `vispec` / `specvlm` /
+    `msd` rows: greedy answers equal plain's at batch 1 and 4, sampled runs at T = 0.7 and batch 4 go through, every
+    row reports its draft-side image tokens and SpecVLM its gate's choices (answers per expert)."""
+    from test_vision_drafters import NUM_QUERIES, vision_head
+
+    pipe, canvases, _ = setup
+    heads = {name: vision_head(pipe.eagle_head, pipe.model, name) for name in bench_vlm.VISION_METHODS}
+    methods = "plain,eagle,vispec,specvlm,msd"
+    greedy = bench_vlm.run(_args("--batch-size", "1,4", "--methods", methods), pipe=pipe, canvases=canvases,
+                           heads=heads)  # fmt: skip
+    sampled = bench_vlm.run(_args("--batch-size", "4", "--methods", methods, "--do-sample", "--temperature", "0.7"),
+                            pipe=pipe, canvases=canvases, heads=heads)  # fmt: skip
+    tables = [*greedy["by_batch_size"].values(), sampled["by_batch_size"]["4"]]
+    for table in tables:
+        assert set(table) == set(methods.split(","))
+        assert table["vispec"]["draft_image_tokens"] == NUM_QUERIES - 1
+        assert table["msd"]["draft_image_tokens"] == IMAGE_TOKENS
+        assert 0 <= table["specvlm"]["draft_image_tokens"] <= IMAGE_TOKENS
+        assert sum(table["specvlm"]["gate_choice"].values()) == 4  # one choice per answer
+        assert set(table["specvlm"]["gate_choice"]) <= set(heads["specvlm"].vision.names)
+    for table in greedy["by_batch_size"].values():
+        assert all(table[name]["matches_plain"] for name in bench_vlm.VISION_METHODS)
+    assert all(sampled["by_batch_size"]["4"][name]["matches_plain"] is None for name in bench_vlm.VISION_METHODS)
+
+
 def _refuse(*args, **kwargs):
     raise AssertionError("a model was loaded although the arguments were invalid")
 

@@ -450,8 +450,9 @@ def run(args, pipe=None, canvases=None, heads=None):
                     )
         report[str(bs)] = table
         for name, e in table.items():
-            logger.info("b%d %-12s %.3fs speedup %.2fx decode %.2fx tau %s matches %s", bs, name, e["latency_s"],
-                        e["speedup"], e["decode_speedup"] or float("nan"), e["tau"], e["matches_plain"])  # fmt: skip
+            logger.info("b%d %-12s %.3fs speedup %.2fx decode %.2fx tau %s matches %s draft image tokens %s gate %s",
+                        bs, name, e["latency_s"], e["speedup"], e["decode_speedup"] or float("nan"), e["tau"],
+                        e["matches_plain"], e["draft_image_tokens"], e["gate_choice"])  # fmt: skip
     for c in counters.values():
         c.handle.remove()
     return {

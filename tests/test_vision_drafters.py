@@ -60,7 +60,7 @@ def vpipe(request, base):
     return request.param, pipe
 
 
-def expected_image_tokens(policy, pipe):
+def expected_image_tokens(policy):
     if policy == "msd":
         return IMAGE_TOKENS
     if policy == "vispec":
@@ -77,7 +77,7 @@ def check_image_stats(policy, pipe, extra, batch):
         assert all(0 <= n <= IMAGE_TOKENS for n in per_answer)
     else:
         assert "gate_choice" not in extra
-        assert per_answer == [expected_image_tokens(policy, pipe)] * batch
+        assert per_answer == [expected_image_tokens(policy)] * batch
 
 
 @pytest.mark.parametrize("knobs", KNOBS)

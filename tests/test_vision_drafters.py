@@ -10,13 +10,11 @@ accepted, so multi-token commits after the compacted prefill are exercised."""
 
 import pytest
 import torch
-from diffusers import ModelMixin
 from pipeline_mixin import SpeculativePipelineTesterMixin
 from test_pipeline_vlm import _chisquare
 from vision_seam_fixtures import check_positions, record_head_positions
 from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, prompts, tiny_llava, tiny_processor, train_tiny_head
 
-from mmspec.models import MODEL_CLASSES, vision_eagle
 from mmspec.models.hf_draft import truncated_draft
 from mmspec.models.vision_eagle import VISION_POLICIES, VisionEagleHead
 from mmspec.models.vlm_inputs import capture_decoder_inputs
@@ -207,16 +205,8 @@ class TestVisionDrafterPipeline(SpeculativePipelineTesterMixin):
     # rows leaving the head's forwards: test_every_kept_token_sits_at_the_targets_position
 
     @pytest.fixture(autouse=True)
-    def _pipe(self, vpipe, monkeypatch, request):
+    def _pipe(self, vpipe):
         self.pipe = vpipe[1]
-        if vpipe[0] == "specvlm" and request.node.originalname == "test_save_load_round_trip":
-            request.applymarker(pytest.mark.xfail(raises=NotImplementedError, reason=(
-                "mmspec.models.load builds the head on the meta device, where Conv.reset_parameters' torch.eye "
-                "lands too (mmspec/compressors/conv.py): a saved SpecVLM head does not load yet")))  # fmt: skip
-        # save / load until mmspec.models lists the class (MODEL_CLASSES) and its module exposes ModelMixin, where
-        # diffusers' pipeline loader looks for a component's base class: both no-ops once they do
-        monkeypatch.setitem(MODEL_CLASSES, "VisionEagleHead", "mmspec.models.vision_eagle")
-        monkeypatch.setattr(vision_eagle, "ModelMixin", ModelMixin, raising=False)
 
     def get_pipeline(self):
         self.pipe.set_progress_bar_config(disable=True)

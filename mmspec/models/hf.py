@@ -262,11 +262,15 @@ class HFTarget:
                     f"{self.source}: a forward needs {needed} cache slots, {self.max_slots} were reserved"
                 )
             grow(cache, min(self.max_slots, max(2 * cache.max_seq, _round_up(needed))))
-        cache = window_view(cache, min(cache.max_seq, _round_up(needed)))  # read only the slots in use
+        # read only the slots in use: exactly those on the CPU (free to vary), whole buckets on an accelerator
+        window = needed if _free_reads(key_slots) else _round_up(needed)
+        cache = window_view(cache, min(cache.max_seq, window))
         visible = cache.visibility(key_slots, mask)[:, None]  # [rows, 1, M, window]
-        # eager and SDPA: an additive float mask, built once per forward (SDPA's CPU kernels would otherwise turn the
-        # boolean mask into one in every layer); flex attention takes the boolean mask
-        if self.model.config._attn_implementation != "flex_attention":
+        if visible.shape[2] == 1 and _free_reads(visible) and bool(visible.all()):
+            visible = None  # one token seeing every slot of the window: SDPA's unmasked kernel (plain decoding)
+        elif self.model.config._attn_implementation != "flex_attention":
+            # eager and SDPA: an additive float mask, built once per forward (SDPA's CPU kernels would otherwise
+            # turn the boolean mask into one in every layer); flex attention takes the boolean mask
             dtype = cache.dtype
             visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
                 ~visible, torch.finfo(dtype).min

@@ -79,6 +79,7 @@ METHODS = (
 # the vision-aware EAGLE heads (mmspec.models.vision_eagle: vispec, specvlm, msd), run with the `eagle` row's knobs
 VISION_METHODS = tuple(name for name in EAGLE_HEADS if name != "eagle")
 ALL_METHODS = METHODS + VISION_METHODS
+SPECVLM_EXPERTS = ("prune", "pool", "conv", "resampler", "text-only")  # mmspec.compressors.default_experts
 
 
 MAX_PROMPTS = 10_000  # `--num-prompts`
@@ -130,6 +131,8 @@ def add_arguments(parser):
         help="sampled decoding (acceptance exact; answer i draws from a generator seeded --seed + i)",
     )
     parser.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature (--do-sample)")
+    parser.add_argument("--specvlm-expert", choices=SPECVLM_EXPERTS, default=None,
+                        help="ablation: the specvlm row sends every input to this compressor instead of its gate's pick")  # fmt: skip
     parser.add_argument("--seed", type=seed_int, default=0, help="canvas seed (and sampling seed)")
     parser.add_argument("--min-digits", type=int_in_range(1, MAX_DIGITS), default=4,
                         help=f"digits per canvas at least (1-{MAX_DIGITS})")  # fmt: skip
@@ -158,6 +161,8 @@ def check_args(parser, args):
     explicit = args.methods is not None
     if args.temperature != 1.0 and not args.do_sample:
         parser.error("argument --temperature: only used with --do-sample (greedy decoding has no temperature)")
+    if args.specvlm_expert is not None and args.methods is not None and "specvlm" not in args.methods:
+        parser.error("argument --specvlm-expert: forces the specvlm row's compressor; add specvlm to --methods")
     if args.do_sample and explicit and any(m.startswith("hf-") for m in args.methods):
         parser.error("argument --methods: hf-plain / hf-assisted run greedy only (transformers' generate takes no "
                      "generator); drop them or --do-sample")  # fmt: skip
@@ -307,6 +312,9 @@ def run(args, pipe=None, canvases=None, heads=None):
     pipe = (pipe or build_pipeline(args)).to(device)
     pipe.set_progress_bar_config(disable=True)
     heads = load_vision_heads(args, pipe) if heads is None else dict(heads)
+    expert = getattr(args, "specvlm_expert", None)
+    if expert is not None and "specvlm" in heads:
+        heads["specvlm"].vision.force(expert)  # the per-compressor ablation (inference only)
     unknown = sorted(set(heads) - set(VISION_METHODS))
     if unknown:
         raise ValueError(f"heads: unknown row(s) {unknown}; the vision-aware rows are {VISION_METHODS}")
@@ -480,6 +488,7 @@ def run(args, pipe=None, canvases=None, heads=None):
             "max_new_tokens": args.max_new_tokens,
             "do_sample": do_sample,
             **({"temperature": temperature} if do_sample else {}),
+            **({"specvlm_expert": expert} if expert is not None else {}),
             **{
                 name: {k: f"{len(v)} ids" if torch.is_tensor(v) else v for k, v in kw.items()}
                 for name, kw in ours.items()

@@ -138,6 +138,10 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             from mmspec.models import load
 
             parts["eagle_head"] = load(head_folder, dtype=model.dtype)  # strict, errors name it
+            if model.device.type == "cpu":  # as the target (`load_vlm`): cheap multi-node tree forwards
+                from mmspec.models.layout import input_major_linears
+
+                input_major_linears(parts["eagle_head"])
         parts.update(kwargs)
         return cls(model, processor, **parts)
 

@@ -238,7 +238,7 @@ class HFTarget:
                 raise ValueError(f"draft_vocab ids must be in [0, {self.vocab_size})")
             head = model.get_output_embeddings()
             self.vocab = vocab.to(head.weight.device)
-            self.vocab_weight = head.weight[self.vocab].detach()  # [N, dim]
+            self.vocab_weight = head.weight[self.vocab].detach().t().contiguous()  # [dim, N] (`mmspec.models.layout`)
 
     # ------------------------------------------------------------------ helpers
     def new_cache(self, rows: int, max_seq: int) -> StaticKVCache:
@@ -288,7 +288,7 @@ class HFTarget:
     def logits(self, hidden: Tensor) -> Tensor:
         if self.vocab is None:
             return self.model.get_output_embeddings()(hidden)
-        sub = hidden.to(self.vocab_weight.dtype) @ self.vocab_weight.T  # [..., N]
+        sub = hidden.to(self.vocab_weight.dtype) @ self.vocab_weight  # [..., N]
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.vocab, sub)
 

@@ -72,7 +72,7 @@ class TextEagleHead(ModelMixin, ConfigMixin):
         if not 0 <= draft_vocab_size <= vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, vocab_size={vocab_size}], got {draft_vocab_size}")
         self.register_buffer("draft_vocab", torch.arange(draft_vocab_size, dtype=torch.long))
-        self._sub_weight = None  # (key, the target head's rows at draft_vocab), refreshed when the target changes
+        self._sub_weight = None  # (key, the target head's rows at draft_vocab as [dim, N]), refreshed on a new target
         self.layer_config = LlamaConfig(
             vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=1,
             num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
@@ -216,8 +216,8 @@ class TextEagleHead(ModelMixin, ConfigMixin):
         w = head.weight
         key = (w.data_ptr(), w._version, w.device, self.draft_vocab.data_ptr())
         if self._sub_weight is None or self._sub_weight[0] != key or torch.is_grad_enabled():
-            self._sub_weight = (key, w[self.draft_vocab])
-        return (features.to(w.dtype) @ self._sub_weight[1].T).float()
+            self._sub_weight = (key, w[self.draft_vocab].t().contiguous())  # [dim, N]: cheap small-M products
+        return (features.to(w.dtype) @ self._sub_weight[1]).float()
 
     def compute_logits(self, target, features):
         """Draft logits `[..., V]` (float32) through the target's output head (`-inf` outside the draft vocabulary)."""

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 POLICIES = ("vispec", "msd", "specvlm")
 #: `--text-steps` / `--ramp-steps` when not given: MSD's two stages (text-only, then a ramp to multimodal) sized to the
 #: shipped run's budget; the other policies train multimodal from the first step.
-CURRICULUM = {"vispec": (0, 0), "msd": (40, 80), "specvlm": (0, 0)}
+CURRICULUM = {"vispec": (0, 0), "msd": (50, 100), "specvlm": (0, 0)}
 #: The policy flags and the policy they belong to (value when not given).
 POLICY_FLAGS = {"num_queries": ("vispec", 2), "ratio": ("specvlm", 4), "gate_tau": ("specvlm", 1.0)}
 EVAL_STEPS = 3  # draft depths reported (`top1_step0..2`)
@@ -54,7 +54,7 @@ EVAL_CHUNK = 4  # held-out rows per evaluation forward (the full-vocabulary argm
 
 
 def add_arguments(parser):
-    add_common_arguments(parser, steps=150, batch_size=4, lr=2e-4, warmup_steps=10, checkpoint_every=10, threads=1)
+    add_common_arguments(parser, steps=200, batch_size=4, lr=2e-4, warmup_steps=10, checkpoint_every=10, threads=1)
     parser.add_argument("--policy", choices=POLICIES, required=True, action=_Policy,
                         help="the draft-side vision-token policy (sets the defaults of its flags below)")  # fmt: skip
     parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")

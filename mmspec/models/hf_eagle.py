@@ -153,7 +153,17 @@ class TextEagleHead(ModelMixin, ConfigMixin):
             cache_mask = cache_mask[..., : view.max_seq]
         hf_cache = StaticCache(view)
         hf_cache.write_slots = write_slots
-        return self._layer(self._inputs(hidden, input_ids, target), input_pos, cache_mask[:, None], hf_cache)
+        x = self._draft_inputs(hidden, input_ids, target, cache)
+        return self._layer(x, self._rope_positions(input_pos, cache), cache_mask[:, None], hf_cache)
+
+    def _draft_inputs(self, hidden, input_ids, target, cache):
+        """Layer inputs of new pairs at inference (hook: `VisionEagleHead` fuses its global image vector)."""
+        return self._inputs(hidden, input_ids, target)
+
+    def _rope_positions(self, input_pos, cache):
+        """RoPE positions of new pairs whose logical index (slot space) is `input_pos` (hook: a draft cache whose slots
+        are not positions, `VisionEagleHead`). Here slot == position."""
+        return input_pos
 
     def forward_unrolled(self, hidden, input_ids, target, steps, valid=None):
         """Training-time test (as `EagleHead.forward_unrolled`): step 0 is teacher forcing over pairs
@@ -162,22 +172,29 @@ class TextEagleHead(ModelMixin, ConfigMixin):
         keys. Returns `steps` tensors `[B, N, dim]`; entry `j` at `i` regresses `hidden[:, i + 1]` (meaningful for
         `i >= j`)."""
         b, n = input_ids.shape
-        device = input_ids.device
-        pos = (torch.arange(n, device=device) + 1)[None].expand(b, n)
-        i = torch.arange(n, device=device)
+        pos = (torch.arange(n, device=input_ids.device) + 1)[None].expand(b, n)
+        return self.unrolled_steps(lambda feats: self._inputs(feats, input_ids, target), hidden, pos, steps, valid)
+
+    def unrolled_steps(self, inputs_of, feats, positions, steps, valid=None):
+        """The training-time-test loop over a sequence of `N` draft entries in attention order: step 0 runs the layer
+        on `inputs_of(feats)` (`feats [B, N, dim]`, layer inputs `[B, N, dim]`) causally at RoPE `positions [B, N]`;
+        step `j` shifts its outputs by one entry (entry `i` gets output `i - 1`) and attends to step-0 keys `<= i - j`
+        and to its own chain `i - j + 1 .. i` of the later steps. Returns the `steps` outputs `[B, N, dim]`."""
+        b, n = positions.shape
+        i = torch.arange(n, device=positions.device)
         cache = _ConcatCache()
-        outputs, feats = [], hidden
+        outputs = []
         for j in range(steps):
             blocks = [i[None, :] <= i[:, None] - j] + [i[None, :] == i[:, None] - j + s for s in range(1, j + 1)]
             mask = torch.cat(blocks, dim=1)[None, None].expand(b, 1, n, (j + 1) * n)
             if valid is not None:
                 mask = mask & valid.repeat(1, j + 1)[:, None, None, :]
-            itself = torch.zeros(n, (j + 1) * n, dtype=torch.bool, device=device)
+            itself = torch.zeros(n, (j + 1) * n, dtype=torch.bool, device=positions.device)
             itself[i, j * n + i] = True  # a padded query still sees itself (no empty rows, no NaN)
             mask = mask | itself[None, None]
-            out = self._layer(self._inputs(feats, input_ids, target), pos, mask, cache)
+            out = self._layer(inputs_of(feats), positions, mask, cache)
             outputs.append(out)
-            feats = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # position i now gets f_j[i - 1]
+            feats = torch.cat([out[:, :1], out[:, :-1]], dim=1)  # entry i now gets f_j[i - 1]
         return outputs
 
     def set_draft_vocab(self, ids):

@@ -1,0 +1,238 @@
+"""The draft side's vision-token seam: what a vision policy receives (`VisionTokens`, a VLM target's projected image
+embeddings `E_img` gathered per row, each token with the target's RoPE position) and the `VisionPolicy` base class
+that turns them into the few tokens the draft keeps.
+
+A policy runs once, at drafter prefill, on the draft side only: the target still reads every image token, so
+speculative decoding stays lossless whichever tokens the draft keeps. Every kept token takes one of its image's
+target positions (ViSpec, Kang et al., NeurIPS 2025, puts its compressed tokens at the end of the image span;
+SpecVLM, arXiv 2509.11815, prunes / pools / convolves / resamples them; MSD, arXiv 2505.14260, keeps them all).
+
+Layout: a row holds `k * tokens_per_image` image tokens (k >= 0 images, each a run of `tokens_per_image`
+consecutive valid tokens in the target's order: LLaVA's 8x8 patch grid row-major on the zoo), left-packed and
+padded to the longest row (`valid`). A policy splits the rows into images, compresses each image on its own
+(`VisionPolicy.compress`: `[N, T, dim] -> [N, K, dim]`, T = tokens_per_image) and packs the results back.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+
+__all__ = ["ImageBatch", "VisionPolicy", "VisionTokens", "check_question", "check_vision_tokens", "gather_images"]
+
+
+@dataclass
+class VisionTokens:
+    """Draft-side image tokens of a batch of rows (left-packed, padded to the longest row)."""
+
+    tokens: Tensor  # [rows, M, dim]  image tokens
+    positions: Tensor  # [rows, M] long  the target RoPE position each token takes (one of its image's positions)
+    valid: Tensor  # [rows, M] bool  False = padding
+    global_vec: Tensor | None = None  # [rows, dim]  ViSpec's global vector of the row's last image (zeros: no image)
+    choice: Tensor | None = None  # [rows] long  the elastic gate's expert (-1: row without image)
+
+    @property
+    def counts(self) -> Tensor:
+        """`[rows]` long: valid tokens per row."""
+        return self.valid.sum(dim=1)
+
+
+class ImageBatch(NamedTuple):
+    """Every image of a `VisionTokens` batch on its own (what `VisionPolicy.compress` works on)."""
+
+    tokens: Tensor  # [N, T, dim]  N = images over all rows, T = tokens_per_image
+    positions: Tensor  # [N, T] long
+    question: Tensor | None  # [N, dim]  the question of each image's row
+    present: Tensor  # [rows, I] bool  row r has an image in slot i (a prefix of each row), I = most images in a row
+
+
+def _check_tokens_per_image(tokens_per_image) -> int:
+    if isinstance(tokens_per_image, bool) or not isinstance(tokens_per_image, int):
+        raise TypeError(f"tokens_per_image must be an int, got {type(tokens_per_image).__name__}")
+    if tokens_per_image < 1:
+        raise ValueError(f"tokens_per_image must be >= 1, got {tokens_per_image}")
+    return tokens_per_image
+
+
+def _check_multiple(counts: Tensor, tokens_per_image: int) -> None:
+    bad = (counts % tokens_per_image).nonzero().flatten()
+    if bad.numel():
+        row = int(bad[0])
+        raise ValueError(
+            f"image_mask: row {row} has {int(counts[row])} image tokens, not a multiple of "
+            f"tokens_per_image={tokens_per_image}"
+        )
+
+
+def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | None = None) -> VisionTokens:
+    """Each row's image tokens, in order, each at its index in the row (prompts are right-aligned, so the index is the
+    target's position).
+
+    Args:
+        embeds: `[rows, L, dim]` the decoder's input embeddings (projected image features merged in).
+        image_mask: `[rows, L]` bool, True at image tokens.
+        tokens_per_image: when given, every row must hold a multiple of it (ValueError naming `image_mask`).
+
+    Returns `VisionTokens` with M = the most image tokens in a row (padding: zeros at position 0, valid False).
+    """
+    if not isinstance(embeds, Tensor):
+        raise TypeError(f"embeds must be a Tensor, got {type(embeds).__name__}")
+    if not isinstance(image_mask, Tensor):
+        raise TypeError(f"image_mask must be a Tensor, got {type(image_mask).__name__}")
+    if embeds.dim() != 3 or not embeds.is_floating_point():
+        raise ValueError(f"embeds must be a floating [rows, L, dim] tensor, got {embeds.dtype} {tuple(embeds.shape)}")
+    if image_mask.dtype != torch.bool or tuple(image_mask.shape) != tuple(embeds.shape[:2]):
+        raise ValueError(
+            f"image_mask must be a bool [rows, L] = {tuple(embeds.shape[:2])} tensor, got "
+            f"{image_mask.dtype} {tuple(image_mask.shape)}"
+        )
+    if image_mask.device != embeds.device:
+        raise ValueError(f"image_mask is on {image_mask.device}, embeds on {embeds.device}")
+    rows, length, dim = embeds.shape
+    counts = image_mask.sum(dim=1)  # [rows]
+    if tokens_per_image is not None:
+        _check_multiple(counts, _check_tokens_per_image(tokens_per_image))
+    most = int(counts.max()) if rows else 0
+    # a stable sort of "not an image token" puts each row's image indices first, in order
+    order = torch.sort((~image_mask).to(torch.uint8), dim=1, stable=True).indices[:, :most]  # [rows, M]
+    valid = torch.arange(most, device=embeds.device) < counts[:, None]  # [rows, M]
+    positions = torch.where(valid, order, torch.zeros_like(order))  # [rows, M]
+    tokens = embeds.gather(1, positions[..., None].expand(rows, most, dim))  # [rows, M, dim]
+    tokens = tokens.masked_fill(~valid[..., None], 0.0)
+    return VisionTokens(tokens=tokens, positions=positions, valid=valid)
+
+
+def check_vision_tokens(image, tokens_per_image: int, dim: int | None = None) -> None:
+    """ValueError / TypeError naming the field of `image` that is malformed: shapes, dtypes, `valid` not a prefix of
+    each row, positions not strictly increasing, a row's image tokens not a multiple of `tokens_per_image`."""
+    if not isinstance(image, VisionTokens):
+        raise TypeError(f"image must be a VisionTokens (see gather_images), got {type(image).__name__}")
+    tokens, positions, valid = image.tokens, image.positions, image.valid
+    for name, value in (("tokens", tokens), ("positions", positions), ("valid", valid)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"image.{name} must be a Tensor, got {type(value).__name__}")
+    if tokens.dim() != 3 or not tokens.is_floating_point():
+        raise ValueError(
+            f"image.tokens must be a floating [rows, M, dim] tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+        )
+    shape = tuple(tokens.shape[:2])
+    if positions.dtype != torch.long or tuple(positions.shape) != shape:
+        raise ValueError(
+            f"image.positions must be a long {shape} tensor, got {positions.dtype} {tuple(positions.shape)}"
+        )
+    if valid.dtype != torch.bool or tuple(valid.shape) != shape:
+        raise ValueError(f"image.valid must be a bool {shape} tensor, got {valid.dtype} {tuple(valid.shape)}")
+    if positions.device != tokens.device or valid.device != tokens.device:
+        raise ValueError(
+            f"image.positions ({positions.device}) and image.valid ({valid.device}) must be on image.tokens' device "
+            f"({tokens.device})"
+        )
+    if dim is not None and tokens.shape[2] != dim:
+        raise ValueError(f"image.tokens has dim {tokens.shape[2]}, the policy was built for dim {dim}")
+    counts = valid.sum(dim=1)  # [rows]
+    prefix = torch.arange(shape[1], device=valid.device) < counts[:, None]
+    if not torch.equal(valid, prefix):
+        raise ValueError("image.valid must be True on a prefix of each row (left-packed image tokens)")
+    _check_multiple(counts, tokens_per_image)
+    if bool((positions[valid] < 0).any()):
+        raise ValueError("image.positions must be >= 0 on valid tokens")
+    if shape[1] > 1 and bool(((positions[:, 1:] <= positions[:, :-1]) & valid[:, 1:]).any()):
+        raise ValueError("image.positions must be strictly increasing along each row's valid tokens")
+
+
+def check_question(question, rows: int, dim: int) -> None:
+    """`question` must be a floating `[rows, dim]` tensor (or None)."""
+    if question is None:
+        return
+    if not isinstance(question, Tensor):
+        raise TypeError(f"question must be a Tensor or None, got {type(question).__name__}")
+    if not question.is_floating_point() or tuple(question.shape) != (rows, dim):
+        raise ValueError(
+            f"question must be a floating [rows, dim] = ({rows}, {dim}) tensor, got "
+            f"{question.dtype} {tuple(question.shape)}"
+        )
+
+
+class VisionPolicy(nn.Module):
+    """Base class: which of an image's `tokens_per_image` tokens the draft keeps (pooled, selected, resampled), each
+    at one of the image's target positions. Subclasses set `keep` (tokens per image out) and implement `compress`.
+
+    Args:
+        tokens_per_image: image tokens per image (64 on the zoo: an 8x8 patch grid).
+        dim: the token width; when given, inputs of another width are refused.
+    """
+
+    has_global = False  # True: `forward` fills `global_vec` (ViSpec's resampler)
+
+    def __init__(self, tokens_per_image: int = 64, dim: int | None = None):
+        super().__init__()
+        self.tokens_per_image = _check_tokens_per_image(tokens_per_image)
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+            raise TypeError(f"dim must be an int or None, got {type(dim).__name__}")
+        if dim is not None and dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        self.dim = dim
+        self.keep = tokens_per_image  # draft-side tokens per image; subclasses overwrite
+
+    def tokens_out(self, n_images: int) -> int:
+        """Draft-side tokens for `n_images` images (stats, buffer sizes)."""
+        if isinstance(n_images, bool) or not isinstance(n_images, int) or n_images < 0:
+            raise ValueError(f"n_images must be an int >= 0, got {n_images!r}")
+        return n_images * self.keep
+
+    def compress(self, images: ImageBatch, generator=None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`images.tokens [N, T, dim]`, `images.positions [N, T]` -> tokens `[N, keep, dim]`, positions
+        `[N, keep]` (each one of that image's positions, increasing), global vectors `[N, dim]` or None."""
+        raise NotImplementedError
+
+    def split(self, image: VisionTokens, question: Tensor | None = None) -> ImageBatch:
+        """Checks `image` / `question` and cuts the rows into their images."""
+        check_vision_tokens(image, self.tokens_per_image, self.dim)
+        rows, _, dim = image.tokens.shape
+        check_question(question, rows, dim)
+        t = self.tokens_per_image
+        counts = image.counts  # [rows]
+        most = int(counts.max()) if rows else 0  # a multiple of t
+        slots = most // t
+        present = torch.arange(slots, device=counts.device) < (counts // t)[:, None]  # [rows, I]
+        tokens = image.tokens[:, :most].reshape(rows * slots, t, dim)[present.flatten()]  # [N, T, dim]
+        positions = image.positions[:, :most].reshape(rows * slots, t)[present.flatten()]  # [N, T]
+        per_image = None
+        if question is not None:
+            row_of = torch.arange(rows, device=counts.device)[:, None].expand(rows, slots)[present]  # [N]
+            per_image = question[row_of]  # [N, dim]
+        return ImageBatch(tokens, positions, per_image, present)
+
+    def pack(self, present: Tensor, tokens: Tensor, positions: Tensor, global_vec: Tensor | None) -> VisionTokens:
+        """Per-image outputs (`tokens [N, K, dim]`, `positions [N, K]`, `global_vec [N, dim]`) back into rows."""
+        rows, slots = present.shape
+        _, k, dim = tokens.shape
+        out = tokens.new_zeros(rows, slots, k, dim)
+        out[present] = tokens
+        pos = positions.new_zeros(rows, slots, k)
+        pos[present] = positions
+        valid = present[:, :, None].expand(rows, slots, k).reshape(rows, slots * k)  # [rows, I * K]
+        row_global = None
+        if global_vec is not None:
+            per_slot = global_vec.new_zeros(rows, slots, dim)
+            per_slot[present] = global_vec
+            if slots:  # a row without image reads slot 0: zeros
+                last = (present.sum(dim=1) - 1).clamp(min=0)  # [rows] slot of the row's last image
+                row_global = per_slot[torch.arange(rows, device=present.device), last]  # [rows, dim]
+            else:
+                row_global = tokens.new_zeros(rows, dim)
+        return VisionTokens(
+            tokens=out.reshape(rows, slots * k, dim),
+            positions=pos.reshape(rows, slots * k),
+            valid=valid,
+            global_vec=row_global,
+        )
+
+    def forward(self, image: VisionTokens, question: Tensor | None = None, generator=None) -> VisionTokens:
+        """`image` (see `gather_images`), `question [rows, dim]` (used by question-aware policies) -> the draft's
+        image tokens, `[rows, I * keep, dim]` with I = the most images in a row."""
+        batch = self.split(image, question)
+        tokens, positions, global_vec = self.compress(batch, generator=generator)
+        return self.pack(batch.present, tokens, positions, global_vec)

@@ -1,0 +1,117 @@
+"""`Elastic(experts, dim)`: SpecVLM's elastic visual compressor in its default mode, dynamic selection (arXiv
+2509.11815): a question-conditioned gate `Linear(dim, n_experts)` picks ONE expert per input (prune, pool, conv,
+resampler, text-only: `mmspec.compressors.default_experts`). At inference (`not self.training`) the gate's argmax;
+in training a Gumbel-softmax draw (temperature `tau`) with the hard straight-through one-hot: the chosen expert's
+tokens are multiplied by the straight-through weight (1 in value), so the gate gets gradients through them.
+
+Rows may choose different experts: each chosen expert runs on its own rows and the results are padded to the longest
+row. `choice` records the expert per row (-1: a row without image, which gets no tokens).
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mmspec.compressors.base import VisionPolicy, VisionTokens
+
+
+__all__ = ["Elastic"]
+
+
+class Elastic(VisionPolicy):
+    """One expert per row, chosen by a gate on the question embedding.
+
+    Args:
+        experts: name -> `VisionPolicy`, all with the same `tokens_per_image` (the gate's order is the dict's).
+        dim: the question / token width.
+        tau: the Gumbel-softmax temperature (training).
+        generator: draws the gate's initial weights (no global RNG).
+    """
+
+    def __init__(
+        self,
+        experts: dict[str, VisionPolicy],
+        dim: int,
+        tau: float = 1.0,
+        generator: torch.Generator | None = None,
+    ):
+        if not isinstance(experts, dict) or not experts:
+            raise ValueError(f"experts must be a non-empty dict name -> VisionPolicy, got {experts!r}")
+        for name, expert in experts.items():
+            if not isinstance(name, str) or not name or "." in name:
+                raise ValueError(f"experts: bad expert name {name!r} (a non-empty string without '.')")
+            if not isinstance(expert, VisionPolicy) or isinstance(expert, Elastic):
+                raise TypeError(f"experts[{name!r}] must be a VisionPolicy (not Elastic), got {type(expert).__name__}")
+        sizes = {expert.tokens_per_image for expert in experts.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"experts disagree on tokens_per_image: {sorted(sizes)}")
+        if dim is None:
+            raise ValueError("dim is required for Elastic (the gate is dim wide)")
+        super().__init__(sizes.pop(), dim)
+        for name, expert in experts.items():
+            if expert.dim is not None and expert.dim != dim:
+                raise ValueError(f"experts[{name!r}] was built for dim {expert.dim}, Elastic for dim {dim}")
+        if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau) or tau <= 0:
+            raise ValueError(f"tau must be a finite number > 0, got {tau!r}")
+        self.tau = float(tau)
+        self.names = list(experts)
+        self.experts = nn.ModuleDict(experts)
+        self.has_global = any(expert.has_global for expert in experts.values())
+        self.keep = max(expert.keep for expert in experts.values())  # tokens_out: the most any expert keeps
+        self.gate = nn.Linear(dim, len(experts), device="meta")
+        self.gate.to_empty(device="cpu")
+        self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Gate weights ~ N(0, dim^-0.5), zero bias."""
+        nn.init.normal_(self.gate.weight, 0.0, self.dim**-0.5, generator=generator)
+        nn.init.zeros_(self.gate.bias)
+
+    def gate_weights(self, question: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """`question [rows, dim]` -> (`choice [rows]` long, `weight [rows]`: 1 in value; in training the
+        straight-through Gumbel-softmax weight of the chosen expert, which carries the gate's gradient)."""
+        logits = self.gate(question.to(self.gate.weight.dtype)).float()  # [rows, E]
+        if not self.training:
+            choice = logits.argmax(dim=1)
+            return choice, torch.ones_like(logits[:, 0])
+        if not isinstance(generator, torch.Generator):
+            raise ValueError("generator: Elastic in training mode draws Gumbel noise and needs a torch.Generator")
+        uniform = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float32)
+        gumbel = -torch.log(-torch.log(uniform.clamp(1e-10, 1.0 - 1e-7)))  # [rows, E]
+        soft = torch.softmax((logits + gumbel) / self.tau, dim=1)  # [rows, E]
+        choice = soft.argmax(dim=1)
+        hard = torch.nn.functional.one_hot(choice, soft.shape[1]).to(soft.dtype)
+        straight = hard - soft.detach() + soft  # value: one-hot; gradient: the softmax's
+        return choice, straight.gather(1, choice[:, None])[:, 0]
+
+    def forward(self, image: VisionTokens, question: Tensor | None = None, generator=None) -> VisionTokens:
+        """`question [rows, dim]` is required (the gate reads it)."""
+        if question is None:
+            raise ValueError("question is required by Elastic: its gate chooses an expert from the question")
+        batch = self.split(image, question)  # checks image and question
+        rows, _, dim = image.tokens.shape
+        has_image = batch.present.any(dim=1)  # [rows]
+        choice, weight = self.gate_weights(question, generator)
+        choice = torch.where(has_image, choice, torch.full_like(choice, -1))  # [rows]
+        outputs = []
+        for index, name in enumerate(self.names):
+            rows_e = (choice == index).nonzero().flatten()  # [n_e]
+            if rows_e.numel():
+                sub = VisionTokens(image.tokens[rows_e], image.positions[rows_e], image.valid[rows_e])
+                outputs.append((rows_e, self.experts[name](sub, question[rows_e], generator=generator)))
+        most = max((out.tokens.shape[1] for _, out in outputs), default=0)
+        tokens = image.tokens.new_zeros(rows, most, dim)  # [rows, M, dim]
+        positions = torch.zeros(rows, most, dtype=torch.long, device=tokens.device)  # [rows, M]
+        valid = torch.zeros(rows, most, dtype=torch.bool, device=tokens.device)  # [rows, M]
+        global_vec = image.tokens.new_zeros(rows, dim) if self.has_global else None  # [rows, dim]
+        for rows_e, out in outputs:
+            m = out.tokens.shape[1]
+            scale = weight[rows_e].to(tokens.dtype)  # [n_e]
+            tokens[rows_e, :m] = out.tokens * scale[:, None, None]
+            positions[rows_e, :m] = out.positions
+            valid[rows_e, :m] = out.valid
+            if global_vec is not None and out.global_vec is not None:
+                global_vec[rows_e] = out.global_vec * scale[:, None]
+        return VisionTokens(tokens, positions, valid, global_vec=global_vec, choice=choice)

@@ -175,12 +175,11 @@ def test_run_samples_text_only_then_multimodal_by_the_curriculum(files, tmp_path
 
 @pytest.mark.parametrize("policy", task.POLICIES)
 def test_a_few_steps_write_a_loadable_head_with_held_out_metrics(files, tmp_path, policy):
-    from mmspec.models import load
     from mmspec.models.vision_eagle import VisionEagleHead
 
     out = tmp_path / "out"
     head = task.run(_parse(_argv(files, out, policy=policy)))
-    loaded = load(out)
+    loaded = VisionEagleHead.from_pretrained(out).float()
     assert isinstance(loaded, VisionEagleHead) and loaded.config.vision_policy == policy
     state = head.state_dict()
     assert set(loaded.state_dict()) == set(state)
@@ -191,6 +190,14 @@ def test_a_few_steps_write_a_loadable_head_with_held_out_metrics(files, tmp_path
     for prefix in ("", "templated_", "free_form_"):
         values = [metrics[f"{prefix}top1_step{j}"] for j in range(3)]
         assert all(0.0 <= v <= 1.0 for v in values), metrics
+    for workload in ("templated", "free_form"):  # 2 held-out rows each (--eval-items 2)
+        tokens = metrics[f"{workload}_draft_image_tokens"]
+        assert tokens == {"msd": IMAGE_TOKENS, "vispec": 1}[policy] if policy != "specvlm" else tokens < IMAGE_TOKENS
+        if policy == "specvlm":
+            choice = metrics[f"{workload}_gate_choice"]
+            assert sum(choice.values()) == 2 and set(choice) <= set(head.vision.names), choice
+        else:
+            assert f"{workload}_gate_choice" not in metrics
     assert record["seed"] == 0 and record["hyperparameters"]["policy"] == policy
     assert record["extra"]["policy"] == policy and record["model_class"] == "VisionEagleHead"
     assert record["extra"]["curriculum"] == dict(zip(("text_steps", "ramp_steps"), task.CURRICULUM[policy]))

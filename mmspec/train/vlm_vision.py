@@ -226,8 +226,9 @@ def vision_kwargs(batch, generator=None):
 def agreement_counts(heads, model, processor, data, rows, pad_id=0):
     """Held-out greedy agreement per draft depth (`evaluate_text_head`) of each head of `heads` (`{name: (head,
     vision)}`, `vision`: whether it takes the vision keyword arguments) over `rows` (with their images), in chunks ->
-    `{name: [(agreeing positions, positions) per depth]}`."""
+    `({name: [(agreeing positions, positions) per depth]}, {name: policy_draws(...) of the vision heads}`)."""
     tally = {name: [[0.0, 0.0] for _ in range(EVAL_STEPS)] for name in heads}
+    draws = {name: {"image_tokens": [], "choice": []} for name, (_, vision) in heads.items() if vision}
     for lo in range(0, len(rows), EVAL_CHUNK):
         idx = rows[lo : lo + EVAL_CHUNK]
         batch = teacher_batch(model, processor, data, idx, torch.ones(len(idx), dtype=torch.bool), pad_id)
@@ -238,19 +239,43 @@ def agreement_counts(heads, model, processor, data, rows, pad_id=0):
                 n = float(batch.weight[:, j + 2 :].sum())  # the positions evaluate_text_head counts at depth j
                 tally[name][j][0] += metrics[f"top1_step{j}"] * n
                 tally[name][j][1] += n
-    return tally
+            if vision:
+                for key, values in policy_draws(head, model, batch).items():
+                    draws[name][key] += values
+    return tally, draws
+
+
+@torch.no_grad()
+def policy_draws(head, model, batch):
+    """What the vision policy of `head` (in its current mode) keeps for each row of a `TeacherBatch`, as the
+    unrolled training forward sees it: `{"image_tokens": [per row], "choice": [expert name per row] (SpecVLM's gate;
+    [] otherwise)}`."""
+    valid = torch.ones(batch.ids.shape[0], batch.ids.shape[1] - 1, dtype=torch.bool)
+    seq = head.draft_sequence(batch.hidden[:, :-1], batch.ids[:, 1:], model, valid, batch.inputs_embeds,
+                              batch.image_mask, batch.prompt_lengths)  # fmt: skip
+    names = getattr(head.vision, "names", None)
+    choice = [] if seq.choice is None else [names[int(c)] if c >= 0 else "no image" for c in seq.choice.tolist()]
+    return {"image_tokens": seq.image_tokens.tolist(), "choice": choice}
 
 
 def held_out_metrics(heads, model, processor, data, held, pad_id=0):
     """`{[workload_][name_]top1_step{j}}` over the held-out rows `held` (`held_out_rows`): per workload and pooled
-    over all their answer positions; `name` "" for the trained head."""
+    over all their answer positions (`name` "" for the trained head); for the trained head also the mean draft-side
+    image tokens per image and, for SpecVLM, the gate's choices (`{expert: rows}`) per workload."""
     metrics, pooled = {}, {}
     for workload, rows in held.items():
-        for name, per_step in agreement_counts(heads, model, processor, data, rows, pad_id).items():
+        tally, draws = agreement_counts(heads, model, processor, data, rows, pad_id)
+        for name, per_step in tally.items():
             for j, (hits, n) in enumerate(per_step):
                 metrics[f"{workload}_{name}top1_step{j}"] = hits / max(n, 1.0)
                 total = pooled.setdefault(f"{name}top1_step{j}", [0.0, 0.0])
                 total[0], total[1] = total[0] + hits, total[1] + n
+        if "" in draws:
+            tokens = draws[""]["image_tokens"]
+            metrics[f"{workload}_draft_image_tokens"] = sum(tokens) / max(len(tokens), 1)
+            if draws[""]["choice"]:
+                names = sorted(set(draws[""]["choice"]))
+                metrics[f"{workload}_gate_choice"] = {k: draws[""]["choice"].count(k) for k in names}
     return {**{k: hits / max(n, 1.0) for k, (hits, n) in pooled.items()}, **metrics}
 
 

@@ -157,18 +157,12 @@ class TeacherBatch:
     multimodal: torch.Tensor  # [B] bool: the row kept its image
 
 
-def text_only_row(ids, length, prompt_length, image_token_id):
-    """The row `ids[:length]` with the image placeholder tokens of its prompt removed -> `(ids list, prompt length)`."""
-    row = ids[:length]
-    keep = torch.ones(length, dtype=torch.bool)
-    keep[:prompt_length] = row[:prompt_length] != image_token_id
-    return row[keep].tolist(), int(keep[:prompt_length].sum())
-
-
-def image_token_id(model):
-    config = model.config
-    value = getattr(config, "image_token_id", None)
-    return getattr(config, "image_token_index", None) if value is None else value
+def text_only_row(ids, prompt_length, is_image):
+    """A row `ids [L]` with the image placeholder tokens (`is_image [L]`) of its prompt removed -> `(ids [L'],
+    prompt length)`."""
+    drop = is_image.clone()
+    drop[prompt_length:] = False
+    return ids[~drop], prompt_length - int(drop.sum())
 
 
 @torch.no_grad()
@@ -178,17 +172,14 @@ def teacher_batch(model, processor, data, idx, multimodal, pad_id=0):
     from mmspec.models.vlm_inputs import capture_decoder_inputs, image_token_mask
     from mmspec.train.vlm_data import to_pil
 
-    image_id = image_token_id(model)
     rows, prompts = [], []
     for r, mm in zip(idx.tolist(), multimodal.tolist()):
         length, prompt = int(data["lengths"][r]), int(data["prompt_lengths"][r])
-        if mm:
-            rows.append(data["input_ids"][r, :length].tolist())
-            prompts.append(prompt)
-        else:
-            row, prompt = text_only_row(data["input_ids"][r], length, prompt, image_id)
-            rows.append(row)
-            prompts.append(prompt)
+        row = data["input_ids"][r, :length]
+        if not mm:
+            row, prompt = text_only_row(row, prompt, image_token_mask(model, row[None])[0])
+        rows.append(row.tolist())
+        prompts.append(prompt)
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
     lengths = torch.tensor([len(r) for r in rows])

@@ -47,8 +47,14 @@ POLICIES = ("vispec", "msd", "specvlm")
 #: `--text-steps` / `--ramp-steps` when not given: MSD's two stages (text-only, then a ramp to multimodal) sized to the
 #: shipped run's budget; the other policies train multimodal from the first step.
 CURRICULUM = {"vispec": (0, 0), "msd": (50, 100), "specvlm": (0, 0)}
-#: The policy flags and the policy they belong to (value when not given).
-POLICY_FLAGS = {"num_queries": ("vispec", 2), "ratio": ("specvlm", 4), "gate_tau": ("specvlm", 1.0)}
+#: The policy flags, the policies they belong to and their value when not given (`num_queries`: ViSpec's queries and
+#: SpecVLM's resampler expert).
+POLICY_FLAGS = {"num_queries": (("vispec", "specvlm"), 2), "ratio": (("specvlm",), 4), "gate_tau": (("specvlm",), 1.0)}
+INIT_NOTE = (
+    "init_* = the --init text head on the same held-out rows (with its image as it sees it: through the "
+    "target's features); it may have trained on them (vlm-eagle holds back only its own first --eval-items "
+    "rows), so its numbers can be optimistic"
+)
 EVAL_STEPS = 3  # draft depths reported (`top1_step0..2`)
 EVAL_CHUNK = 4  # held-out rows per evaluation forward (the full-vocabulary argmax is [rows, T, 49152])
 
@@ -78,7 +84,7 @@ def add_arguments(parser):
     parser.add_argument("--ramp-steps", type=int_in_range(0, MAX_STEPS), default=None,
                         help=f"MSD stage 2: steps of the linear ramp of the multimodal share (default: {_defaults_text(1)})")  # fmt: skip
     parser.add_argument("--num-queries", type=int_in_range(2, 4096), default=None,
-                        help="vispec: learned queries per image (num_q - 1 sequence tokens + 1 global; default 2)")  # fmt: skip
+                        help="vispec: learned queries per image (num_q - 1 sequence tokens + 1 global); specvlm: of its resampler expert (default 2)")  # fmt: skip
     parser.add_argument("--ratio", type=int_in_range(1, 4096), default=None,
                         help="specvlm: the experts' compression ratio (default 4)")  # fmt: skip
     parser.add_argument("--gate-tau", type=positive_float, default=None,
@@ -95,7 +101,7 @@ class _Policy(argparse.Action):
                 setattr(namespace, dest, None)
         text, ramp = CURRICULUM[value]
         defaults = {"text_steps": text, "ramp_steps": ramp}
-        defaults.update({k: d for k, (policy, d) in POLICY_FLAGS.items() if policy == value})
+        defaults.update({k: d for k, (policies, d) in POLICY_FLAGS.items() if value in policies})
         filled = {}
         for dest, default in defaults.items():
             if getattr(namespace, dest, None) is None:
@@ -111,10 +117,10 @@ def _defaults_text(k):
 
 def check_args(parser, args):
     """Usage errors before anything loads: a policy flag given to another policy, more text-only steps than steps."""
-    for dest, (policy, _) in POLICY_FLAGS.items():
-        if getattr(args, dest) is not None and args.policy != policy:
+    for dest, (policies, _) in POLICY_FLAGS.items():
+        if getattr(args, dest) is not None and args.policy not in policies:
             parser.error(
-                f"argument --{dest.replace('_', '-')}: only for --policy {policy} (got --policy {args.policy})"
+                f"argument --{dest.replace('_', '-')}: only for --policy {' | '.join(policies)} (got --policy {args.policy})"
             )
     text_steps, _ = curriculum(args)
     if text_steps > args.steps:
@@ -130,7 +136,7 @@ def curriculum(args):
 def policy_kwargs(args):
     """The `VisionEagleHead` keyword arguments of `args.policy` (its flags, defaults filled in)."""
     return {k: (default if getattr(args, k) is None else getattr(args, k))
-            for k, (policy, default) in POLICY_FLAGS.items() if policy == args.policy}  # fmt: skip
+            for k, (policies, default) in POLICY_FLAGS.items() if args.policy in policies}  # fmt: skip
 
 
 def multimodal_probability(step, text_steps, ramp_steps):
@@ -357,13 +363,14 @@ def run(args):
         metrics={
             **{f"final_train_{k}": v for k, v in result.metrics.items()},
             **metrics,
-            "draft_vocab_coverage": covered,
+            **({} if covered is None else {"draft_vocab_coverage": covered}),
         },  # fmt: skip
         extra={
             "policy": args.policy,
             "policy_kwargs": policy_kwargs(args),
             "init": args.init,
             "curriculum": {"text_steps": text_steps, "ramp_steps": ramp_steps},
+            **({} if text_head is None else {"init_metrics": INIT_NOTE}),
         },  # fmt: skip
         history=result.history,
     )

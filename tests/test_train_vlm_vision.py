@@ -173,7 +173,7 @@ def test_run_samples_text_only_then_multimodal_by_the_curriculum(files, tmp_path
     assert [h["multimodal"] for h in record["history"]] == [0.0, 0.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("policy", task.POLICIES)
+@pytest.mark.parametrize("policy", ["vispec", "msd", "specvlm"])
 def test_a_few_steps_write_a_loadable_head_with_held_out_metrics(files, tmp_path, policy):
     from mmspec.models.vision_eagle import VisionEagleHead
 
@@ -204,6 +204,35 @@ def test_a_few_steps_write_a_loadable_head_with_held_out_metrics(files, tmp_path
     assert record["extra"]["policy_kwargs"] == {k: d for k, (p, d) in task.POLICY_FLAGS.items() if policy in p}
     card = (out / "README.md").read_text()
     assert "top1_step2" in card and policy in card and "final_train_loss" in card
+
+
+def test_eagle_control_trains_a_text_head_from_init_through_the_same_loop(files, tmp_path, tiny, monkeypatch):
+    """`--policy eagle`: a `TextEagleHead` started from `--init` (its weights at step 0), no vision inputs."""
+    from mmspec.models import load
+    from mmspec.models.hf_eagle import TextEagleHead
+
+    model, _, _ = tiny
+    init = TextEagleHead.from_target(model, draft_vocab_size=32)
+    init.set_draft_vocab(torch.arange(10, 42))
+    init.save_pretrained(tmp_path / "init")
+    seen = []
+    real = TextEagleHead.forward_unrolled
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.fc.weight.detach().clone(), sorted(kwargs)))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TextEagleHead, "forward_unrolled", spy)
+    out = tmp_path / "out"
+    argv = _argv(files, out, "--init", str(tmp_path / "init"), policy="eagle")
+    head = task.run(_parse(argv))
+    assert type(head) is TextEagleHead and torch.equal(head.draft_vocab, torch.arange(10, 42))
+    assert torch.equal(seen[0][0], init.fc.weight) and not torch.equal(head.fc.weight, init.fc.weight)
+    assert all(kwargs == [] for _, kwargs in seen)  # no vision inputs, in training or evaluation
+    assert type(load(out)) is TextEagleHead
+    metrics = json.loads((out / "training.json").read_text())["metrics"]
+    assert {"top1_step2", "init_top1_step2", "free_form_top1_step0"} <= set(metrics)
+    assert not any("draft_image_tokens" in k for k in metrics)
 
 
 def test_kill_and_resume_gives_bit_identical_weights(files, tmp_path, monkeypatch):
@@ -263,7 +292,7 @@ class Ran(Exception):
 
 @pytest.mark.parametrize(
     "extra, flag",
-    [(["--policy", "eagle"], "--policy"), (["--num-queries", "3", "--policy", "msd"], "--num-queries"),
+    [(["--policy", "medusa"], "--policy"), (["--num-queries", "3", "--policy", "msd"], "--num-queries"),
      (["--ratio", "2"], "--ratio"), (["--gate-tau", "0.5", "--policy", "vispec"], "--gate-tau"),
      (["--num-queries", "1"], "--num-queries"), (["--gate-tau", "0"], "--gate-tau"),
      (["--text-steps", "5"], "--text-steps"), (["--policy", "msd", "--steps", "30"], "--text-steps"),

@@ -43,10 +43,12 @@ from mmspec.train.vlm_eagle import answer_mask, draft_vocabulary, eagle_text_los
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("vispec", "msd", "specvlm")
+#: "eagle": the control -- a plain `TextEagleHead` through the same online loop (the image only through the target's
+#: features), to tell what the vision policy adds from what more training adds.
+POLICIES = ("vispec", "msd", "specvlm", "eagle")
 #: `--text-steps` / `--ramp-steps` when not given: MSD's two stages (text-only, then a ramp to multimodal) sized to the
 #: shipped run's budget; the other policies train multimodal from the first step.
-CURRICULUM = {"vispec": (0, 0), "msd": (50, 100), "specvlm": (0, 0)}
+CURRICULUM = {"vispec": (0, 0), "msd": (50, 100), "specvlm": (0, 0), "eagle": (0, 0)}
 #: The policy flags, the policies they belong to and their value when not given (`num_queries`: ViSpec's queries and
 #: SpecVLM's resampler expert).
 POLICY_FLAGS = {"num_queries": (("vispec", "specvlm"), 2), "ratio": (("specvlm",), 4), "gate_tau": (("specvlm",), 1.0)}
@@ -276,9 +278,10 @@ def held_out_metrics(heads, model, processor, data, held, pad_id=0):
     return {**{k: hits / max(n, 1.0) for k, (hits, n) in pooled.items()}, **metrics}
 
 
-def build_head(args, model, processor, data, train_rows):
-    """The `VisionEagleHead` of `args.policy`, from `--init` (a text EAGLE head) or fresh (its draft vocabulary built
-    from the training answers as `vlm-eagle` does) -> `(head, text head or None, draft vocabulary coverage)`."""
+def build_head(args, model, processor, data, train_rows, generator=None):
+    """The `VisionEagleHead` of `args.policy` (`"eagle"`: a `TextEagleHead`), from `--init` (a text EAGLE head) or
+    fresh (its draft vocabulary built from the training answers as `vlm-eagle` does) -> `(head, text head or None,
+    draft vocabulary coverage)`."""
     from mmspec.models import load
     from mmspec.models.hf_eagle import TextEagleHead
     from mmspec.models.vision_eagle import VisionEagleHead
@@ -289,12 +292,20 @@ def build_head(args, model, processor, data, train_rows):
         if not isinstance(text_head, TextEagleHead):
             raise ValueError(f"--init {str(args.init)!r} holds a {type(text_head).__name__}, not a TextEagleHead")
         text_head.check_target(model)
-        head = VisionEagleHead.from_target(model, vision_policy=args.policy,
-                                           draft_vocab_size=text_head.config.draft_vocab_size, **kwargs)  # fmt: skip
-        head.load_text_head(text_head)
+        if args.policy == "eagle":
+            head = TextEagleHead.from_target(model, draft_vocab_size=text_head.config.draft_vocab_size)
+            head.load_state_dict(text_head.state_dict())
+        else:
+            head = VisionEagleHead.from_target(model, vision_policy=args.policy,
+                                               draft_vocab_size=text_head.config.draft_vocab_size, **kwargs)  # fmt: skip
+            head.load_text_head(text_head)
         return head, text_head.eval(), None
     size = min(args.draft_vocab, model.get_output_embeddings().weight.shape[0])
-    head = VisionEagleHead.from_target(model, vision_policy=args.policy, draft_vocab_size=size, **kwargs)
+    if args.policy == "eagle":
+        head = TextEagleHead.from_target(model, draft_vocab_size=size)
+    else:
+        head = VisionEagleHead.from_target(model, vision_policy=args.policy, draft_vocab_size=size, **kwargs)
+    head.init_weights(generator=generator)
     covered = None
     if size:
         weight = answer_mask(data["lengths"], torch.as_tensor(data["prompt_lengths"]), data["input_ids"].shape[1])
@@ -323,10 +334,11 @@ def run(args):
     is_eval[eval_rows] = True
     train_rows = torch.nonzero(~is_eval).flatten()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    head, text_head, covered = build_head(args, model, processor, data, train_rows)
+    head, text_head, covered = build_head(args, model, processor, data, train_rows, generator)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)  # fmt: skip
     text_steps, ramp_steps = curriculum(args)
+    vision = args.policy != "eagle"  # the control takes no vision inputs
     logger.info("%s head: %d training rows, %d held out; curriculum %d text-only steps, ramp %d",
                 args.policy, len(train_rows), len(eval_rows), text_steps, ramp_steps)  # fmt: skip
 
@@ -338,7 +350,7 @@ def run(args):
         vloss, ploss = eagle_text_losses(head, model, batch.hidden, batch.ids, batch.weight, unroll=args.unroll,
                                          step_decay=args.step_decay, noise=args.noise,
                                          ce_positions=args.ce_positions, generator=generator,
-                                         forward_kwargs=vision_kwargs(batch, generator))  # fmt: skip
+                                         forward_kwargs=vision_kwargs(batch, generator) if vision else None)  # fmt: skip
         return {"loss": args.feat_weight * vloss + args.logit_weight * ploss, "vloss": vloss.detach(),
                 "ploss": ploss.detach(), "multimodal": float(multimodal.float().mean())}  # fmt: skip
 
@@ -346,7 +358,7 @@ def run(args):
     head.eval()
     # float16 weights unless --fp32-weights (the pipeline loads them in the target's dtype)
     (copy.deepcopy(head).half() if args.fp16_weights else head).save_pretrained(args.out, safe_serialization=True)
-    heads = {"": (head, True)}
+    heads = {"": (head, vision)}
     if text_head is not None:  # the stage-1 text head on the same rows, for comparison
         heads["init_"] = (text_head, False)
     metrics = held_out_metrics(heads, model, processor, data, held, pad_id)

@@ -10,7 +10,9 @@ output head is most of a draft step's weight traffic), ``draft-model-confident``
 transformers' assistant), ``draft-model-tree`` (the same draft LM growing an EAGLE-2
 tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node, ``--model-tree-nodes`` nodes) and
 ``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
-``--tree-nodes`` nodes).
+``--tree-nodes`` nodes); the vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
+``specvlm`` (SpecVLM's gated elastic compressor) and ``msd`` (MSD's decoupled drafting), each from its zoo folder
+``mnist-vlm-{vispec,specvlm,msd}`` (asking for a row whose folder is missing is a usage error before loading).
 
 Workloads (``--workload``): ``templated`` (the default): ``--num-prompts`` held-out canvases (MNIST *test* digits,
 ``--min-digits`` 4 per canvas by default so the descriptions are long), all asked ``--prompt`` ("Describe the image.",
@@ -24,7 +26,13 @@ Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (pla
 method's), ``tokens_per_s`` (generated tokens / decode time; transformers methods: / latency), ``tau`` (tokens per
 verification round, bonus included) and ``tau_without_bonus`` (accepted drafts per round), ``step_compression``
 (tokens per target forward, prefill included; counted with a forward hook for transformers' methods too),
-``matches_plain`` (every greedy answer identical to plain's), ``mean_new_tokens``. The JSON records ``workload``
+``matches_plain`` (every greedy answer identical to plain's; null under ``--do-sample``, where speculative answers
+follow the target's law but are not token-identical to plain's -- the sampled law is proven by the tests' chi-square),
+``mean_new_tokens``, ``draft_image_tokens`` (image tokens the drafter reads per answer, mean: the draft LM and EAGLE
+read every image token, a vision-aware head its policy's tokens; null without a drafter) and ``gate_choice`` (SpecVLM:
+answers per chosen compressor). ``--do-sample --temperature T``: sampled decoding (acceptance ``exact``; answer ``i``
+of the workload draws from its own generator seeded ``--seed + i`` in every method); transformers' rows are greedy
+only (``generate`` takes no generator). The JSON records ``workload``
 (free-form: ``prompts``, each prompt's kind, template, turns and last user turn, instead of ``prompt``).
 """
 
@@ -49,8 +57,10 @@ from mmspec.cli import (
     int_in_range,
     int_list_in_range,
     names_of,
+    positive_float,
     seed_int,
 )
+from mmspec.cli_vlm import EAGLE_HEADS
 from mmspec.methods import VLM_LIMITS
 
 
@@ -66,6 +76,10 @@ METHODS = (
     "draft-model-frspec",
     "eagle",
 )
+# the vision-aware EAGLE heads (mmspec.models.vision_eagle: vispec, specvlm, msd), run with the `eagle` row's knobs
+VISION_METHODS = tuple(name for name in EAGLE_HEADS if name != "eagle")
+ALL_METHODS = METHODS + VISION_METHODS
+SPECVLM_EXPERTS = ("prune", "pool", "conv", "resampler", "text-only")  # mmspec.compressors.default_experts
 
 
 MAX_PROMPTS = 10_000  # `--num-prompts`
@@ -74,7 +88,8 @@ TEMPLATED_PROMPT = "Describe the image."
 DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128}  # free-form answers are long: cut at 128 tokens
 MAX_DIGITS = 4  # a canvas has 4 cells (`mmspec.train.vlm_data.sample_layout`): at most 4 digits
 DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
-                                       "draft-model-frspec"), "mnist-vlm-eagle": ("eagle", "draft-model-frspec")}  # fmt: skip
+                                       "draft-model-frspec"), "mnist-vlm-eagle": ("eagle", "draft-model-frspec"),
+                   **{f"mnist-vlm-{name}": (name,) for name in VISION_METHODS}}  # fmt: skip
 
 
 def _confidence(text):
@@ -96,8 +111,9 @@ def add_arguments(parser):
                         help="templated: every canvas asked --prompt; free-form: held-out free-form prompts "
                              "(mmspec.train.vlm_prompts)")  # fmt: skip
     parser.add_argument("--prompt", default=None, help=f"templated workload only (default {TEMPLATED_PROMPT!r})")
-    parser.add_argument("--methods", type=names_of(METHODS), default=None,
-                        help=f"comma list of {','.join(METHODS)} (default: every one the zoo has drafters for)")  # fmt: skip
+    parser.add_argument("--methods", type=names_of(ALL_METHODS), default=None,
+                        help=f"comma list of {','.join(ALL_METHODS)} (default: every one the zoo has drafters for; "
+                             "transformers' rows greedy only)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int_in_range(1, VLM_LIMITS["max_new_tokens"]), default=None,
                         help="answer length cap (default: 96 templated, 128 free-form)")  # fmt: skip
     parser.add_argument("--num-draft-tokens", type=nodes, default=4, help="draft-model chain length")
@@ -109,7 +125,15 @@ def add_arguments(parser):
     parser.add_argument("--tree-depth", type=depth, default=6, help="EAGLE chain length / tree depth")
     parser.add_argument("--tree-top-k", type=top_k, default=1, help="1: EAGLE chain; > 1: EAGLE-2 tree")
     parser.add_argument("--tree-nodes", type=nodes, default=24, help="EAGLE-2 tree nodes (tree-top-k > 1)")
-    parser.add_argument("--seed", type=seed_int, default=0, help="canvas seed")
+    parser.add_argument(
+        "--do-sample",
+        action="store_true",
+        help="sampled decoding (acceptance exact; answer i draws from a generator seeded --seed + i)",
+    )
+    parser.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature (--do-sample)")
+    parser.add_argument("--specvlm-expert", choices=SPECVLM_EXPERTS, default=None,
+                        help="ablation: the specvlm row sends every input to this compressor instead of its gate's pick")  # fmt: skip
+    parser.add_argument("--seed", type=seed_int, default=0, help="canvas seed (and sampling seed)")
     parser.add_argument("--min-digits", type=int_in_range(1, MAX_DIGITS), default=4,
                         help=f"digits per canvas at least (1-{MAX_DIGITS})")  # fmt: skip
     parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=0,
@@ -135,8 +159,15 @@ def check_args(parser, args):
         parser.error("argument --prompt: is empty")
     missing = {m for folder, names in DRAFTER_FOLDERS.items() if not (Path(args.zoo) / folder).is_dir() for m in names}
     explicit = args.methods is not None
+    if args.temperature != 1.0 and not args.do_sample:
+        parser.error("argument --temperature: only used with --do-sample (greedy decoding has no temperature)")
+    if args.specvlm_expert is not None and args.methods is not None and "specvlm" not in args.methods:
+        parser.error("argument --specvlm-expert: forces the specvlm row's compressor; add specvlm to --methods")
+    if args.do_sample and explicit and any(m.startswith("hf-") for m in args.methods):
+        parser.error("argument --methods: hf-plain / hf-assisted run greedy only (transformers' generate takes no "
+                     "generator); drop them or --do-sample")  # fmt: skip
     if args.methods is None:
-        args.methods = [m for m in METHODS if m not in missing]
+        args.methods = [m for m in ALL_METHODS if m not in missing and not (args.do_sample and m.startswith("hf-"))]
     elif missing & set(args.methods):
         folders = sorted(f for f, names in DRAFTER_FOLDERS.items() if missing & set(names) & set(args.methods))
         parser.error(f"argument --methods: {','.join(sorted(missing & set(args.methods)))} need(s) the zoo folder(s) "
@@ -205,6 +236,17 @@ def held_out_canvases(num, seed, min_digits=3):
     return out
 
 
+def image_token_fields(runs):
+    """A row's `draft_image_tokens` (mean per answer over every call; None without a drafter) and `gate_choice`
+    (answers per chosen compressor; None without a gate)."""
+    tokens = [n for x in runs for n in (x["draft_image_tokens"] or [])]
+    choices = [c for x in runs for c in (x["gate_choice"] or [])]
+    return {
+        "draft_image_tokens": statistics.mean(tokens) if tokens else None,
+        "gate_choice": {c: choices.count(c) for c in sorted(set(choices))} if choices else None,
+    }
+
+
 class _Counter:
     """Counts forward calls of a module (target / assistant passes of transformers' `generate`)."""
 
@@ -235,21 +277,51 @@ def build_pipeline(args):
     return SpeculativeVLMPipeline.from_zoo(args.zoo)
 
 
-def run(args, pipe=None, canvases=None):
-    """The report (module docstring). `canvases`: PIL images instead of the held-out ones (templated workload)."""
+def load_vision_heads(args, pipe):
+    """The vision-aware heads of the rows asked for (`<zoo>/mnist-vlm-<row>`), in the target's dtype."""
+    from mmspec.models import load
+
+    names = [m for m in args.methods if m in VISION_METHODS]
+    return {name: load(Path(args.zoo) / f"mnist-vlm-{name}", dtype=pipe.model.dtype) for name in names}
+
+
+def answer_generators(first, count, seed, device):
+    """One generator per answer, answer `i` of the workload seeded `seed + i` (the same in every method)."""
+    return [torch.Generator(device).manual_seed(seed + first + i) for i in range(count)]
+
+
+def run(args, pipe=None, canvases=None, heads=None):
+    """The report (module docstring). `canvases`: PIL images instead of the held-out ones (templated workload).
+    `heads`: vision-aware heads by row name (`VISION_METHODS`) to run with `pipe`'s target (default: loaded from
+    `--zoo` when the pipeline is, else none; rows without a head are skipped)."""
     workload = getattr(args, "workload", "templated")
     resolve_workload_defaults(args)
     if workload == "free-form" and canvases is not None:
         raise ValueError("canvases: the free-form workload draws its own held-out canvases (they go with its prompts)")
+    do_sample = bool(getattr(args, "do_sample", False))
+    temperature = float(getattr(args, "temperature", 1.0))
     if args.methods is None:  # not through `mmspec bench` (no check_args): every method the pipeline can run
-        args.methods = list(METHODS)
+        args.methods = list(ALL_METHODS)
     if not args.batch_size:
         raise ValueError("--batch-size needs at least one batch size")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if heads is None:
+        heads = {} if pipe is not None else None
     pipe = (pipe or build_pipeline(args)).to(device)
     pipe.set_progress_bar_config(disable=True)
+    heads = load_vision_heads(args, pipe) if heads is None else dict(heads)
+    expert = getattr(args, "specvlm_expert", None)
+    if expert is not None and "specvlm" in heads:
+        heads["specvlm"].vision.force(expert)  # the per-compressor ablation (inference only)
+    unknown = sorted(set(heads) - set(VISION_METHODS))
+    if unknown:
+        raise ValueError(f"heads: unknown row(s) {unknown}; the vision-aware rows are {VISION_METHODS}")
+    pipes = {"eagle": pipe}  # one pipeline per head, all on the same target, processor and draft LM
+    for name, head in heads.items():
+        pipes[name] = type(pipe)(pipe.model, pipe.processor, draft_model=pipe.draft_model, eagle_head=head.to(device))
+        pipes[name].set_progress_bar_config(disable=True)
     free_form = None
     if workload == "free-form":
         canvases, free_form = free_form_inputs(args.num_prompts, args.seed, args.min_digits)
@@ -261,8 +333,10 @@ def run(args, pipe=None, canvases=None):
     counters = {"target": _Counter(pipe.model)}
     if pipe.draft_model is not None:
         counters["draft"] = _Counter(pipe.draft_model)
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    greedy = dict(acceptance="greedy")
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample)
+    if do_sample:
+        common["temperature"] = temperature
+    greedy = dict(acceptance="exact" if do_sample else "greedy")
     ours = {
         "plain": dict(acceptance="none"),
         "draft-model": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens),
@@ -275,28 +349,44 @@ def run(args, pipe=None, canvases=None):
         "eagle": dict(greedy, drafter="eagle", tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
                       num_draft_tokens=args.tree_nodes),
     }  # fmt: skip
+    for name in VISION_METHODS:  # the vision-aware heads: EAGLE's knobs
+        ours[name] = dict(ours["eagle"])
     frspec = pipe.eagle_head is not None and pipe.eagle_head.config.draft_vocab_size > 0
     methods = [m for m in args.methods if not (m == "draft-model-frspec" and (not frspec or pipe.draft_model is None))
                and not (m.startswith("draft-model") and pipe.draft_model is None)
-               and not (m == "hf-assisted" and pipe.draft_model is None) and not (m == "eagle" and pipe.eagle_head is None)]  # fmt: skip
+               and not (m == "hf-assisted" and pipe.draft_model is None) and not (m == "eagle" and pipe.eagle_head is None)
+               and not (m in VISION_METHODS and m not in heads) and not (do_sample and m.startswith("hf-"))]  # fmt: skip
     if "plain" not in methods:
         methods.insert(0, "plain")
 
-    def call(name, ims, texts):
-        """One timed call: (answers as token lists up to EOS, stats dict)."""
+    def draft_lm_image_tokens(ims, texts):
+        """Image tokens transformers' assistant (the draft LM) reads per answer."""
+        from mmspec.models.vlm_inputs import image_token_mask
+
+        ids, lengths, _ = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
+        valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
+        return (image_token_mask(pipe.draft_model, ids) & valid).sum(1).tolist()
+
+    def call(name, ims, texts, first=0):
+        """One timed call: (answers as token lists up to EOS, stats dict). `first`: the workload index of the
+        batch's first answer (its sampling seed)."""
         for c in counters.values():
             c.calls = 0
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if name in ours:
-            out = pipe(images=ims, **{key: texts}, output_type="ids", **common, **ours[name])
+            sampling = dict(generator=answer_generators(first, len(ims), args.seed, device)) if do_sample else {}
+            out = pipes.get(name, pipe)(images=ims, **{key: texts}, output_type="ids", **common, **ours[name],
+                                        **sampling)  # fmt: skip
             dt = time.perf_counter() - t0
             s = out.stats
             answers = [[t for t in row if t >= 0] for row in out.sequences.tolist()]
             info = dict(prefill_s=s.time_prefill_s, decode_s=dt - s.time_prefill_s, tau=s.mean_accepted_length,
                         tau_without_bonus=s.mean_accepted_drafts, step_compression=s.step_compression,
-                        target_calls=s.target_forwards, draft_calls=s.draft_forwards)  # fmt: skip
+                        target_calls=s.target_forwards, draft_calls=s.draft_forwards,
+                        draft_image_tokens=s.extra.get("draft_image_tokens_per_answer"),
+                        gate_choice=s.extra.get("gate_choice"))  # fmt: skip
         else:
             ids, lengths, extra = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
             if ids.shape[0] != 1:
@@ -316,7 +406,9 @@ def run(args, pipe=None, canvases=None):
             calls = counters["target"].calls
             info = dict(prefill_s=None, decode_s=None, tau=None, tau_without_bonus=None,
                         step_compression=len(answer) / calls if calls else None, target_calls=calls,
-                        draft_calls=counters["draft"].calls if "draft" in counters else 0)  # fmt: skip
+                        draft_calls=counters["draft"].calls if "draft" in counters else 0,
+                        draft_image_tokens=draft_lm_image_tokens(ims, texts) if name == "hf-assisted" else None,
+                        gate_choice=None)  # fmt: skip
         return answers, dict(latency_s=dt, new_tokens=sum(len(a) for a in answers), **info)
 
     report = {}
@@ -327,9 +419,9 @@ def run(args, pipe=None, canvases=None):
             call(name, *batches[0])
         runs = {name: [] for name in names}
         answers = {name: [] for name in names}
-        for ims, texts in tqdm(batches, desc=f"vlm b{bs}", disable=None):
+        for i, (ims, texts) in enumerate(tqdm(batches, desc=f"vlm b{bs}", disable=None)):
             for name in names:
-                a, info = call(name, ims, texts)
+                a, info = call(name, ims, texts, first=i * bs)
                 runs[name].append(info)
                 answers[name] += a
         table = {}
@@ -351,22 +443,24 @@ def run(args, pipe=None, canvases=None):
                 "draft_calls": statistics.mean(x["draft_calls"] for x in r),
                 "mean_new_tokens": tokens / len(canvases),
                 "min_new_tokens": min(len(a) for a in answers[name]),
-                "matches_plain": answers[name] == answers["plain"],
+                "matches_plain": None if do_sample else answers[name] == answers["plain"],
+                **image_token_fields(r),
             }
         base = table["plain"]
         for entry in table.values():
             entry["speedup"] = base["latency_s"] / entry["latency_s"]
             entry["decode_speedup"] = base["decode_s"] / entry["decode_s"] if entry["decode_s"] else None
         if "hf-assisted" in table:
-            for name in METHODS[3:]:
+            for name in ALL_METHODS[3:]:
                 if name in table:
                     table[name]["speedup_vs_hf_assisted"] = (
                         table["hf-assisted"]["latency_s"] / table[name]["latency_s"]
                     )
         report[str(bs)] = table
         for name, e in table.items():
-            logger.info("b%d %-12s %.3fs speedup %.2fx decode %.2fx tau %s matches %s", bs, name, e["latency_s"],
-                        e["speedup"], e["decode_speedup"] or float("nan"), e["tau"], e["matches_plain"])  # fmt: skip
+            logger.info("b%d %-12s %.3fs speedup %.2fx decode %.2fx tau %s matches %s draft image tokens %s gate %s",
+                        bs, name, e["latency_s"], e["speedup"], e["decode_speedup"] or float("nan"), e["tau"],
+                        e["matches_plain"], e["draft_image_tokens"], e["gate_choice"])  # fmt: skip
     for c in counters.values():
         c.handle.remove()
     return {
@@ -392,7 +486,9 @@ def run(args, pipe=None, canvases=None):
         "example_answer": pipe.tokenizer.decode(answers["plain"][0], skip_special_tokens=True),
         "knobs": {
             "max_new_tokens": args.max_new_tokens,
-            "do_sample": False,
+            "do_sample": do_sample,
+            **({"temperature": temperature} if do_sample else {}),
+            **({"specvlm_expert": expert} if expert is not None else {}),
             **{
                 name: {k: f"{len(v)} ids" if torch.is_tensor(v) else v for k, v in kw.items()}
                 for name, kw in ours.items()

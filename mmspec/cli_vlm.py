@@ -4,6 +4,7 @@ prints the answer, the decoding stats and, unless `--no-baseline`, plain decodin
     mmspec vlm                                              # a held-out MNIST canvas, "Describe the image.", EAGLE
     mmspec vlm --image my.png --prompt "Which digit is at the top left?" --drafter model
     mmspec vlm --do-sample --temperature 0.7 --seed 3       # sampled (lossless: the target's own law)
+    mmspec vlm --eagle-head vispec                          # a vision-aware head (assets/mnist-vlm-vispec)
 
 Without `--image` the canvas is a held-out one of MNIST test digits (`--seed`); `--save-image` writes it.
 """
@@ -28,6 +29,11 @@ from mmspec.cli import (
 from mmspec.methods import VLM_LIMITS
 
 
+# the zoo's EAGLE heads, folder `mnist-vlm-<name>` (`SpeculativeVLMPipeline.from_zoo(eagle=...)`, `bench vlm` rows);
+# here, not in the pipeline, so that `mmspec vlm --help` imports no torch
+EAGLE_HEADS = ("eagle", "vispec", "specvlm", "msd")
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,6 +43,10 @@ def add_arguments(parser):
     parser.add_argument("--prompt", default="Describe the image.", help="the question")
     parser.add_argument("--acceptance", choices=("none", "exact", "greedy"), default="exact")
     parser.add_argument("--drafter", choices=("eagle", "model"), default="eagle")
+    parser.add_argument("--eagle-head", choices=EAGLE_HEADS, default=None,
+                        help="which EAGLE head drafts (--drafter eagle): eagle (the target's hidden states at every "
+                             "image token), vispec / specvlm / msd (vision-aware: the zoo's mnist-vlm-<name>); "
+                             "default eagle")  # fmt: skip
     parser.add_argument(
         "--max-new-tokens",
         type=int_in_range(1, VLM_LIMITS["max_new_tokens"]),
@@ -97,10 +107,14 @@ def check_args(parser, args):
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
             parser.error(f"argument --image: {args.image!r} is not a readable image ({err})")
     check_zoo_folders(parser, args.zoo, ["mnist-vlm"])
+    if args.eagle_head is not None and (args.acceptance == "none" or args.drafter != "eagle"):
+        parser.error("argument --eagle-head: only used with --drafter eagle (and an --acceptance other than none)")
+    if args.eagle_head is not None and args.eagle_head != "eagle":
+        check_zoo_folders(parser, args.zoo, [f"mnist-vlm-{args.eagle_head}"], flag="--eagle-head")
+    args.eagle_head = args.eagle_head or "eagle"
     if args.acceptance != "none":
-        folder, marker = {"eagle": ("mnist-vlm-eagle", "config.json"), "model": ("mnist-vlm-draft", "draft.json")}[
-            args.drafter
-        ]
+        folder, marker = {"eagle": (f"mnist-vlm-{args.eagle_head}", "config.json"),
+                          "model": ("mnist-vlm-draft", "draft.json")}[args.drafter]  # fmt: skip
         if not (Path(args.zoo) / folder / marker).is_file():
             parser.error(f"argument --drafter: {args.drafter!r} needs {str(Path(args.zoo) / folder)!r}, not found")
     text = _text_config(parser, args.zoo)
@@ -140,7 +154,8 @@ def run(args):
         image = Image.open(args.image).convert("RGB")
     if args.save_image:
         image.save(args.save_image)
-    pipe = SpeculativeVLMPipeline.from_zoo(args.zoo).to(args.device)
+    pipe = SpeculativeVLMPipeline.from_zoo(args.zoo, eagle=getattr(args, "eagle_head", None) or "eagle")
+    pipe = pipe.to(args.device)
     pipe.set_progress_bar_config(disable=True)
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p)  # fmt: skip
@@ -152,6 +167,8 @@ def run(args):
     if not args.no_baseline and args.acceptance != "none":
         runs.append(("plain_baseline", dict(acceptance="none")))
     report = {"prompt": args.prompt, "image": args.image or f"held-out canvas (seed {args.seed})", **sampling}
+    if args.acceptance != "none" and args.drafter == "eagle":
+        report["eagle_head"] = getattr(args, "eagle_head", None) or "eagle"
     for name, kw in runs:
         generator = torch.Generator(args.device).manual_seed(args.seed)
         out = pipe(images=image, prompt=args.prompt, generator=generator, **sampling, **kw)
@@ -160,6 +177,9 @@ def run(args):
                         "prefill_s": round(stats.time_prefill_s, 3), "new_tokens": int((out.sequences >= 0).sum()),
                         "tau": round(stats.mean_accepted_length, 3),
                         "tokens_per_s": round(stats.extra.get("tokens_per_s") or 0.0, 2)}  # fmt: skip
+        for key in ("draft_image_tokens", "gate_choice"):  # what the drafter read of the image
+            if key in stats.extra:
+                report[name][key] = stats.extra[key]
     if "plain_baseline" in report:
         report["speedup_vs_plain"] = round(report["plain_baseline"]["latency_s"] / report["answer"]["latency_s"], 3)
         report["matches_plain"] = report["plain_baseline"]["text"] == report["answer"]["text"]

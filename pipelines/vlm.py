@@ -11,8 +11,21 @@ static KV cache through `mmspec.models.hf.HFTarget` (vision tower + projector on
 | `"greedy"`   | `"eagle"`/`"model"` | `"exact"` under greedy decoding: drafts kept while they equal the target's argmax | yes |
 
 Drafters: `"model"` (a small causal LM / LLaVA sharing the tokenizer drafts a chain of `num_draft_tokens`, or with
-`tree_top_k > 1` an EAGLE-2 dynamic tree; `mmspec.drafters.text_model`) and `"eagle"` (a `TextEagleHead` on the target's hidden states: a sampled chain of
-`tree_depth` tokens with `tree_top_k=1`, or an EAGLE-2 dynamic tree of `num_draft_tokens` nodes; `mmspec.drafters.eagle`).
+`tree_top_k > 1` an EAGLE-2 dynamic tree; `mmspec.drafters.text_model`) and `"eagle"` (an EAGLE head: a sampled chain
+of `tree_depth` tokens with `tree_top_k=1`, or an EAGLE-2 dynamic tree of `num_draft_tokens` nodes;
+`mmspec.drafters.eagle`). The `eagle_head` is one of:
+
+| `eagle_head`                          | zoo folder (`from_zoo(eagle=...)`) | what the head reads at the image                     | draft-side image tokens |
+|---------------------------------------|------------------------------------|------------------------------------------------------|-------------------------|
+| `TextEagleHead` (EAGLE)               | `<name>-eagle` (`"eagle"`)          | the target's hidden states at every image token       | all of them             |
+| `VisionEagleHead`, policy `"vispec"`  | `<name>-vispec`                     | learned-query adaptor over the projected image features: a few tokens at the end of the image span + a global vector (ViSpec) | the queries - 1 |
+| `VisionEagleHead`, policy `"specvlm"` | `<name>-specvlm`                    | one compressor per input (prune / pool / conv / resampler / text-only), picked by a question-conditioned gate (SpecVLM) | the chosen compressor's |
+| `VisionEagleHead`, policy `"msd"`     | `<name>-msd`                        | the raw projected image features at the image tokens (MSD's decoupled drafting) | all of them |
+
+A vision-aware head (`mmspec.models.vision_eagle`) gets the decoder's merged input embeddings and the image mask
+from the target's own prefill (the vision tower still runs once) and keeps the target's position for every token
+it keeps. `stats.extra` reports `draft_image_tokens` (mean over the answers; `draft_image_tokens_per_answer`) for
+every drafter and, with SpecVLM's gate, `gate_choice` (the compressor chosen, per answer).
 
 Batches are ragged: prompts of different lengths are right-aligned into the static cache (no left padding; positions
 stay those of an unpadded prompt), every row accepts its own number of drafts per round and stops at its own EOS;
@@ -29,12 +42,14 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
+from mmspec.cli_vlm import EAGLE_HEADS  # `from_zoo(eagle=...)`: the head folder `<name>-<kind>`
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.methods import KNOBS, VLM_LIMITS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.hf import HFTarget, right_align
+from mmspec.models.vlm_inputs import image_token_mask
 from mmspec.random import check_generator
 from mmspec.sampling import SamplingParams, sample
 from mmspec.stats import SpecStats
@@ -73,7 +88,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         processor: its processor (LLaVA: a `LlavaProcessor`; a causal LM: its tokenizer); chat templates come from it.
         draft_model: optional smaller model sharing the tokenizer, for `drafter="model"` (a LLaVA draft also gets
             the image).
-        eagle_head: optional `mmspec.models.hf_eagle.TextEagleHead` trained on `model`, for `drafter="eagle"`.
+        eagle_head: optional EAGLE head trained on `model`, for `drafter="eagle"`: a
+            `mmspec.models.hf_eagle.TextEagleHead` or a vision-aware `mmspec.models.vision_eagle.VisionEagleHead`
+            (ViSpec / SpecVLM / MSD; module docstring).
 
     Examples:
         >>> pipe = SpeculativeVLMPipeline.from_zoo("assets")
@@ -96,23 +113,31 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         self.register_modules(model=model, processor=processor, draft_model=draft_model, eagle_head=eagle_head)
 
     @classmethod
-    def from_zoo(cls, root=None, name="mnist-vlm", drafters=True, **kwargs):
+    def from_zoo(cls, root=None, name="mnist-vlm", drafters=True, eagle="eagle", **kwargs):
         """The offline zoo: `<root>/<name>` (SmolLM2-135M-Instruct + the trained vision tower, `mmspec.models.vlm_zoo`)
-        and, when present and `drafters`, `<root>/<name>-draft` and `<root>/<name>-eagle`."""
+        and, when present and `drafters`, `<root>/<name>-draft` and the EAGLE head folder `eagle` picks: one of
+        `EAGLE_HEADS` (`"eagle"`, the default: `<name>-eagle`; `"vispec"` / `"specvlm"` / `"msd"`: `<name>-<kind>`) or
+        a folder name under `root`. A head asked for by name must exist (ValueError naming it); the default one is
+        loaded when present."""
         root = DEFAULT_ZOO if root is None else root  # the shipped zoo, from any working directory
         from pathlib import Path
 
         from mmspec.models.hf_draft import load_vlm_draft
         from mmspec.models.vlm_zoo import load_vlm
 
+        if not isinstance(eagle, str) or not eagle.strip():
+            raise ValueError(f"eagle must be one of {EAGLE_HEADS} or a head folder name under root, got {eagle!r}")
+        head_folder = Path(root) / (f"{name}-{eagle}" if eagle in EAGLE_HEADS else eagle)
+        if drafters and eagle != "eagle" and not (head_folder / "config.json").is_file():
+            raise ValueError(f"eagle={eagle!r}: {str(head_folder)!r} is not a model folder (no config.json)")
         model, processor = load_vlm(Path(root) / name)
         parts = {}
         if drafters and (Path(root) / f"{name}-draft").is_dir():
             parts["draft_model"] = load_vlm_draft(Path(root) / f"{name}-draft", target=model)
-        if drafters and (Path(root) / f"{name}-eagle").is_dir():
+        if drafters and head_folder.is_dir():
             from mmspec.models import load
 
-            parts["eagle_head"] = load(Path(root) / f"{name}-eagle", dtype=model.dtype)  # strict, errors name it
+            parts["eagle_head"] = load(head_folder, dtype=model.dtype)  # strict, errors name it
         parts.update(kwargs)
         return cls(model, processor, **parts)
 
@@ -366,12 +391,14 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         # 3. prefill: prompt + image features of every row; the first token comes from the target alone
         with stats.timer("total", device), stats.timer("prefill", device):
             first = target.prefill(input_ids, lengths, max_new_tokens, scratch=1 + (draft.max_width if draft else 0),
-                                   return_hidden=draft is not None and draft.needs_hidden, **model_inputs)  # fmt: skip
+                                   return_hidden=draft is not None and draft.needs_hidden,
+                                   return_vision=getattr(draft, "needs_vision", False), **model_inputs)  # fmt: skip
             state = SequenceState(sample(first.p_target[:, 0], generator), max_new_tokens,
                                   eos_token_id=self.eos_token_ids(), generator=generator)  # fmt: skip
             if draft is not None:
                 draft.prefill(state, first)
         stats.record_prefill(1)
+        stats.extra.update(self.draft_image_stats(draft, input_ids, lengths))
 
         # 4. decode: draft -> verify -> commit rounds until every row hit EOS or max_new_tokens
         callback = None
@@ -397,6 +424,26 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if not return_dict:
             return (text if output_type == "text" else sequences), stats
         return SpeculativeVLMOutput(text=text, sequences=sequences, stats=stats, trace=state.full_trace())
+
+    def draft_image_stats(self, draft, input_ids, lengths):
+        """`stats.extra` entries about what the drafter reads of the image: `draft_image_tokens` (mean over the
+        answers), `draft_image_tokens_per_answer` and, with SpecVLM's gate, `gate_choice` (one name per answer).
+        A draft LM reads every image token of the prompt when it has a vision tower (none otherwise); an EAGLE head
+        reports its own count (`EagleDrafter.draft_image_tokens`)."""
+        if draft is None:
+            return {}
+        if isinstance(draft, TextModelDrafter):
+            valid = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] < lengths[:, None]
+            per_answer = (image_token_mask(self.draft_model, input_ids) & valid).sum(1)
+        else:
+            per_answer = draft.draft_image_tokens
+        if per_answer is None:
+            return {}
+        per_answer = [int(n) for n in per_answer.tolist()]
+        extra = {"draft_image_tokens": sum(per_answer) / len(per_answer), "draft_image_tokens_per_answer": per_answer}
+        if getattr(draft, "gate_choice", None) is not None:
+            extra["gate_choice"] = list(draft.gate_choice)
+        return extra
 
     def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None,
                      draft_confidence=None):  # fmt: skip

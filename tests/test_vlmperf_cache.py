@@ -136,19 +136,25 @@ def test_sdpa_gets_one_float_mask_per_forward_and_a_plain_step_no_index_put(monk
     model.config._attn_implementation = "sdpa"
     target = HFTarget(model, Guidance(SamplingParams(do_sample=False)))
     target.prefill(torch.randint(4, 60, (1, 9)), torch.tensor([9]), 20, 4)
-    masks = []
+    calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def recording(q, k, v, attn_mask=None, **kwargs):
-        masks.append(attn_mask)
+        calls.append((attn_mask, k.shape[-2]))
         return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     with OpLog() as log:
         target.forward(torch.randint(4, 60, (1, 1)))
-    assert len(masks) == 3
-    assert all(m.dtype == torch.float32 for m in masks)
-    assert len({m.data_ptr() for m in masks}) == 1  # built once, shared by the layers
-    visible = masks[0].reshape(-1) == 0  # 9 prompt slots + the new token, nothing past them
-    assert visible[:10].all() and not visible[10:].any()
+    # a plain CPU step: exactly the 9 prompt slots + the new token, no mask at all (SDPA's unmasked kernel)
+    assert calls == [(None, 10)] * 3
     assert "index_put_" not in log.ops
+    target.commit(torch.tensor([1]))
+    calls.clear()
+    target.forward(torch.randint(4, 60, (1, 3)))  # a chain: one additive float mask, shared by the layers
+    assert len(calls) == 3 and {k for _, k in calls} == {13}
+    masks = [m for m, _ in calls]
+    assert all(m is not None and m.dtype == torch.float32 for m in masks)
+    assert len({m.data_ptr() for m in masks}) == 1
+    visible = masks[0].reshape(3, 13) == 0  # committed 10 slots + the causal chain
+    assert visible[:, :10].all() and torch.equal(visible[:, 10:], torch.ones(3, 3, dtype=torch.bool).tril())

@@ -37,7 +37,8 @@ class Conv(VisionPolicy):
         """The pooling init: depthwise 1 / s^2, pointwise identity, zero biases (deterministic, no RNG)."""
         self.depthwise.weight.fill_(1.0 / (self.s * self.s))
         self.depthwise.bias.zero_()
-        self.pointwise.weight.copy_(torch.eye(self.dim))
+        w = self.pointwise.weight
+        w.copy_(torch.eye(self.dim, device=w.device, dtype=w.dtype))
         self.pointwise.bias.zero_()
 
     def compress(self, images: ImageBatch, generator=None) -> tuple[Tensor, Tensor, None]:

@@ -59,6 +59,7 @@ class Elastic(VisionPolicy):
         self.experts = nn.ModuleDict(experts)
         self.has_global = any(expert.has_global for expert in experts.values())
         self.keep = max(expert.keep for expert in experts.values())  # tokens_out: the most any expert keeps
+        self.forced: str | None = None  # an ablation: every input to this expert (`force`), inference only
         self.gate = nn.Linear(dim, len(experts), device="meta")
         self.gate.to_empty(device="cpu")
         self.reset_parameters(generator)
@@ -69,12 +70,22 @@ class Elastic(VisionPolicy):
         nn.init.normal_(self.gate.weight, 0.0, self.dim**-0.5, generator=generator)
         nn.init.zeros_(self.gate.bias)
 
+    def force(self, name: str | None):
+        """Send every input to expert `name` at inference (the per-compressor ablation of SpecVLM); None: the gate
+        decides again. Training always uses the gate."""
+        if name is not None and name not in self.names:
+            raise ValueError(f"name: unknown expert {name!r}; this gate has {self.names}")
+        self.forced = name
+        return self
+
     def gate_weights(self, question: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """`question [rows, dim]` -> (`choice [rows]` long, `weight [rows]`: 1 in value; in training the
         straight-through Gumbel-softmax weight of the chosen expert, which carries the gate's gradient)."""
         logits = self.gate(question.to(self.gate.weight.dtype)).float()  # [rows, E]
         if not self.training:
             choice = logits.argmax(dim=1)
+            if self.forced is not None:
+                choice = torch.full_like(choice, self.names.index(self.forced))
             return choice, torch.ones_like(logits[:, 0])
         if not isinstance(generator, torch.Generator):
             raise ValueError("generator: Elastic in training mode draws Gumbel noise and needs a torch.Generator")

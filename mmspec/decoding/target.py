@@ -30,12 +30,17 @@ class TargetOutput:
         hidden: `[rows, M, dim]` final hidden states of every model row (all CFG streams), when asked for.
         input_ids, lengths: prefill of a text target only: the right-padded prompt `[rows, L]` and its lengths
             `[rows]` (with `hidden [rows, L, dim]`, EAGLE's pairs over the whole prompt).
+        inputs_embeds, image_mask: prefill of a text target, only when asked for (`return_vision=True`, drafters
+            with `needs_vision`): what the decoder received, `[rows, L, dim]` (the projected image features merged
+            in at the image tokens), and `[rows, L]` True at the image tokens of the prompt (never at padding).
     """
 
     p_target: Tensor
     hidden: Tensor | None = None
     input_ids: Tensor | None = None
     lengths: Tensor | None = None
+    inputs_embeds: Tensor | None = None
+    image_mask: Tensor | None = None
 
 
 @runtime_checkable

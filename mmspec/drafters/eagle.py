@@ -9,6 +9,12 @@ streams `[cond; uncond]` when guidance is on):
     2. after each verification that accepted nodes a_1..a_k and emitted the next token b: `hidden` = target hiddens at
        [root, a_1, ..., a_k], `input_ids` = [a_1, ..., a_k, b] (`num_valid = k + 1`, ragged rows padded).
 Every draft starts by committing those pairs to the head cache (`commit_accepted`); drafted pairs stay scratch.
+
+Vision-aware heads (`mmspec.models.vision_eagle.VisionEagleHead`: ViSpec, SpecVLM, MSD) have `prefill_prompt`: they
+read the target's merged input embeddings and image mask (`HFTarget.prefill(return_vision=True)`; the drafter's
+`needs_vision`) and write the prompt's pairs with the image pairs replaced by their vision-token policy's tokens, at
+the target's positions (the head keeps a per-row position offset, so a draft position is not its cache slot). Only
+the last prompt pair `(h[L_r - 1], first token)` is left pending; from then on the rounds are EAGLE's.
 """
 
 import logging
@@ -18,6 +24,7 @@ import torch
 from mmspec.drafters.base import Proposal
 from mmspec.drafters.tree import DraftTree, grow_tree
 from mmspec.models.eagle import EagleHead
+from mmspec.models.vlm_inputs import image_token_mask
 from mmspec.random import num_rows
 from mmspec.sampling import sample
 
@@ -177,6 +184,12 @@ class EagleDrafter:
         top_k: 1 = a chain of `depth` tokens sampled from `q_draft` (accepted with `sum min(p, q)`); > 1 = the
             EAGLE-2 dynamic tree with `top_k` deterministic children per node and `total` nodes.
         total: tree nodes kept (trees only).
+
+    Attributes (text targets, set at `prefill`, one entry per batch item):
+        draft_image_tokens: `[B]` image tokens the head reads for the prompt: a `TextEagleHead` reads a pair at every
+            image token; a vision-aware head the tokens its policy keeps.
+        gate_choice: SpecVLM's gate, the compressor chosen per item (names; None for an item without image), else
+            None.
     """
 
     needs_hidden = True
@@ -192,24 +205,48 @@ class EagleDrafter:
         self.max_width = self.depth if self.chain else min(self.total, self.top_k + (self.depth - 1) * self.top_k**2)
         self.cache = None
         self.draft_forwards = 0
+        self.needs_vision = callable(getattr(head, "prefill_prompt", None))  # the target's inputs_embeds + image mask
+        self.draft_image_tokens, self.gate_choice = None, None
 
     def prefill(self, state, target_out):
         """Start from the target's prefill. Image targets: one pair (hidden at the last prefix slot, first token).
         Text targets (`target_out.input_ids` set): the pairs `(h[t], x[t+1])` of the whole prompt, the last one
-        `(h[L_r - 1], first token)` -- `num_valid = L_r` per row (right-padded prompts)."""
+        `(h[L_r - 1], first token)` -- `num_valid = L_r` per row (right-padded prompts). A vision-aware head writes
+        every prompt pair but the last through its policy here (`prefill_prompt`); the last one stays pending."""
         rows = target_out.hidden.shape[0]
         scratch = self.depth * self.top_k + 2  # drafted pairs: the chain, or the tree's frontiers
         if target_out.input_ids is None:
             prefix = self.target.config.cls_token_num
             self.hidden, self.ids = target_out.hidden, self.guidance.rows(state.pending[:, None])
             self.num_valid = torch.ones(rows, dtype=torch.long, device=self.ids.device)
-        else:
-            ids, lengths = target_out.input_ids, target_out.lengths
-            prefix = ids.shape[1]
-            nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # x[t+1] (the last column is overwritten or padding)
-            nxt.scatter_(1, (lengths - 1)[:, None], self.guidance.rows(state.pending[:, None]))
-            self.hidden, self.ids, self.num_valid = target_out.hidden, nxt, lengths
+            self.cache = self.head.setup_cache(rows, prefix + state.max_length + scratch)
+            return
+        ids, lengths = target_out.input_ids, target_out.lengths
+        prefix = ids.shape[1]
+        nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # x[t+1] (the last column is overwritten or padding)
+        nxt.scatter_(1, (lengths - 1)[:, None], self.guidance.rows(state.pending[:, None]))
         self.cache = self.head.setup_cache(rows, prefix + state.max_length + scratch)
+        if not self.needs_vision:
+            self.hidden, self.ids, self.num_valid = target_out.hidden, nxt, lengths
+            image_mask = target_out.image_mask
+            if image_mask is None:
+                valid = torch.arange(prefix, device=ids.device)[None, :] < lengths[:, None]
+                image_mask = image_token_mask(self.target, ids) & valid
+            self.draft_image_tokens = self.guidance.items(image_mask.sum(1))  # a pair at every image token
+            return
+        if target_out.inputs_embeds is None or target_out.image_mask is None:
+            raise ValueError(f"{type(self.head).__name__} reads the target's input embeddings and image mask: prefill "
+                             "the target with return_vision=True (the drafter's needs_vision)")  # fmt: skip
+        info = self.head.prefill_prompt(self.target, self.cache, target_out.hidden, nxt, lengths,
+                                        target_out.inputs_embeds, target_out.image_mask)  # fmt: skip
+        last = (lengths - 1)[:, None]
+        self.hidden = target_out.hidden.gather(1, last[:, :, None].expand(-1, -1, target_out.hidden.shape[-1]))
+        self.ids = nxt.gather(1, last)
+        self.num_valid = torch.ones(rows, dtype=torch.long, device=ids.device)
+        self.draft_image_tokens = self.guidance.items(info["draft_image_tokens"])
+        choice, names = info.get("choice"), info.get("choice_names")
+        if choice is not None:  # -1: a row without an image (the gate was not asked)
+            self.gate_choice = [names[i] if i >= 0 else None for i in self.guidance.items(choice).tolist()]
 
     def propose(self, state):
         g = self.guidance

@@ -41,6 +41,7 @@ MODEL_CLASSES = {
     "EagleHead": "mmspec.models.eagle",
     "MAR": "mmspec.models.mar",
     "TextEagleHead": "mmspec.models.hf_eagle",
+    "VisionEagleHead": "mmspec.models.vision_eagle",
 }
 # where a class lived before it moved: used only while its `MODEL_CLASSES` module does not exist
 _FORMER_MODULES = {"EagleHead": "mmspec.drafters.eagle"}

@@ -30,6 +30,7 @@ per row kept through `select_rows`. Nothing in the loop or the cache changes for
 """
 
 import logging
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -38,6 +39,7 @@ from transformers.cache_utils import Cache
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
+from mmspec.models.vlm_inputs import capture_decoder_inputs, image_token_mask
 
 
 logger = logging.getLogger(__name__)
@@ -260,11 +262,15 @@ class HFTarget:
                     f"{self.source}: a forward needs {needed} cache slots, {self.max_slots} were reserved"
                 )
             grow(cache, min(self.max_slots, max(2 * cache.max_seq, _round_up(needed))))
-        cache = window_view(cache, min(cache.max_seq, _round_up(needed)))  # read only the slots in use
+        # read only the slots in use: exactly those on the CPU (free to vary), whole buckets on an accelerator
+        window = needed if _free_reads(key_slots) else _round_up(needed)
+        cache = window_view(cache, min(cache.max_seq, window))
         visible = cache.visibility(key_slots, mask)[:, None]  # [rows, 1, M, window]
-        # eager and SDPA: an additive float mask, built once per forward (SDPA's CPU kernels would otherwise turn the
-        # boolean mask into one in every layer); flex attention takes the boolean mask
-        if self.model.config._attn_implementation != "flex_attention":
+        if visible.shape[2] == 1 and _free_reads(visible) and bool(visible.all()):
+            visible = None  # one token seeing every slot of the window: SDPA's unmasked kernel (plain decoding)
+        elif self.model.config._attn_implementation != "flex_attention":
+            # eager and SDPA: an additive float mask, built once per forward (SDPA's CPU kernels would otherwise
+            # turn the boolean mask into one in every layer); flex attention takes the boolean mask
             dtype = cache.dtype
             visible = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
                 ~visible, torch.finfo(dtype).min
@@ -289,13 +295,17 @@ class HFTarget:
     # ------------------------------------------------------------------ Target protocol
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, lengths: Tensor, num_tokens: int, scratch: int, return_hidden=False,
-                **model_inputs) -> TargetOutput:  # fmt: skip
+                return_vision=False, **model_inputs) -> TargetOutput:  # fmt: skip
         """Write every row's prompt (right-padded `input_ids [B, L]`, `lengths [B]`) and return the first token's
         distribution. `model_inputs`: `pixel_values` etc. (the vision tower runs here, once). With guidance on,
-        `input_ids` / `lengths` are the model rows (`[cond; uncond]`, `2B`).
+        `input_ids` / `lengths` are the model rows (`[cond; uncond]`, `2B`). `return_vision`: also return what the
+        decoder received (`inputs_embeds [rows, L, dim]`, the projected image features merged in; recorded during
+        this forward, `mmspec.models.vlm_inputs`) and `image_mask [rows, L]` (vision-aware drafters); off by
+        default, so plain decoding and the other drafters pay nothing.
 
         Returns:
-            `TargetOutput(p_target [B, 1, V], hidden [rows, L, dim] | None, input_ids, lengths)` -- validated.
+            `TargetOutput(p_target [B, 1, V], hidden [rows, L, dim] | None, input_ids, lengths, inputs_embeds,
+            image_mask)` -- validated.
         """
         rows, width = input_ids.shape
         device = input_ids.device
@@ -305,11 +315,18 @@ class HFTarget:
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
         mask = causal & valid[:, None, :]
-        hidden = self.run(self.model.model, self.cache, slots, slots, mask, input_ids=input_ids, **model_inputs)
+        with capture_decoder_inputs(self.model) if return_vision else nullcontext({}) as seen:
+            hidden = self.run(self.model.model, self.cache, slots, slots, mask, input_ids=input_ids, **model_inputs)
         self.cache.commit(lengths)
         last = hidden[torch.arange(rows, device=device), lengths - 1][:, None]  # [B, 1, dim]
         p = self.guidance.probs(self.logits(last), self.source, validate=True)
-        return TargetOutput(p, hidden if return_hidden else None, input_ids=input_ids, lengths=lengths)
+        vision = {}
+        if return_vision:
+            embeds = seen.get("inputs_embeds")
+            if embeds is None or tuple(embeds.shape[:2]) != (rows, width):
+                raise RuntimeError(f"{self.source}: the decoder's input embeddings were not recorded at prefill")
+            vision = dict(inputs_embeds=embeds, image_mask=image_token_mask(self.model, input_ids) & valid)
+        return TargetOutput(p, hidden if return_hidden else None, input_ids=input_ids, lengths=lengths, **vision)
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:

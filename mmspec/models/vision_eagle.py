@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from diffusers import ModelMixin  # noqa: F401  (diffusers looks up a component's base class in its module)
 from diffusers.configuration_utils import register_to_config
 from torch import Tensor
 

@@ -196,5 +196,9 @@ def load_vlm(folder="mnist-vlm", dtype: torch.dtype = torch.float32, device=None
     model.to(dtype).eval()
     if device is not None:
         model.to(device)
+    if next(model.parameters()).device.type == "cpu":  # cheap multi-token forwards on CPU BLAS (`layout`)
+        from mmspec.models.layout import input_major_linears
+
+        input_major_linears(model)  # the tied embedding / output head stays one tensor
     processor = LlavaProcessor.from_pretrained(folder)
     return model, processor

@@ -1,0 +1,44 @@
+"""`bench vlm --specvlm-expert`: the SpecVLM row's gate overridden for the per-compressor ablation."""
+
+import argparse
+
+import pytest
+
+from mmspec.eval import bench_vlm
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    bench_vlm.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    return parser, args
+
+
+def test_unknown_expert_and_expert_without_the_row_are_usage_errors(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--specvlm-expert", "medusa")
+    parser, args = _parse("--specvlm-expert", "pool", "--methods", "plain,eagle")
+    with pytest.raises(SystemExit) as err:
+        bench_vlm.check_args(parser, args)
+    assert err.value.code == 2 and "--specvlm-expert" in capsys.readouterr().err
+
+
+def test_forced_expert_reaches_the_head_and_the_report():
+    from test_vision_drafters import vision_head
+    from test_vision_seam_bench import _args, setup  # noqa: F401
+    from vlm_fixtures import images, tiny_llava, tiny_processor, train_tiny_head
+
+    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+    target = tiny_llava(4, seed=1)
+    pipe = SpeculativeVLMPipeline(target, tiny_processor())
+    pipe.set_progress_bar_config(disable=True)
+    canvases = images(4, seed=7)
+    pipe.register_modules(eagle_head=train_tiny_head(pipe, canvases, ["w1 w2"] * 4, steps=30))
+    heads = {"specvlm": vision_head(pipe.eagle_head, pipe.model, "specvlm")}
+    for expert, tokens in (("text-only", 0), ("pool", 4)):  # a 4 x 4 image grid, ratio 4
+        args = _args("--methods", "plain,specvlm", "--specvlm-expert", expert)
+        report = bench_vlm.run(args, pipe=pipe, canvases=canvases, heads=heads)
+        row = report["by_batch_size"]["1"]["specvlm"]
+        assert row["gate_choice"] == {expert: 4} and row["draft_image_tokens"] == tokens and row["matches_plain"]
+        assert report["knobs"]["specvlm_expert"] == expert

@@ -175,11 +175,12 @@ def test_run_samples_text_only_then_multimodal_by_the_curriculum(files, tmp_path
 
 @pytest.mark.parametrize("policy", ["vispec", "msd", "specvlm"])
 def test_a_few_steps_write_a_loadable_head_with_held_out_metrics(files, tmp_path, policy):
+    from mmspec.models import load
     from mmspec.models.vision_eagle import VisionEagleHead
 
     out = tmp_path / "out"
     head = task.run(_parse(_argv(files, out, policy=policy)))
-    loaded = VisionEagleHead.from_pretrained(out).float()
+    loaded = load(out)  # strict: every weight present with its config's shape
     assert isinstance(loaded, VisionEagleHead) and loaded.config.vision_policy == policy
     state = head.state_dict()
     assert set(loaded.state_dict()) == set(state)

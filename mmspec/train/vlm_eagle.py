@@ -104,18 +104,20 @@ def target_features(model, processor, data, path, batch_size=8, quiet=False, inp
 
 
 def eagle_text_losses(head, target, hidden, ids, weight, *, unroll=1, step_decay=1.0, noise=0.0, ce_positions=None,
-                      generator=None):  # fmt: skip
+                      generator=None, forward_kwargs=None):  # fmt: skip
     """Regression and soft-CE losses of `head` on sequences `ids [B, T]` with target features `hidden [B, T, D]`.
 
     `weight [B, T]` (bool) marks the tokens whose prediction is trained (answer tokens); output `i` of step `j` (pair
     `(h[i], x[i+1])`) predicts `x[i+2]` from `h[i+1]`, counted where `weight[:, i + 2]` and `i >= j`.
+    `forward_kwargs` (a dict) go to `head.forward_unrolled` as keyword arguments (a vision-aware head's
+    `inputs_embeds`, `image_mask`, `prompt_lengths`, its own `generator`: `mmspec.train.vlm_vision`).
     Returns `(vloss, ploss)`."""
     hidden = hidden.float()
     b, t, _ = hidden.shape
     inp = hidden[:, :-1]
     if noise:
         inp = inp + (torch.rand(inp.shape, generator=generator) * 2 - 1) * noise
-    outs = head.forward_unrolled(inp, ids[:, 1:], target, unroll)
+    outs = head.forward_unrolled(inp, ids[:, 1:], target, unroll, **(forward_kwargs or {}))
     goal = hidden[:, 1:]  # [B, T-1, D]
     w = torch.cat([weight[:, 2:], weight.new_zeros(b, 1)], dim=1).float()  # [B, T-1]
     vloss = ploss = 0.0
@@ -140,10 +142,11 @@ def eagle_text_losses(head, target, hidden, ids, weight, *, unroll=1, step_decay
 
 
 @torch.no_grad()
-def evaluate_text_head(head, target, hidden, ids, weight, steps=3):
+def evaluate_text_head(head, target, hidden, ids, weight, steps=3, forward_kwargs=None):
     """Held-out greedy agreement: `top1_step{j}` = how often the head's argmax after `j` own steps equals the
-    target's argmax (the token greedy decoding emits), over answer positions."""
-    outs = head.forward_unrolled(hidden[:, :-1].float(), ids[:, 1:], target, steps)
+    target's argmax (the token greedy decoding emits), over answer positions (`forward_kwargs`: as
+    `eagle_text_losses`)."""
+    outs = head.forward_unrolled(hidden[:, :-1].float(), ids[:, 1:], target, steps, **(forward_kwargs or {}))
     goal = target.get_output_embeddings()(hidden[:, 1:].float()).argmax(-1)
     w = torch.cat([weight[:, 2:], weight.new_zeros(hidden.shape[0], 1)], dim=1)
     metrics = {}

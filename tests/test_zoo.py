@@ -44,8 +44,9 @@ def test_zoo_folder_is_complete(name):
 
 def test_zoo_sizes():
     total = sum(f.stat().st_size for f in ZOO.rglob("*") if f.is_file())
-    # tens of MB: 80 MB with the VLM zoo (vision tower, one distilled draft layer, EAGLE head; SmolLM2 is never copied)
-    assert total < 90e6, f"assets/ is {total / 1e6:.1f} MB"
+    # ~110 MB: the VLM zoo is 55 MB of it (vision tower, one distilled draft layer, the EAGLE head and the three
+    # vision-aware heads of issue 19; SmolLM2 is never copied)
+    assert total < 115e6, f"assets/ is {total / 1e6:.1f} MB"
     target, draft = load(ZOO / "mnist-c2i"), load(ZOO / "mnist-c2i-draft")
     assert target.config.n_layer >= 8 and target.config.block_size >= 64
     assert load(ZOO / "mnist-vq").config.codebook_size >= 256

@@ -21,9 +21,11 @@ one held-out free-form prompt (`mmspec.train.vlm_prompts`: detail, story, layout
 follow-up; kinds in turn), none of whose templates or canvas digits the drafters were trained on. For each batch size of ``--batch-size`` (a comma list), the prompts are
 cut into batches and every method runs on each batch in turn (interleaved, so load drift hits all alike), after one
 warm-up call per method.
-Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (plain's latency / the method's),
+Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (plain's latency / the method's; with
+``--do-sample`` plain's time per generated token / the method's, ``s_per_token``, since sampled answers differ in
+length between methods: the same law, other draws),
 ``prefill_s`` and ``decode_s`` (mmspec methods time the two apart), ``decode_speedup`` (plain's decode time / the
-method's), ``tokens_per_s`` (generated tokens / decode time; transformers methods: / latency), ``tau`` (tokens per
+method's; sampled: the ratio of decode ``tokens_per_s``), ``tokens_per_s`` (generated tokens / decode time; transformers methods: / latency), ``tau`` (tokens per
 verification round, bonus included) and ``tau_without_bonus`` (accepted drafts per round), ``step_compression``
 (tokens per target forward, prefill included; counted with a forward hook for transformers' methods too),
 ``matches_plain`` (every greedy answer identical to plain's; null under ``--do-sample``, where speculative answers
@@ -442,12 +444,17 @@ def run(args, pipe=None, canvases=None, heads=None):
                 "target_calls": statistics.mean(x["target_calls"] for x in r),
                 "draft_calls": statistics.mean(x["draft_calls"] for x in r),
                 "mean_new_tokens": tokens / len(canvases),
+                "s_per_token": sum(x["latency_s"] for x in r) / max(tokens, 1),  # prefill included
                 "min_new_tokens": min(len(a) for a in answers[name]),
                 "matches_plain": None if do_sample else answers[name] == answers["plain"],
                 **image_token_fields(r),
             }
         base = table["plain"]
         for entry in table.values():
+            if do_sample:  # the same law, other draws: answers (and lengths) differ, so compare time per token
+                entry["speedup"] = base["s_per_token"] / entry["s_per_token"]
+                entry["decode_speedup"] = entry["tokens_per_s"] / base["tokens_per_s"] if entry["decode_s"] else None
+                continue
             entry["speedup"] = base["latency_s"] / entry["latency_s"]
             entry["decode_speedup"] = base["decode_s"] / entry["decode_s"] if entry["decode_s"] else None
         if "hf-assisted" in table:

@@ -42,3 +42,23 @@ def test_forced_expert_reaches_the_head_and_the_report():
         row = report["by_batch_size"]["1"]["specvlm"]
         assert row["gate_choice"] == {expert: 4} and row["draft_image_tokens"] == tokens and row["matches_plain"]
         assert report["knobs"]["specvlm_expert"] == expert
+
+
+def test_sampled_speedups_compare_time_per_generated_token():
+    """Sampled answers differ in length between methods (the same law, other draws): a sampled run's speedup is plain's
+    time per generated token over the method's, not a ratio of latencies over different answers."""
+    from test_vision_seam_bench import _args
+    from vlm_fixtures import images, tiny_llava, tiny_processor, train_tiny_head
+
+    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+    target = tiny_llava(4, seed=1)
+    pipe = SpeculativeVLMPipeline(target, tiny_processor())
+    pipe.set_progress_bar_config(disable=True)
+    canvases = images(4, seed=7)
+    pipe.register_modules(eagle_head=train_tiny_head(pipe, canvases, ["w1 w2"] * 4, steps=30))
+    args = _args("--methods", "plain,eagle", "--do-sample", "--temperature", "0.7", "--max-new-tokens", "24")
+    table = bench_vlm.run(args, pipe=pipe, canvases=canvases)["by_batch_size"]["1"]
+    plain, eagle = table["plain"], table["eagle"]
+    assert eagle["speedup"] == pytest.approx(plain["s_per_token"] / eagle["s_per_token"])
+    assert eagle["decode_speedup"] == pytest.approx(eagle["tokens_per_s"] / plain["tokens_per_s"])

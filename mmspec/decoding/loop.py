@@ -41,7 +41,8 @@ def verify_proposal(rule, proposal: Proposal, p_target, generator, greedy: bool)
     with no drafts (one uniform per row), without its bookkeeping."""
     if proposal.width == 0 and proposal.parents is None and proposal.jacobi_coupling is None:
         batch = p_target.shape[0]
-        token = sample(p_target[:, 0], generator)  # one-hot under greedy: the argmax
+        # greedy: p_target is one-hot, its argmax is the token (no float64 CDF over the vocabulary per step)
+        token = p_target[:, 0].argmax(-1) if greedy else sample(p_target[:, 0], generator)
         none = torch.zeros(batch, dtype=torch.long, device=p_target.device)
         return VerifyResult(num_accepted=none, accept_mask=proposal.tokens.bool(), tokens=token[:, None])
     if proposal.parents is not None and proposal.jacobi_coupling is not None:  # SJD-PAC: Jacobi tree + re-draft

@@ -102,6 +102,18 @@ def _confidence(text):
     return value
 
 
+def phase_fields(runs):
+    """`--time-phases`: the decoding loop's draft and verify time per round (ms; a round is one verification
+    forward: plain's is one decoding step, the prefill apart), summed over the calls; None without the flag or for transformers' rows."""
+    if runs[0]["draft_s"] is None:
+        return {"draft_ms_per_round": None, "verify_ms_per_round": None}
+    rounds = sum(x["target_calls"] - 1 for x in runs)  # target_calls counts the prefill
+    return {
+        "draft_ms_per_round": 1e3 * sum(x["draft_s"] for x in runs) / rounds,
+        "verify_ms_per_round": 1e3 * sum(x["verify_s"] for x in runs) / rounds,
+    }
+
+
 def add_arguments(parser):
     nodes, depth, top_k = (int_in_range(1, VLM_LIMITS[k]) for k in ("num_draft_tokens", "tree_depth", "tree_top_k"))
     parser.add_argument("--zoo", default=DEFAULT_ZOO, help="folder with mnist-vlm, mnist-vlm-draft, mnist-vlm-eagle")
@@ -135,6 +147,9 @@ def add_arguments(parser):
     parser.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature (--do-sample)")
     parser.add_argument("--specvlm-expert", choices=SPECVLM_EXPERTS, default=None,
                         help="ablation: the specvlm row sends every input to this compressor instead of its gate's pick")  # fmt: skip
+    parser.add_argument("--time-phases", action="store_true",
+                        help="profile: time our rows' draft and verify phases (per-round ms in the JSON; on CUDA "
+                             "a sync at every phase boundary)")  # fmt: skip
     parser.add_argument("--seed", type=seed_int, default=0, help="canvas seed (and sampling seed)")
     parser.add_argument("--min-digits", type=int_in_range(1, MAX_DIGITS), default=4,
                         help=f"digits per canvas at least (1-{MAX_DIGITS})")  # fmt: skip
@@ -380,7 +395,7 @@ def run(args, pipe=None, canvases=None, heads=None):
         if name in ours:
             sampling = dict(generator=answer_generators(first, len(ims), args.seed, device)) if do_sample else {}
             out = pipes.get(name, pipe)(images=ims, **{key: texts}, output_type="ids", **common, **ours[name],
-                                        **sampling)  # fmt: skip
+                                        time_phases=args.time_phases, **sampling)  # fmt: skip
             dt = time.perf_counter() - t0
             s = out.stats
             answers = [[t for t in row if t >= 0] for row in out.sequences.tolist()]
@@ -388,7 +403,8 @@ def run(args, pipe=None, canvases=None, heads=None):
                         tau_without_bonus=s.mean_accepted_drafts, step_compression=s.step_compression,
                         target_calls=s.target_forwards, draft_calls=s.draft_forwards,
                         draft_image_tokens=s.extra.get("draft_image_tokens_per_answer"),
-                        gate_choice=s.extra.get("gate_choice"))  # fmt: skip
+                        gate_choice=s.extra.get("gate_choice"), draft_s=s.time_draft_s,
+                        verify_s=s.time_verify_s)  # fmt: skip
         else:
             ids, lengths, extra = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
             if ids.shape[0] != 1:
@@ -410,7 +426,7 @@ def run(args, pipe=None, canvases=None, heads=None):
                         step_compression=len(answer) / calls if calls else None, target_calls=calls,
                         draft_calls=counters["draft"].calls if "draft" in counters else 0,
                         draft_image_tokens=draft_lm_image_tokens(ims, texts) if name == "hf-assisted" else None,
-                        gate_choice=None)  # fmt: skip
+                        gate_choice=None, draft_s=None, verify_s=None)  # fmt: skip
         return answers, dict(latency_s=dt, new_tokens=sum(len(a) for a in answers), **info)
 
     report = {}
@@ -448,6 +464,7 @@ def run(args, pipe=None, canvases=None, heads=None):
                 "min_new_tokens": min(len(a) for a in answers[name]),
                 "matches_plain": None if do_sample else answers[name] == answers["plain"],
                 **image_token_fields(r),
+                **phase_fields(r),
             }
         base = table["plain"]
         for entry in table.values():
@@ -507,6 +524,7 @@ def run(args, pipe=None, canvases=None, heads=None):
         "seed": args.seed,
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "time_phases": args.time_phases,
         "machine": platform.machine(),
         "torch": torch.__version__,
         "by_batch_size": report,

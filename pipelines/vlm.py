@@ -334,6 +334,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         output_type: str = "text",
         return_dict: bool = True,
         callback_on_step_end=None,
+        time_phases: bool = False,
     ):
         """Answer `prompt` / `messages` about `images`.
 
@@ -362,6 +363,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             return_dict: return a `SpeculativeVLMOutput` (else `(text or ids, stats)`).
             callback_on_step_end: `fn(pipe, round, generated_tokens, {"tokens": [B, N]})` after every round (the
                 token grid, -1 = not generated; read-only).
+            time_phases: also time the loop's draft and verify phases (`stats.time_draft_s` / `time_verify_s`; on
+                CUDA a sync at each phase boundary, so leave it off when timing end to end there).
 
         Returns:
             `SpeculativeVLMOutput(text, sequences, stats, trace)` or a tuple.
@@ -372,6 +375,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         knobs = self.check_draft_knobs(
             num_draft_tokens, tree_depth, tree_top_k, draft_vocab, draft_confidence, return_dict
         )
+        if not isinstance(time_phases, bool):
+            raise TypeError(f"time_phases must be a bool, got {time_phases!r}")
         guidance = Guidance(SamplingParams(1.0, temperature, top_k, top_p, do_sample))
         vocab = self.model.get_output_embeddings().weight.shape[0]
         if guidance.sampling.top_k is not None and guidance.sampling.top_k > vocab:
@@ -390,7 +395,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         target = HFTarget(self.model, guidance)
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
                                   draft_confidence)  # fmt: skip
-        stats = SpecStats(batch, 0 if draft is None else draft.max_width)
+        stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 
         # 3. prefill: prompt + image features of every row; the first token comes from the target alone
         with stats.timer("total", device), stats.timer("prefill", device):

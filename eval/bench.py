@@ -7,7 +7,9 @@ look at the disk (zoo folders, device, output paths), run before ``run`` so a ba
 (exit 2) before any model loads; and ``finish(args, report)``: optional extras (plots) made after the report is
 written. The dict is written to ``--json PATH`` if given (checked up front; written atomically, before the extras,
 so a finished report is never lost). Timings use `time.perf_counter` around each call, after
-warm-up calls, with a device synchronise on accelerators, and report the median (plus p10/p90) over repeats.
+warm-up calls, with a device synchronise on accelerators, and report the median (plus p10/p90) over repeats. Every
+report records the host's CPU model (``"cpu"``): small-batch matrix products, hence speculative speedups on a CPU,
+differ between CPU models.
 
 ``verify`` (`mmspec.eval.bench_verify`): cost per call of every `mmspec.verify` rule at batch 1 and 16, K=8 draft
 tokens, V=16384 (LlamaGen's codebook), float32 on CPU by default. This module imports no torch (`--help` is fast).
@@ -16,6 +18,7 @@ tokens, V=16384 (LlamaGen's codebook), float32 on CPU by default. This module im
 import argparse
 import importlib
 import logging
+import platform
 import sys
 from pathlib import Path
 
@@ -42,6 +45,18 @@ def _subcommand(spec: str):
     return getattr(obj, attr) if attr else obj
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (`/proc/cpuinfo` on Linux, else `platform.processor()`; "unknown" if neither)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 
@@ -65,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.check_args(chosen, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     report = bench.run(args)
+    report.setdefault("cpu", cpu_model())
     if args.json is not None:
         write_json(args.json, report)
         logger.info("wrote %s", args.json)

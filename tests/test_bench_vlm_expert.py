@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+from vlm_fixtures import quick_eagle_pipe
 
 from mmspec.eval import bench_vlm
 
@@ -26,15 +27,8 @@ def test_unknown_expert_and_expert_without_the_row_are_usage_errors(capsys):
 def test_forced_expert_reaches_the_head_and_the_report():
     from test_vision_drafters import vision_head
     from test_vision_seam_bench import _args, setup  # noqa: F401
-    from vlm_fixtures import images, tiny_llava, tiny_processor, train_tiny_head
 
-    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-
-    target = tiny_llava(4, seed=1)
-    pipe = SpeculativeVLMPipeline(target, tiny_processor())
-    pipe.set_progress_bar_config(disable=True)
-    canvases = images(4, seed=7)
-    pipe.register_modules(eagle_head=train_tiny_head(pipe, canvases, ["w1 w2"] * 4, steps=30))
+    pipe, canvases = quick_eagle_pipe()
     heads = {"specvlm": vision_head(pipe.eagle_head, pipe.model, "specvlm")}
     for expert, tokens in (("text-only", 0), ("pool", 4)):  # a 4 x 4 image grid, ratio 4
         args = _args("--methods", "plain,specvlm", "--specvlm-expert", expert)
@@ -48,15 +42,8 @@ def test_sampled_speedups_compare_time_per_generated_token():
     """Sampled answers differ in length between methods (the same law, other draws): a sampled run's speedup is plain's
     time per generated token over the method's, not a ratio of latencies over different answers."""
     from test_vision_seam_bench import _args
-    from vlm_fixtures import images, tiny_llava, tiny_processor, train_tiny_head
 
-    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-
-    target = tiny_llava(4, seed=1)
-    pipe = SpeculativeVLMPipeline(target, tiny_processor())
-    pipe.set_progress_bar_config(disable=True)
-    canvases = images(4, seed=7)
-    pipe.register_modules(eagle_head=train_tiny_head(pipe, canvases, ["w1 w2"] * 4, steps=30))
+    pipe, canvases = quick_eagle_pipe()
     args = _args("--methods", "plain,eagle", "--do-sample", "--temperature", "0.7", "--max-new-tokens", "24")
     table = bench_vlm.run(args, pipe=pipe, canvases=canvases)["by_batch_size"]["1"]
     plain, eagle = table["plain"], table["eagle"]

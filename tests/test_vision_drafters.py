@@ -13,9 +13,8 @@ import torch
 from pipeline_mixin import SpeculativePipelineTesterMixin
 from test_pipeline_vlm import _chisquare
 from vision_seam_fixtures import check_positions, record_head_positions
-from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, prompts, tiny_llava, tiny_processor, train_tiny_head
+from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, llava_pipe_with_heads, prompts
 
-from mmspec.models.hf_draft import truncated_draft
 from mmspec.models.vision_eagle import VISION_POLICIES, VisionEagleHead
 from mmspec.models.vlm_inputs import capture_decoder_inputs
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
@@ -27,12 +26,7 @@ NUM_QUERIES = 3  # ViSpec: 2 tokens + 1 global vector per image; SpecVLM's resam
 
 @pytest.fixture(scope="module")
 def base():
-    target = tiny_llava(4, seed=1)
-    pipe = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=truncated_draft(target, 3))
-    pipe.set_progress_bar_config(disable=True)
-    ims, texts = images(8) + images(1, seed=5), prompts(8) + prompts(1, seed=5)
-    pipe.register_modules(eagle_head=train_tiny_head(pipe, ims, texts))
-    return pipe
+    return llava_pipe_with_heads()
 
 
 def vision_head(text_head, target, policy, seed=0):

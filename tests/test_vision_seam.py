@@ -7,11 +7,19 @@ the real ViSpec / SpecVLM / MSD heads are in `tests/test_vision_drafters.py`."""
 import pytest
 import torch
 from vision_seam_fixtures import StrideImageHead, check_positions, record_head_positions, stride_head_from
-from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, prompts, tiny_llava, tiny_lm, tiny_processor, train_tiny_head
+from vlm_fixtures import (
+    IMAGE_TOKENS,
+    hf_greedy,
+    images,
+    llava_pipe_with_heads,
+    prompts,
+    tiny_llava,
+    tiny_lm,
+    tiny_processor,
+)
 
 from mmspec.decoding import Guidance
 from mmspec.models.hf import HFTarget
-from mmspec.models.hf_draft import truncated_draft
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 from mmspec.sampling import SamplingParams
 
@@ -53,12 +61,7 @@ def test_prefill_of_a_causal_lm_hands_over_token_embeddings_and_an_empty_mask():
 
 @pytest.fixture(scope="module")
 def llava_pipe():
-    target = tiny_llava(4, seed=1)
-    pipe = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=truncated_draft(target, 3))
-    pipe.set_progress_bar_config(disable=True)
-    ims, texts = images(8) + images(1, seed=5), prompts(8) + prompts(1, seed=5)
-    pipe.register_modules(eagle_head=train_tiny_head(pipe, ims, texts))
-    return pipe
+    return llava_pipe_with_heads()
 
 
 @pytest.fixture(scope="module")

@@ -3,20 +3,14 @@ time), opt-in, refused when not a bool, and the same answers with it on."""
 
 import pytest
 from test_vision_seam_bench import _args
-from vlm_fixtures import images, prompts, tiny_llava, tiny_processor, train_tiny_head
+from vlm_fixtures import prompts, quick_eagle_pipe
 
 from mmspec.eval import bench_vlm
-from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 
 @pytest.fixture(scope="module")
 def setup():
-    target = tiny_llava(4, seed=1)
-    pipe = SpeculativeVLMPipeline(target, tiny_processor())
-    pipe.set_progress_bar_config(disable=True)
-    canvases = images(4, seed=7)
-    pipe.register_modules(eagle_head=train_tiny_head(pipe, canvases, ["w1 w2"] * 4, steps=30))
-    return pipe, canvases
+    return quick_eagle_pipe()
 
 
 def test_pipeline_times_the_phases_only_when_asked(setup):

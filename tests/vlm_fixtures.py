@@ -128,3 +128,30 @@ def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
         (v + p).backward()
         opt.step()
     return head.eval()
+
+
+def llava_pipe_with_heads(with_draft=True):
+    """The 4-layer tiny LLaVA in a pipeline with (optionally) its 3-layer truncated draft LM and an EAGLE head fitted
+    on 9 canvases (`images(8) + images(1, seed=5)`)."""
+    from mmspec.models.hf_draft import truncated_draft
+    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+    target = tiny_llava(4, seed=1)
+    draft = truncated_draft(target, 3) if with_draft else None
+    pipe = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=draft)
+    pipe.set_progress_bar_config(disable=True)
+    ims, texts = images(8) + images(1, seed=5), prompts(8) + prompts(1, seed=5)
+    pipe.register_modules(eagle_head=train_tiny_head(pipe, ims, texts))
+    return pipe
+
+
+def quick_eagle_pipe():
+    """(pipe, canvases): the 4-layer tiny LLaVA with an EAGLE head fitted in 30 steps on 4 canvases (`images(4,
+    seed=7)`, prompt "w1 w2") -- enough for the bench's rows, which need a head, not a good one."""
+    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+    pipe = SpeculativeVLMPipeline(tiny_llava(4, seed=1), tiny_processor())
+    pipe.set_progress_bar_config(disable=True)
+    canvases = images(4, seed=7)
+    pipe.register_modules(eagle_head=train_tiny_head(pipe, canvases, ["w1 w2"] * 4, steps=30))
+    return pipe, canvases

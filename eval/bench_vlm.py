@@ -104,7 +104,8 @@ def _confidence(text):
 
 def phase_fields(runs):
     """`--time-phases`: the decoding loop's draft and verify time per round (ms; a round is one verification
-    forward: plain's is one decoding step, the prefill apart), summed over the calls; None without the flag or for transformers' rows."""
+    forward: plain's is one decoding step, the prefill apart), summed over the calls; None without the flag or for
+    transformers' rows."""
     if runs[0]["draft_s"] is None:
         return {"draft_ms_per_round": None, "verify_ms_per_round": None}
     rounds = sum(x["target_calls"] - 1 for x in runs)  # target_calls counts the prefill
@@ -316,6 +317,7 @@ def run(args, pipe=None, canvases=None, heads=None):
     if workload == "free-form" and canvases is not None:
         raise ValueError("canvases: the free-form workload draws its own held-out canvases (they go with its prompts)")
     do_sample = bool(getattr(args, "do_sample", False))
+    time_phases = bool(getattr(args, "time_phases", False))
     temperature = float(getattr(args, "temperature", 1.0))
     if args.methods is None:  # not through `mmspec bench` (no check_args): every method the pipeline can run
         args.methods = list(ALL_METHODS)
@@ -395,7 +397,7 @@ def run(args, pipe=None, canvases=None, heads=None):
         if name in ours:
             sampling = dict(generator=answer_generators(first, len(ims), args.seed, device)) if do_sample else {}
             out = pipes.get(name, pipe)(images=ims, **{key: texts}, output_type="ids", **common, **ours[name],
-                                        time_phases=args.time_phases, **sampling)  # fmt: skip
+                                        time_phases=time_phases, **sampling)  # fmt: skip
             dt = time.perf_counter() - t0
             s = out.stats
             answers = [[t for t in row if t >= 0] for row in out.sequences.tolist()]
@@ -524,7 +526,7 @@ def run(args, pipe=None, canvases=None, heads=None):
         "seed": args.seed,
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "time_phases": args.time_phases,
+        "time_phases": time_phases,
         "machine": platform.machine(),
         "torch": torch.__version__,
         "by_batch_size": report,

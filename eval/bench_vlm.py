@@ -17,7 +17,7 @@ tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node,
 Workloads (``--workload``): ``templated`` (the default): ``--num-prompts`` held-out canvases (MNIST *test* digits,
 ``--min-digits`` 4 per canvas by default so the descriptions are long), all asked ``--prompt`` ("Describe the image.",
 whose answer the target learned as a fixed template); ``free-form``: ``--num-prompts`` held-out canvases, each with
-one held-out free-form prompt (`mmspec.train.vlm_prompts`: detail, story, layout, compare two digits, a two-turn
+one held-out free-form prompt (`mmspec.data.vlm_prompts`: detail, story, layout, compare two digits, a two-turn
 follow-up; kinds in turn), none of whose templates or canvas digits the drafters were trained on. For each batch size of ``--batch-size`` (a comma list), the prompts are
 cut into batches and every method runs on each batch in turn (interleaved, so load drift hits all alike), after one
 warm-up call per method.
@@ -62,8 +62,8 @@ from mmspec.cli import (
     positive_float,
     seed_int,
 )
-from mmspec.cli_vlm import EAGLE_HEADS
-from mmspec.methods import VLM_LIMITS
+from mmspec.data.canvases import MAX_DIGITS, held_out_canvases
+from mmspec.methods import EAGLE_HEADS, VLM_LIMITS
 
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ METHODS = (
     "draft-model-frspec",
     "eagle",
 )
-# the vision-aware EAGLE heads (mmspec.models.vision_eagle: vispec, specvlm, msd), run with the `eagle` row's knobs
+# the vision-aware EAGLE heads (mmspec.drafters.vision_eagle: vispec, specvlm, msd), run with the `eagle` row's knobs
 VISION_METHODS = tuple(name for name in EAGLE_HEADS if name != "eagle")
 ALL_METHODS = METHODS + VISION_METHODS
 SPECVLM_EXPERTS = ("prune", "pool", "conv", "resampler", "text-only")  # mmspec.compressors.default_experts
@@ -88,7 +88,6 @@ MAX_PROMPTS = 10_000  # `--num-prompts`
 WORKLOADS = ("templated", "free-form")
 TEMPLATED_PROMPT = "Describe the image."
 DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128}  # free-form answers are long: cut at 128 tokens
-MAX_DIGITS = 4  # a canvas has 4 cells (`mmspec.train.vlm_data.sample_layout`): at most 4 digits
 DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
                                        "draft-model-frspec"), "mnist-vlm-eagle": ("eagle", "draft-model-frspec"),
                    **{f"mnist-vlm-{name}": (name,) for name in VISION_METHODS}}  # fmt: skip
@@ -124,7 +123,7 @@ def add_arguments(parser):
                         help="canvases (one answer each)")  # fmt: skip
     parser.add_argument("--workload", choices=WORKLOADS, default="templated",
                         help="templated: every canvas asked --prompt; free-form: held-out free-form prompts "
-                             "(mmspec.train.vlm_prompts)")  # fmt: skip
+                             "(mmspec.data.vlm_prompts)")  # fmt: skip
     parser.add_argument("--prompt", default=None, help=f"templated workload only (default {TEMPLATED_PROMPT!r})")
     parser.add_argument("--methods", type=names_of(ALL_METHODS), default=None,
                         help=f"comma list of {','.join(ALL_METHODS)} (default: every one the zoo has drafters for; "
@@ -229,29 +228,11 @@ def resolve_workload_defaults(args):
 
 def free_form_inputs(num, seed, min_digits=4):
     """The free-form workload: (`num` held-out PIL canvases, their held-out `FreeFormPrompt`s)."""
-    from mmspec.train.vlm_data import to_pil
-    from mmspec.train.vlm_prompts import sample_prompts
+    from mmspec.data.canvases import to_pil
+    from mmspec.data.vlm_prompts import sample_prompts
 
     _, canvases, prompts = sample_prompts(num, "held-out", seed, min_digits)
     return [to_pil(c) for c in canvases], prompts
-
-
-def held_out_canvases(num, seed, min_digits=3):
-    """`num` PIL canvases of MNIST test digits with at least `min_digits` digits (long descriptions; a canvas holds
-    at most `MAX_DIGITS`)."""
-    from mmspec.train.vlm_data import mnist_digits, render, sample_layout, to_pil
-
-    if isinstance(min_digits, bool) or not isinstance(min_digits, int) or not 1 <= min_digits <= MAX_DIGITS:
-        raise ValueError(f"min_digits must be an int in [1, {MAX_DIGITS}] (digits a canvas holds), got {min_digits!r}")
-
-    images, labels = mnist_digits("test")
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    while len(out) < num:
-        layout = sample_layout(labels, generator)
-        if len(layout.filled) >= min_digits:
-            out.append(to_pil(render(layout, images)))
-    return out
 
 
 def image_token_fields(runs):
@@ -380,7 +361,7 @@ def run(args, pipe=None, canvases=None, heads=None):
 
     def draft_lm_image_tokens(ims, texts):
         """Image tokens transformers' assistant (the draft LM) reads per answer."""
-        from mmspec.models.vlm_inputs import image_token_mask
+        from mmspec.models.hf.inputs import image_token_mask
 
         ids, lengths, _ = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
         valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]

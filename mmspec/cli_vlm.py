@@ -26,12 +26,7 @@ from mmspec.cli import (
     positive_int,
     probability,
 )
-from mmspec.methods import VLM_LIMITS
-
-
-# the zoo's EAGLE heads, folder `mnist-vlm-<name>` (`SpeculativeVLMPipeline.from_zoo(eagle=...)`, `bench vlm` rows);
-# here, not in the pipeline, so that `mmspec vlm --help` imports no torch
-EAGLE_HEADS = ("eagle", "vispec", "specvlm", "msd")
+from mmspec.methods import EAGLE_HEADS, VLM_LIMITS
 
 
 logger = logging.getLogger(__name__)
@@ -143,7 +138,7 @@ def run(args):
     import torch
     from PIL import Image
 
-    from mmspec.eval.bench_vlm import held_out_canvases
+    from mmspec.data.canvases import held_out_canvases
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
     if args.threads:

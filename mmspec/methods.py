@@ -25,6 +25,8 @@ from mmspec.verify import RESAMPLES, RULE_CLASSES
 __all__ = [
     "ACCEPTANCES",
     "DRAFTERS",
+    "EAGLE_HEADS",
+    "VISION_POLICIES",
     "KNOBS",
     "PRESETS",
     "IMAGE_LIMITS",
@@ -109,6 +111,12 @@ class Knob:
 # Upper bounds of the VLM pipeline's size knobs: each costs memory and time linearly (a tree's target forward scores
 # every node), far past any useful setting (EAGLE-2: depth 6, top-k 10, 60 nodes), so a typo is refused instead of
 # allocating gigabytes. `max_new_tokens` is also bounded by the model's context (prompt + new tokens).
+# the VLM's EAGLE-head kinds: "eagle" (text features only) and the vision-aware policies of
+# `mmspec.drafters.vision_eagle.VisionEagleHead`; the zoo's head of kind `k` is the folder `mnist-vlm-<k>`
+# (`SpeculativeVLMPipeline.from_zoo(eagle=k)`, `mmspec vlm --eagle-head k`, `bench vlm` rows, `train vlm-vision`)
+VISION_POLICIES = ("vispec", "specvlm", "msd")
+EAGLE_HEADS = ("eagle", *VISION_POLICIES)
+
 VLM_LIMITS = {"num_draft_tokens": 256, "tree_depth": 32, "tree_top_k": 32, "max_new_tokens": 32768}
 
 # Upper bounds of the image-side knobs that cost memory or time: the Jacobi window scores window x vocabulary

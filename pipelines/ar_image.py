@@ -47,10 +47,10 @@ from mmspec.drafters.jacobi_pac import make_jacobi_drafter
 from mmspec.drafters.model import ModelDrafter
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
-from mmspec.models.eagle import EagleHead
-from mmspec.models.llamagen import LlamaGenGPT
-from mmspec.models.llamagen_target import LlamaGenTarget
-from mmspec.models.vq import LlamaGenVQ
+from mmspec.models.llamagen.eagle import EagleHead
+from mmspec.models.llamagen.gpt import LlamaGenGPT
+from mmspec.models.llamagen.target import LlamaGenTarget
+from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.random import check_generator
 from mmspec.sampling import SamplingParams, sample
 from mmspec.stats import SpecStats
@@ -170,7 +170,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
 
         components = {name: load(folder) for name, folder in zoo_folders(root, prefix, kind).items()}
         if kind == "t2i" and "text_encoder" not in kwargs:
-            from mmspec.models.text import load_text_encoder, minilm_folder
+            from mmspec.models.llamagen.text import load_text_encoder, minilm_folder
 
             components["tokenizer"], components["text_encoder"] = load_text_encoder(minilm_folder())
         components.update(kwargs)
@@ -210,8 +210,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             >>> out = pipe(class_labels=[207], acceptance="jacobi", guidance_scale=4.0)  # training-free, lossless
         """
         from mmspec.models import load
-        from mmspec.models.checkpoints import load_official_gpt
-        from mmspec.models.vq import load_official_vq
+        from mmspec.models.llamagen.checkpoints import load_official_gpt
+        from mmspec.models.llamagen.vq import load_official_vq
 
         vq_model = vq_model or {16: "VQ-16", 8: "VQ-8"}.get(downsample_size)
         if vq_model is None and not vq_config:  # a custom VQ is described by vq_config alone
@@ -231,7 +231,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if isinstance(eagle_head, (str, Path)):
             eagle_head = load(eagle_head, dtype=torch_dtype)
         if isinstance(text_encoder, (str, Path)):
-            from mmspec.models.text import load_text_encoder
+            from mmspec.models.llamagen.text import load_text_encoder
 
             loaded_tokenizer, text_encoder = load_text_encoder(text_encoder)
             tokenizer = tokenizer or loaded_tokenizer
@@ -277,8 +277,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
 
     def encode_prompt(self, prompt, device):
         """Prompts -> (caption features `[B, cls_token_num, caption_dim]`, bool mask `[B, cls_token_num]`), left-padded
-        as upstream LlamaGen t2i (`mmspec.models.text.encode_prompts`)."""
-        from mmspec.models.text import encode_prompts
+        as upstream LlamaGen t2i (`mmspec.models.llamagen.text.encode_prompts`)."""
+        from mmspec.models.llamagen.text import encode_prompts
 
         if getattr(self, "text_encoder", None) is None:
             raise ValueError("prompt needs a text_encoder and tokenizer in the pipeline; else pass prompt_embeds")

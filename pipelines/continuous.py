@@ -19,9 +19,9 @@ from diffusers.utils import BaseOutput
 from mmspec.decoding.masked import ImageNoise, MARRunner, cfg_schedule, decode_masked, mar_schedule
 from mmspec.decoding.trace import DecodeTrace
 from mmspec.models import DEFAULT_ZOO
-from mmspec.models.diffusion import GaussianDiffusion
-from mmspec.models.kl_vae import AutoencoderKL
-from mmspec.models.mar import MAR
+from mmspec.models.mar.diffusion import GaussianDiffusion
+from mmspec.models.mar.kl_vae import AutoencoderKL
+from mmspec.models.mar.model import MAR
 from mmspec.random import check_generator
 from mmspec.stats import SpecStats
 
@@ -120,7 +120,7 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
     def from_official(cls, mar_ckpt, vae_ckpt, model="mar_large", draft_ckpt=None, draft_model="mar_base", **kwargs):
         """The pipeline from official LTH14/mar files (``checkpoint-last.pth`` of ``mar_base/large/huge``, EMA
         weights by default, and ``kl16.ckpt``), read with ``torch.load(weights_only=True)`` and every key and shape
-        checked (`mmspec.models.mar_checkpoints.official_continuous_pipeline` has the options).
+        checked (`mmspec.models.mar.checkpoints.official_continuous_parts` has the options).
 
         Examples:
             >>> pipe = SpeculativeContinuousARPipeline.from_official(
@@ -128,9 +128,9 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
             ...     draft_ckpt="mar_base/checkpoint-last.pth", draft_model="mar_base", device="cuda")
             >>> out = pipe([207], acceptance="continuous", num_ar_steps=256, guidance_scale=3.2)
         """
-        from mmspec.models.mar_checkpoints import official_continuous_pipeline
+        from mmspec.models.mar.checkpoints import official_continuous_parts
 
-        return official_continuous_pipeline(mar_ckpt, vae_ckpt, model, draft_ckpt, draft_model, **kwargs)
+        return cls(**official_continuous_parts(mar_ckpt, vae_ckpt, model, draft_ckpt, draft_model, **kwargs))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):

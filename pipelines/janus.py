@@ -2,7 +2,7 @@
 `SpeculativeJanusPipeline`.
 
 The model's image mode (`generate(generation_mode="image")`: prompt -> `num_image_tokens` VQ tokens -> image) runs
-on the shared decoding engine (`mmspec.decoding`) through `mmspec.models.janus.JanusTarget` (mmspec's static KV
+on the shared decoding engine (`mmspec.decoding`) through `mmspec.models.janus.target.JanusTarget` (mmspec's static KV
 cache, CFG rows `[cond; uncond]`), so every training-free method of `mmspec.methods` runs on it:
 
 | `acceptance` | `drafter` | method                                                  | lossless |
@@ -38,7 +38,7 @@ from diffusers import DiffusionPipeline
 from mmspec.decoding import Guidance, SequenceState, decode
 from mmspec.drafters import make_jacobi_drafter
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
-from mmspec.models.janus import JanusTarget, special_token_ids
+from mmspec.models.janus.target import JanusTarget, special_token_ids
 from mmspec.random import check_generator
 from mmspec.sampling import SamplingParams, sample
 from mmspec.stats import SpecStats

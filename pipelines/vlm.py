@@ -1,7 +1,7 @@
 """Speculative decoding for transformers VLMs (LLaVA family) and causal LMs: `SpeculativeVLMPipeline`.
 
 One Diffusers-style pipeline over the shared decoding engine (`mmspec.decoding.decode`): the target runs on mmspec's
-static KV cache through `mmspec.models.hf.HFTarget` (vision tower + projector once, at prefill), a drafter proposes,
+static KV cache through `mmspec.models.hf.target.HFTarget` (vision tower + projector once, at prefill), a drafter proposes,
 `mmspec.verify` accepts, one loop.
 
 | `acceptance` | `drafter`          | method                                                         | lossless |
@@ -22,7 +22,7 @@ of `tree_depth` tokens with `tree_top_k=1`, or an EAGLE-2 dynamic tree of `num_d
 | `VisionEagleHead`, policy `"specvlm"` | `<name>-specvlm`                    | one compressor per input (prune / pool / conv / resampler / text-only), picked by a question-conditioned gate (SpecVLM) | the chosen compressor's |
 | `VisionEagleHead`, policy `"msd"`     | `<name>-msd`                        | the raw projected image features at the image tokens (MSD's decoupled drafting) | all of them |
 
-A vision-aware head (`mmspec.models.vision_eagle`) gets the decoder's merged input embeddings and the image mask
+A vision-aware head (`mmspec.drafters.vision_eagle`) gets the decoder's merged input embeddings and the image mask
 from the target's own prefill (the vision tower still runs once) and keeps the target's position for every token
 it keeps. `stats.extra` reports `draft_image_tokens` (mean over the answers; `draft_image_tokens_per_answer`) for
 every drafter and, with SpecVLM's gate, `gate_choice` (the compressor chosen, per answer).
@@ -42,14 +42,13 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from mmspec.cli_vlm import EAGLE_HEADS  # `from_zoo(eagle=...)`: the head folder `<name>-<kind>`
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
-from mmspec.methods import KNOBS, VLM_LIMITS, check_knobs, resolve_drafter
+from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
-from mmspec.models.hf import HFTarget, right_align
-from mmspec.models.vlm_inputs import image_token_mask
+from mmspec.models.hf.inputs import image_token_mask
+from mmspec.models.hf.target import HFTarget, right_align
 from mmspec.random import check_generator
 from mmspec.sampling import SamplingParams, sample
 from mmspec.stats import SpecStats
@@ -89,7 +88,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         draft_model: optional smaller model sharing the tokenizer, for `drafter="model"` (a LLaVA draft also gets
             the image).
         eagle_head: optional EAGLE head trained on `model`, for `drafter="eagle"`: a
-            `mmspec.models.hf_eagle.TextEagleHead` or a vision-aware `mmspec.models.vision_eagle.VisionEagleHead`
+            `mmspec.models.hf.eagle.TextEagleHead` or a vision-aware `mmspec.drafters.vision_eagle.VisionEagleHead`
             (ViSpec / SpecVLM / MSD; module docstring).
 
     Examples:
@@ -114,7 +113,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
 
     @classmethod
     def from_zoo(cls, root=None, name="mnist-vlm", drafters=True, eagle="eagle", **kwargs):
-        """The offline zoo: `<root>/<name>` (SmolLM2-135M-Instruct + the trained vision tower, `mmspec.models.vlm_zoo`)
+        """The offline zoo: `<root>/<name>` (SmolLM2-135M-Instruct + the trained vision tower, `mmspec.models.hf.zoo`)
         and, when present and `drafters`, `<root>/<name>-draft` and the EAGLE head folder `eagle` picks: one of
         `EAGLE_HEADS` (`"eagle"`, the default: `<name>-eagle`; `"vispec"` / `"specvlm"` / `"msd"`: `<name>-<kind>`) or
         a folder name under `root`. A head asked for by name must exist (ValueError naming it); the default one is
@@ -122,8 +121,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         root = DEFAULT_ZOO if root is None else root  # the shipped zoo, from any working directory
         from pathlib import Path
 
-        from mmspec.models.hf_draft import load_vlm_draft
-        from mmspec.models.vlm_zoo import load_vlm
+        from mmspec.models.hf.draft import load_vlm_draft
+        from mmspec.models.hf.zoo import load_vlm
 
         if not isinstance(eagle, str) or not eagle.strip():
             raise ValueError(f"eagle must be one of {EAGLE_HEADS} or a head folder name under root, got {eagle!r}")

@@ -20,10 +20,10 @@ import torch
 
 
 def _shrink():
-    from mmspec.models.checkpoints import GPT_PRESETS
-    from mmspec.models.kl_vae import KL16_CONFIG
-    from mmspec.models.mar import MAR_PRESETS
-    from mmspec.models.vq import VQ_PRESETS
+    from mmspec.models.llamagen.checkpoints import GPT_PRESETS
+    from mmspec.models.llamagen.vq import VQ_PRESETS
+    from mmspec.models.mar.kl_vae import KL16_CONFIG
+    from mmspec.models.mar.model import MAR_PRESETS
 
     for name in ("GPT-L", "GPT-XL"):
         GPT_PRESETS[name].update(n_layer=1, n_head=2, dim=16)
@@ -35,8 +35,8 @@ def _shrink():
 
 
 def _gpt_file(path, preset, model_type, seed, caption_dim=None):
-    from mmspec.models.checkpoints import official_gpt_config
-    from mmspec.models.llamagen import LlamaGenGPT
+    from mmspec.models.llamagen.checkpoints import official_gpt_config
+    from mmspec.models.llamagen.gpt import LlamaGenGPT
 
     extra = {} if model_type == "c2i" else dict(caption_dim=caption_dim, cls_token_num=120)
     config = official_gpt_config(preset, model_type=model_type, image_size=256, **extra)
@@ -46,14 +46,14 @@ def _gpt_file(path, preset, model_type, seed, caption_dim=None):
 
 
 def _vq_file(path, seed):
-    from mmspec.models.vq import LlamaGenVQ
+    from mmspec.models.llamagen.vq import LlamaGenVQ
 
     torch.manual_seed(seed)
     torch.save({"model": LlamaGenVQ.from_preset("VQ-16").state_dict()}, path)
 
 
 def _mar_file(path, model, seed):
-    from mmspec.models.mar_checkpoints import build_official_mar
+    from mmspec.models.mar.checkpoints import build_official_mar
 
     torch.manual_seed(seed)
     state = build_official_mar(model).state_dict()
@@ -62,7 +62,7 @@ def _mar_file(path, model, seed):
 
 
 def _kl_file(path, seed):
-    from mmspec.models.kl_vae import KL16_CONFIG, AutoencoderKL
+    from mmspec.models.mar.kl_vae import KL16_CONFIG, AutoencoderKL
 
     torch.manual_seed(seed)
     torch.save({"model": AutoencoderKL(**KL16_CONFIG).state_dict()}, path)
@@ -71,7 +71,7 @@ def _kl_file(path, seed):
 def _text_encoder_folder(folder, width):
     from transformers import BertConfig, BertModel
 
-    from mmspec.models.text import load_text_encoder, minilm_folder
+    from mmspec.models.llamagen.text import load_text_encoder, minilm_folder
 
     tokenizer, _ = load_text_encoder(minilm_folder())
     torch.manual_seed(0)

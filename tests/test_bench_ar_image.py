@@ -71,7 +71,7 @@ def test_bench_t2i_model_runs_the_same_methods_on_prompts(tmp_path):
 
     import torch
 
-    from mmspec.models.llamagen import LlamaGenGPT
+    from mmspec.models.llamagen.gpt import LlamaGenGPT
 
     root = Path(__file__).resolve().parents[1] / "assets"
     for part in ("mnist-vq", "mnist-classifier"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mmspec.eval.bench import main as bench_main
-from mmspec.models.kl_vae import AutoencoderKL
-from mmspec.models.mar import MAR
+from mmspec.models.mar.kl_vae import AutoencoderKL
+from mmspec.models.mar.model import MAR
 
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

@@ -5,7 +5,7 @@ import argparse
 from vlm_fixtures import images, tiny_llava, tiny_processor, train_tiny_head
 
 from mmspec.eval import bench_vlm
-from mmspec.models.hf_draft import truncated_draft
+from mmspec.models.hf.draft import truncated_draft
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 

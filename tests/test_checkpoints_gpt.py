@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mmspec.models
-from mmspec.models.checkpoints import (
+from mmspec.models.llamagen.checkpoints import (
     GPT_PRESETS,
     check_state_dict,
     convert_official_gpt,
@@ -14,7 +14,7 @@ from mmspec.models.checkpoints import (
     load_official_state_dict,
     official_gpt_config,
 )
-from mmspec.models.llamagen import LlamaGenGPT
+from mmspec.models.llamagen.gpt import LlamaGenGPT
 
 
 def upstream_shapes(
@@ -107,7 +107,7 @@ def test_upstream_only_buffers_are_dropped(tmp_path, caplog):
     torch.save({"model": state}, tmp_path / "clean.pt")
     extra = {"freqs_cis": torch.zeros(17, 4, 2), "layers.0.attention.kv_cache.k_cache": torch.zeros(1, 4, 24, 8)}
     torch.save({"model": {**state, **extra}}, tmp_path / "c.pt")
-    with caplog.at_level("INFO", logger="mmspec.models.checkpoints"):
+    with caplog.at_level("INFO", logger="mmspec.models.llamagen.checkpoints"):
         model = load_official_gpt(tmp_path / "c.pt", "GPT-B", **tiny_kwargs())
     assert "dropped 2 non-parameter upstream entries" in caplog.text
     loaded = model.state_dict()

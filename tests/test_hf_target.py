@@ -1,4 +1,4 @@
-"""`mmspec.models.hf`: transformers models on mmspec's StaticKVCache (chain and tree forwards, ragged rows, row
+"""`mmspec.models.hf.target`: transformers models on mmspec's StaticKVCache (chain and tree forwards, ragged rows, row
 selection) against no-cache forwards of the same model."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from vlm_fixtures import images, tiny_llava, tiny_lm, tiny_processor
 
 from mmspec.decoding.guidance import Guidance
-from mmspec.models.hf import HFTarget, Positions, StaticCache, right_align
+from mmspec.models.hf.target import HFTarget, Positions, StaticCache, right_align
 from mmspec.sampling import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Janus on the engine (`mmspec.models.janus.JanusTarget` through `SpeculativeJanusPipeline`) against transformers'
+"""Janus on the engine (`mmspec.models.janus.target.JanusTarget` through `SpeculativeJanusPipeline`) against transformers'
 own image loop (`JanusForConditionalGeneration.generate(generation_mode="image")`) and against an independent
 full-recompute reference (no cache at all), on tiny random Janus models: greedy token for token (batch 1 and a
 ragged left-padded batch, with and without CFG), every lossless method equal to plain greedy, token trees scored and
@@ -10,7 +10,7 @@ import torch
 from janus_fixtures import prompt_ids, tiny_janus, tiny_processor
 
 from mmspec.decoding import Guidance
-from mmspec.models.janus import JanusTarget
+from mmspec.models.janus.target import JanusTarget
 from mmspec.pipelines import SpeculativeJanusPipeline
 from mmspec.sampling import SamplingParams
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmspec.data.mnist import is_mnist_available
 from mmspec.models import load
-from mmspec.models.kl_vae import KL16_CONFIG, AutoencoderKL, DiagonalGaussian, load_official_kl
-from mmspec.train.data import is_mnist_available
+from mmspec.models.mar.kl_vae import KL16_CONFIG, AutoencoderKL, DiagonalGaussian, load_official_kl
 
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -193,7 +193,7 @@ def test_saved_folder_loads_through_the_zoo_loader(tmp_path):
 @needs_mnist
 @pytest.mark.skipif(not (ASSETS / "mnist-kl").is_dir(), reason="assets/mnist-kl not trained")
 def test_shipped_mnist_kl_reconstructs_recognisable_digits():
-    from mmspec.train.data import MNIST_PAD, load_mnist
+    from mmspec.data.mnist import MNIST_PAD, load_mnist
 
     model = load(ASSETS / "mnist-kl")
     assert isinstance(model, AutoencoderKL) and model.tokens_per_image == 64 and model.token_dim == 4

@@ -22,7 +22,7 @@ def test_relaid_model_computes_the_same_and_keeps_ties():
 
 
 def test_zoo_target_is_input_major_on_cpu():
-    from mmspec.models.vlm_zoo import load_vlm
+    from mmspec.models.hf.zoo import load_vlm
 
     model, _ = load_vlm("mnist-vlm")
     assert is_input_major(model.model.language_model.layers[0].mlp.up_proj.weight)

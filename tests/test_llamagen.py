@@ -7,7 +7,7 @@ import torch
 
 import mmspec.models
 from mmspec.cache import path_to_leaf, tree_inputs
-from mmspec.models.llamagen import LlamaGenGPT, ffn_hidden_dim, rope_2d
+from mmspec.models.llamagen.gpt import LlamaGenGPT, ffn_hidden_dim, rope_2d
 
 
 ATOL = 1e-5

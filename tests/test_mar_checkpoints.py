@@ -1,4 +1,4 @@
-"""Loading official MAR checkpoints (`mmspec.models.mar_checkpoints`): the official file layout on tiny synthetic
+"""Loading official MAR checkpoints (`mmspec.models.mar.checkpoints`): the official file layout on tiny synthetic
 weights, safe unpickling, every refusal, the pipeline built from them, and the official presets' key names / shapes
 (on the meta device, so no weights are allocated)."""
 
@@ -7,8 +7,9 @@ import argparse
 import pytest
 import torch
 
-from mmspec.models.kl_vae import AutoencoderKL
-from mmspec.models.mar_checkpoints import build_official_mar, load_official_mar, official_continuous_pipeline
+from mmspec.models.mar.checkpoints import build_official_mar, load_official_mar
+from mmspec.models.mar.kl_vae import AutoencoderKL
+from mmspec.pipelines import SpeculativeContinuousARPipeline
 
 
 # A tiny MAR in the official layout: 8x8 images, VAE stride 2 -> a 4x4 grid of 4-d tokens.
@@ -193,12 +194,10 @@ def files(tmp_path):
 def test_pipeline_generates_plain_and_speculative(files):
     target, draft, vae = files
     kw = dict(model="mar_base", vae_config=TINY_VAE, **TINY)
-    pipe = official_continuous_pipeline(target, vae, **kw)
+    pipe = SpeculativeContinuousARPipeline.from_official(target, vae, **kw)
     assert pipe.vae.config.scale_factor == 0.2325 and pipe.draft_transformer is None
     out = pipe([1, 7], num_ar_steps=3, output_type="pt", generator=torch.Generator().manual_seed(0))
     assert out.images.shape == (2, 3, 8, 8) and torch.isfinite(out.images).all()
-
-    from mmspec.pipelines import SpeculativeContinuousARPipeline
 
     pipe = SpeculativeContinuousARPipeline.from_official(target, vae, draft_ckpt=draft, draft_model="mar_base",
                                                          draft_kw={"encoder_depth": 2}, **kw)  # fmt: skip
@@ -212,8 +211,8 @@ def test_pipeline_generates_plain_and_speculative(files):
 def test_pipeline_refuses_a_vae_of_another_stride(files):
     target, _, vae = files
     with pytest.raises(ValueError, match=r"vae_ckpt=.*downsamples by 2, but vae_stride=4"):
-        official_continuous_pipeline(target, vae, model="mar_base", vae_config=TINY_VAE,
-                                     **{**TINY, "img_size": 16, "vae_stride": 4})  # fmt: skip
+        SpeculativeContinuousARPipeline.from_official(target, vae, model="mar_base", vae_config=TINY_VAE,
+                                                      **{**TINY, "img_size": 16, "vae_stride": 4})  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- official presets (meta device)

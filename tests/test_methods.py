@@ -24,8 +24,8 @@ def test_pipeline_uses_the_registry_defaults_of_unset_rule_knobs():
     and counters as passing that default explicitly, while another value of the knob changes the run."""
     import copy
 
-    from mmspec.models.llamagen import LlamaGenGPT
-    from mmspec.models.vq import LlamaGenVQ
+    from mmspec.models.llamagen.gpt import LlamaGenGPT
+    from mmspec.models.llamagen.vq import LlamaGenVQ
     from mmspec.pipelines import SpeculativeARImagePipeline
 
     target = LlamaGenGPT(vocab_size=16, dim=32, n_layer=2, n_head=2, num_classes=4, block_size=16, multiple_of=8,

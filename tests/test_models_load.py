@@ -122,7 +122,7 @@ def test_not_a_model_folder(tmp_path):
 def test_eagle_head_registered_at_its_new_home_with_a_fallback(monkeypatch):
     from mmspec.drafters.eagle import EagleHead
 
-    assert MODEL_CLASSES["EagleHead"] == "mmspec.models.eagle"
+    assert MODEL_CLASSES["EagleHead"] == "mmspec.models.llamagen.eagle"
     assert mmspec.models._zoo_class("EagleHead") is EagleHead
     monkeypatch.setitem(MODEL_CLASSES, "EagleHead", "mmspec.models.not_moved_yet")
     assert mmspec.models._zoo_class("EagleHead") is EagleHead  # the former module still serves it

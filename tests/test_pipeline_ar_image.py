@@ -9,9 +9,9 @@ from pipeline_mixin import SpeculativePipelineTesterMixin
 from scipy import stats as scipy_stats
 
 from mmspec.decoding import ACCEPTED, BONUS, PREFILL
-from mmspec.models.eagle import EagleHead
-from mmspec.models.llamagen import LlamaGenGPT
-from mmspec.models.vq import LlamaGenVQ
+from mmspec.models.llamagen.eagle import EagleHead
+from mmspec.models.llamagen.gpt import LlamaGenGPT
+from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.pipelines import SpeculativeARImagePipeline, SpeculativeImageOutput
 
 
@@ -376,7 +376,7 @@ def test_engine_forwards_skip_the_syncing_range_checks(pipe, method, monkeypatch
     """The per-round forwards of target, draft model and EAGLE head run with validate=False (no host syncs for the
     id / slot range checks); only the tree path commit checks its slots."""
     from mmspec.cache import StaticKVCache
-    from mmspec.models.eagle import EagleHead
+    from mmspec.models.llamagen.eagle import EagleHead
 
     calls = []
     for cls, name in ((LlamaGenGPT, "check_inputs"), (StaticKVCache, "check_slots"), (EagleHead, "_inputs")):

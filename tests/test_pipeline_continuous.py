@@ -16,10 +16,10 @@ from scipy import stats as sps
 
 from mmspec.decoding import ACCEPTED, BONUS, PREFILL, RESAMPLED
 from mmspec.decoding.masked import cfg_schedule, mar_schedule
-from mmspec.models.diffloss import DiffLossHead
-from mmspec.models.diffusion import GaussianDiffusion
-from mmspec.models.kl_vae import AutoencoderKL
-from mmspec.models.mar import MAR
+from mmspec.models.mar.diffloss import DiffLossHead
+from mmspec.models.mar.diffusion import GaussianDiffusion
+from mmspec.models.mar.kl_vae import AutoencoderKL
+from mmspec.models.mar.model import MAR
 from mmspec.pipelines import SpeculativeContinuousARPipeline
 
 

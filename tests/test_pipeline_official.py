@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_checkpoints_gpt import synthetic_state
 
-from mmspec.models.eagle import EagleHead
-from mmspec.models.llamagen import LlamaGenGPT
-from mmspec.models.vq import LlamaGenVQ
+from mmspec.models.llamagen.eagle import EagleHead
+from mmspec.models.llamagen.gpt import LlamaGenGPT
+from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.pipelines import SpeculativeARImagePipeline
 
 
@@ -121,7 +121,7 @@ def test_t2i_cfg_null_rows_use_the_prompt_mask_as_upstream(official_files):
 def test_prompts_through_a_text_encoder_equal_prompt_embeds(official_files):
     from transformers import BertConfig, BertModel
 
-    from mmspec.models.text import encode_prompts, load_text_encoder, minilm_folder
+    from mmspec.models.llamagen.text import encode_prompts, load_text_encoder, minilm_folder
 
     tokenizer, _ = load_text_encoder(minilm_folder())  # the real MiniLM tokenizer, a tiny random encoder
     torch.manual_seed(0)

@@ -19,8 +19,8 @@ from vlm_fixtures import (
     train_tiny_head,
 )
 
-from mmspec.models.hf_draft import truncated_draft
-from mmspec.models.hf_eagle import TextEagleHead
+from mmspec.models.hf.draft import truncated_draft
+from mmspec.models.hf.eagle import TextEagleHead
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 

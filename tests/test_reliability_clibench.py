@@ -262,11 +262,11 @@ def test_held_out_canvases_refuses_more_digits_than_a_canvas_holds(monkeypatch):
     """`min_digits` 5+ can never be met (4 cells): a ValueError naming it, not an endless loop."""
     import torch
 
-    import mmspec.train.vlm_data as vlm_data
+    import mmspec.data.canvases as vlm_data
 
     monkeypatch.setattr(vlm_data, "mnist_digits", lambda split: (torch.zeros(10, 28, 28), torch.arange(10)))
     with _deadline(20), pytest.raises(ValueError, match="min_digits"):
-        bench_vlm.held_out_canvases(2, seed=0, min_digits=9)
+        vlm_data.held_out_canvases(2, seed=0, min_digits=9)
 
 
 def test_write_json_never_leaves_a_partial_report(tmp_path, monkeypatch):

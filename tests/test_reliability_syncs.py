@@ -11,8 +11,8 @@ import torch
 
 from mmspec.decoding import Guidance, SequenceState, decode
 from mmspec.drafters.model import ModelDrafter
-from mmspec.models.llamagen import LlamaGenGPT
-from mmspec.models.llamagen_target import LlamaGenTarget
+from mmspec.models.llamagen.gpt import LlamaGenGPT
+from mmspec.models.llamagen.target import LlamaGenTarget
 from mmspec.sampling import SamplingParams, sample
 from mmspec.stats import SpecStats
 from mmspec.verify import Exact

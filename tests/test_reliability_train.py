@@ -216,7 +216,7 @@ def test_input_models_default_to_the_shipped_zoo_from_any_folder(no_run, paths, 
 
 
 def test_sample_layout_refuses_more_digits_than_a_canvas_holds():
-    from mmspec.train.vlm_data import sample_layout
+    from mmspec.data.canvases import sample_layout
 
     labels, gen = torch.arange(10), torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="min_digits=9"):
@@ -230,7 +230,7 @@ def test_sample_layout_refuses_more_digits_than_a_canvas_holds():
 
 
 def test_sample_layout_min_digits_is_the_same_stream_as_rejecting_by_hand():
-    from mmspec.train.vlm_data import sample_layout
+    from mmspec.data.canvases import sample_layout
 
     labels = torch.arange(10)
     gen = torch.Generator().manual_seed(5)

@@ -7,7 +7,7 @@ import torch
 from test_pipeline_vlm import DRAFTERS, make_pipe
 from vlm_fixtures import hf_greedy, images, prompts
 
-import mmspec.models.hf as hf
+import mmspec.models.hf.target as hf
 from mmspec.cache import StaticKVCache
 from mmspec.methods import VLM_LIMITS
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline

@@ -1,4 +1,4 @@
-"""The cached float32 SmolLM2 copy (`mmspec.models.smollm2`) is fingerprinted: a damaged, stale or incomplete copy is
+"""The cached float32 SmolLM2 copy (`mmspec.models.hf.smollm2`) is fingerprinted: a damaged, stale or incomplete copy is
 rebuilt from the GGUF (logged), never used. A tiny random Llama stands in for the dequantized GGUF (the real one takes
 ~25 s); everything else -- the copy, its fingerprint, the checks, the rebuild -- is the library's own code."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from vlm_fixtures import tiny_lm, tiny_tokenizer
 
-from mmspec.models import smollm2
+from mmspec.models.hf import smollm2
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_damaged_copy_is_rebuilt_never_used(fake_gguf, damage, caplog):
     fn, reason = DAMAGES[damage]
     fn(folder)
     assert reason in smollm2.cache_problem(folder, fake_gguf[0] / smollm2.GGUF_FILE)
-    with caplog.at_level(logging.WARNING, logger="mmspec.models.smollm2"):
+    with caplog.at_level(logging.WARNING, logger="mmspec.models.hf.smollm2"):
         model, _ = smollm2.load_smollm2()
     assert len(reads) == 2 and _same_weights(model, original)
     assert "rebuilding" in caplog.text and reason in caplog.text
@@ -87,6 +87,6 @@ def test_copy_of_another_gguf_is_rebuilt(fake_gguf, caplog):
     package, reads = fake_gguf
     smollm2.load_smollm2()
     (package / smollm2.GGUF_FILE).write_bytes(b"GGUF" + bytes(300))  # the package was upgraded / reinstalled
-    with caplog.at_level(logging.WARNING, logger="mmspec.models.smollm2"):
+    with caplog.at_level(logging.WARNING, logger="mmspec.models.hf.smollm2"):
         smollm2.load_smollm2()
     assert len(reads) == 2 and "another" in caplog.text

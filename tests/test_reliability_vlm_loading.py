@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 from vlm_fixtures import tiny_lm, tiny_tokenizer
 
 from mmspec.models import DEFAULT_ZOO, load
-from mmspec.models.hf_draft import load_vlm_draft, save_draft_delta, truncated_draft
-from mmspec.models.hf_eagle import TextEagleHead
+from mmspec.models.hf.draft import load_vlm_draft, save_draft_delta, truncated_draft
+from mmspec.models.hf.eagle import TextEagleHead
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 

@@ -19,9 +19,9 @@ import mmspec.models
 from mmspec.models import MODEL_CLASSES, load, read_config
 from mmspec.models.classifier import MNISTClassifier
 from mmspec.models.config_fields import CONFIG_FIELDS
-from mmspec.models.eagle import EagleHead
-from mmspec.models.llamagen import LlamaGenGPT
-from mmspec.models.vq import LlamaGenVQ
+from mmspec.models.llamagen.eagle import EagleHead
+from mmspec.models.llamagen.gpt import LlamaGenGPT
+from mmspec.models.llamagen.vq import LlamaGenVQ
 
 
 ZOO = Path(__file__).resolve().parent.parent / "assets"

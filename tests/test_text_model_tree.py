@@ -11,7 +11,7 @@ from vlm_fixtures import tiny_lm
 
 from mmspec.decoding.guidance import Guidance
 from mmspec.drafters.text_model import TextModelDrafter
-from mmspec.models.hf import HFTarget
+from mmspec.models.hf.target import HFTarget
 from mmspec.sampling import SamplingParams
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mmspec.models
+from mmspec.data.mnist import is_mnist_available, load_mnist
 from mmspec.models.classifier import MNISTClassifier
 from mmspec.train.common import (
     CHECKPOINT_NAME,
@@ -18,7 +19,6 @@ from mmspec.train.common import (
     warmup_cosine_lr,
     write_model_card,
 )
-from mmspec.train.data import is_mnist_available, load_mnist
 
 
 class Interrupt(Exception):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmspec.train.data import is_mnist_available
+from mmspec.data.mnist import is_mnist_available
 
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -23,7 +23,7 @@ def _converted_vq():
     from transformers import JanusVQVAE
 
     from mmspec.models import load
-    from mmspec.models.janus_vq import janus_vq_from_llamagen
+    from mmspec.models.janus.vq import janus_vq_from_llamagen
 
     llamagen = load(ASSETS / "mnist-vq").eval()
     config, state = janus_vq_from_llamagen(llamagen)
@@ -48,8 +48,8 @@ def test_converted_vq_decodes_and_encodes_like_the_llamagen_vq():
 
 
 def test_vq_conversion_refuses_what_janus_cannot_express():
-    from mmspec.models.janus_vq import janus_vq_config
-    from mmspec.models.vq import LlamaGenVQ
+    from mmspec.models.janus.vq import janus_vq_config
+    from mmspec.models.llamagen.vq import LlamaGenVQ
 
     vq = LlamaGenVQ(in_channels=1, ch=16, ch_mult=(1, 2), z_channels=16, codebook_size=8, norm_num_groups=16,
                     sample_size=8)  # fmt: skip
@@ -63,8 +63,8 @@ def test_tokenizer_knows_every_prompt_and_the_processor_round_trips(tmp_path):
 
     from transformers import JanusProcessor
 
-    from mmspec.models.janus_processor import BOI_TOKEN, build_janus_processor, image_prompts
-    from mmspec.train.captions import TEMPLATES, render_prompt
+    from mmspec.data.captions import TEMPLATES, render_prompt
+    from mmspec.models.janus.processor import BOI_TOKEN, build_janus_processor, image_prompts
 
     processor = build_janus_processor(num_image_tokens=64)
     tok = processor.tokenizer
@@ -102,7 +102,7 @@ def test_training_logits_are_the_logits_generate_samples_from():
     """Greedy CFG `generate(generation_mode="image")` of a tiny random model picks, at every step, the argmax of the
     CFG combination of `image_logits` (teacher-forced on its own tokens) with the prompt and with `unconditional`."""
     from mmspec.models import load
-    from mmspec.models.janus_processor import build_janus_processor, image_prompts
+    from mmspec.models.janus.processor import build_janus_processor, image_prompts
     from mmspec.train.janus_t2i import build_janus, image_logits, unconditional
 
     torch.manual_seed(0)
@@ -141,11 +141,12 @@ def _janus_argv(out, data, captions, steps, extra=()):
 def test_tiny_janus_run_resumes_after_a_kill_and_refuses_a_changed_flag(tmp_path, monkeypatch, capsys):
     from transformers import JanusForConditionalGeneration, JanusProcessor
 
+    from mmspec.data.captions import TEMPLATES
+    from mmspec.data.mnist import load_mnist
     from mmspec.train import janus_t2i
     from mmspec.train.__main__ import main
-    from mmspec.train.captions import TEMPLATES, build_captions
+    from mmspec.train.captions import build_captions
     from mmspec.train.common import load_checkpoint, save_checkpoint
-    from mmspec.train.data import load_mnist
 
     _, labels = load_mnist("val")
     data = tmp_path / "codes.pt"
@@ -202,7 +203,7 @@ def test_shipped_janus_loads_offline_and_draws_the_requested_digits():
     from transformers import JanusForConditionalGeneration, JanusProcessor
 
     from mmspec.models import load
-    from mmspec.models.janus_processor import image_prompts
+    from mmspec.models.janus.processor import image_prompts
 
     shipped = [p for p in SHIPPED.iterdir() if p.name != "checkpoint.pt"]  # the checkpoint is git-ignored
     assert sum(p.stat().st_size for p in shipped) <= 8 * 2**20

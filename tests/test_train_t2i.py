@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmspec.train.captions import (
+from mmspec.data.captions import (
     DIGIT_WORDS,
     SLANT_PHRASES,
     TEMPLATES,
@@ -20,7 +20,7 @@ from mmspec.train.captions import (
     make_prompts,
     render_prompt,
 )
-from mmspec.train.data import is_mnist_available
+from mmspec.data.mnist import is_mnist_available
 
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -100,7 +100,7 @@ def test_prompts_name_the_digit_and_are_seeded():
 def test_every_prompt_fits_sixteen_text_tokens():
     from transformers import AutoTokenizer
 
-    from mmspec.models.text import minilm_folder
+    from mmspec.models.llamagen.text import minilm_folder
     from mmspec.train.captions import DEFAULT_MAX_LENGTH, token_counts
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_folder(), local_files_only=True)
@@ -127,12 +127,12 @@ def _t2i_args(out, data, captions, steps, sample_size):
 @needs_mnist
 @needs_minilm
 def test_tiny_t2i_run_end_to_end_and_resume(tmp_path, caplog):
+    from mmspec.data.mnist import load_mnist
     from mmspec.models import load
-    from mmspec.models.llamagen import LlamaGenGPT
+    from mmspec.models.llamagen.gpt import LlamaGenGPT
     from mmspec.train import t2i
     from mmspec.train.captions import build_captions, load_captions
     from mmspec.train.common import load_checkpoint, save_checkpoint
-    from mmspec.train.data import load_mnist
 
     # a codes file of the val split with random codes (the training mechanics only)
     _, labels = load_mnist("val")
@@ -184,7 +184,7 @@ def test_tiny_t2i_run_end_to_end_and_resume(tmp_path, caplog):
 
 
 def test_init_from_copies_all_but_the_condition_embedder(tmp_path):
-    from mmspec.models.llamagen import LlamaGenGPT
+    from mmspec.models.llamagen.gpt import LlamaGenGPT
     from mmspec.train.t2i import init_from
 
     shape = dict(vocab_size=32, dim=32, n_layer=2, n_head=2, multiple_of=32, block_size=16)

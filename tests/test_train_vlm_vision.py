@@ -53,7 +53,7 @@ def files(tmp_path, tiny, monkeypatch):
     model.config.save_pretrained(target)
     path = tmp_path / "answers.pt"
     torch.save(data, path)
-    import mmspec.models.vlm_zoo as vlm_zoo
+    import mmspec.models.hf.zoo as vlm_zoo
 
     monkeypatch.setattr(vlm_zoo, "load_vlm", lambda folder: (model, processor))
     return {"target": str(target), "data": str(path)}
@@ -77,7 +77,7 @@ def _parse(argv):
 
 
 def _pixels(processor, data, rows):
-    from mmspec.train.vlm_data import to_pil
+    from mmspec.data.canvases import to_pil
 
     ims = [to_pil(data["canvases"][r].float() / 255) for r in rows]
     return processor.image_processor(ims, return_tensors="pt")["pixel_values"]
@@ -175,8 +175,8 @@ def test_run_samples_text_only_then_multimodal_by_the_curriculum(files, tmp_path
 
 @pytest.mark.parametrize("policy", ["vispec", "msd", "specvlm"])
 def test_a_few_steps_write_a_loadable_head_with_held_out_metrics(files, tmp_path, policy):
+    from mmspec.drafters.vision_eagle import VisionEagleHead
     from mmspec.models import load
-    from mmspec.models.vision_eagle import VisionEagleHead
 
     out = tmp_path / "out"
     head = task.run(_parse(_argv(files, out, policy=policy)))
@@ -210,7 +210,7 @@ def test_a_few_steps_write_a_loadable_head_with_held_out_metrics(files, tmp_path
 def test_eagle_control_trains_a_text_head_from_init_through_the_same_loop(files, tmp_path, tiny, monkeypatch):
     """`--policy eagle`: a `TextEagleHead` started from `--init` (its weights at step 0), no vision inputs."""
     from mmspec.models import load
-    from mmspec.models.hf_eagle import TextEagleHead
+    from mmspec.models.hf.eagle import TextEagleHead
 
     model, _, _ = tiny
     init = TextEagleHead.from_target(model, draft_vocab_size=32)

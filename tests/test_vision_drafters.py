@@ -15,8 +15,8 @@ from test_pipeline_vlm import _chisquare
 from vision_seam_fixtures import check_positions, record_head_positions
 from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, llava_pipe_with_heads, prompts
 
-from mmspec.models.vision_eagle import VISION_POLICIES, VisionEagleHead
-from mmspec.models.vlm_inputs import capture_decoder_inputs
+from mmspec.drafters.vision_eagle import VISION_POLICIES, VisionEagleHead
+from mmspec.models.hf.inputs import capture_decoder_inputs
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 

@@ -6,9 +6,9 @@ import torch
 from vlm_fixtures import IMAGE_TOKENS, images, tiny_llava, tiny_lm, tiny_processor
 
 from mmspec.drafters.eagle import commit_accepted
-from mmspec.models.hf_eagle import TextEagleHead
-from mmspec.models.vision_eagle import VisionDraftCache, VisionEagleHead
-from mmspec.models.vlm_inputs import capture_decoder_inputs, image_token_mask
+from mmspec.drafters.vision_eagle import VisionDraftCache, VisionEagleHead
+from mmspec.models.hf.eagle import TextEagleHead
+from mmspec.models.hf.inputs import capture_decoder_inputs, image_token_mask
 
 
 POLICIES = ("vispec", "specvlm", "msd")

@@ -19,7 +19,7 @@ from vlm_fixtures import (
 )
 
 from mmspec.decoding import Guidance
-from mmspec.models.hf import HFTarget
+from mmspec.models.hf.target import HFTarget
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 from mmspec.sampling import SamplingParams
 

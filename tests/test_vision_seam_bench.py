@@ -12,7 +12,7 @@ from vlm_fixtures import IMAGE_TOKENS, images, tiny_llava, tiny_processor, train
 from mmspec import cli, cli_vlm
 from mmspec.eval import bench_vlm
 from mmspec.models import DEFAULT_ZOO
-from mmspec.models.hf_draft import truncated_draft
+from mmspec.models.hf.draft import truncated_draft
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 

@@ -3,7 +3,7 @@
 import torch
 from vlm_fixtures import images, tiny_llava, tiny_lm, tiny_processor
 
-from mmspec.models.vlm_inputs import capture_decoder_inputs, image_token_mask
+from mmspec.models.hf.inputs import capture_decoder_inputs, image_token_mask
 
 
 def test_llava_capture_holds_projected_image_features_at_image_tokens_and_embeddings_elsewhere():

@@ -4,9 +4,9 @@ layer-truncated draft is token-identical to transformers' `generate`, at batch 1
 import pytest
 import torch
 
-from mmspec.models.hf_draft import truncated_draft
-from mmspec.models.hf_eagle import TextEagleHead
-from mmspec.models.smollm2 import load_smollm2
+from mmspec.models.hf.draft import truncated_draft
+from mmspec.models.hf.eagle import TextEagleHead
+from mmspec.models.hf.smollm2 import load_smollm2
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 

@@ -10,18 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmspec.models.smollm2 import load_smollm2
-from mmspec.models.vlm_zoo import (
-    IMAGE_TOKEN_ID,
-    WEIGHTS_NAME,
-    build_processor,
-    build_vlm,
-    load_vlm,
-    save_vlm_parts,
-    vlm_config,
-)
-from mmspec.train.vlm import first_digit, generate_answers, pixel_values, user_prompt
-from mmspec.train.vlm_data import (
+from mmspec.data.canvases import (
     CELL,
     POSITIONS,
     QUESTION_KINDS,
@@ -32,6 +21,17 @@ from mmspec.train.vlm_data import (
     sample_layout,
     to_pil,
 )
+from mmspec.models.hf.smollm2 import load_smollm2
+from mmspec.models.hf.zoo import (
+    IMAGE_TOKEN_ID,
+    WEIGHTS_NAME,
+    build_processor,
+    build_vlm,
+    load_vlm,
+    save_vlm_parts,
+    vlm_config,
+)
+from mmspec.train.vlm import first_digit, generate_answers, pixel_values, user_prompt
 
 
 ASSET = Path(__file__).resolve().parent.parent / "assets" / "mnist-vlm"

@@ -14,7 +14,7 @@ from vlm_fixtures import tiny_lm
 from mmspec import cache as cache_module
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
 from mmspec.decoding.guidance import Guidance
-from mmspec.models.hf import HFTarget
+from mmspec.models.hf.target import HFTarget
 from mmspec.sampling import SamplingParams
 
 

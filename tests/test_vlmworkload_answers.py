@@ -6,9 +6,9 @@ import argparse
 import pytest
 import torch
 
+from mmspec.data.vlm_prompts import split_templates
 from mmspec.train import vlm_answers
 from mmspec.train.common import load_checkpoint
-from mmspec.train.vlm_prompts import split_templates
 
 
 def _args(out, *argv):
@@ -32,7 +32,7 @@ def test_both_workloads_greedy_and_sampled_deterministic_and_resume_refuses_anot
     assert record["sampled"].tolist() == [False] * 5 + [True] * 5
     held = set(split_templates()["held-out"])
     assert all(t not in held for t in record["templates"][5:]) and "follow-up" in record["kinds"]
-    from mmspec.models.vlm_zoo import load_vlm
+    from mmspec.models.hf.zoo import load_vlm
 
     tokenizer = load_vlm(vlm_answers.zoo_folder("mnist-vlm"))[1].tokenizer
     for r in range(10):  # the prompt is the conversation asked; a follow-up's holds the first answer too

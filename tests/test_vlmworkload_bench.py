@@ -7,10 +7,10 @@ import pytest
 from vlm_fixtures import tiny_llava, tiny_processor
 
 from mmspec import cli
+from mmspec.data.vlm_prompts import KINDS, split_templates
 from mmspec.eval import bench_vlm
-from mmspec.models.hf_draft import truncated_draft
+from mmspec.models.hf.draft import truncated_draft
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-from mmspec.train.vlm_prompts import KINDS, split_templates
 
 
 def _pipe():

@@ -1,4 +1,4 @@
-"""The free-form VLM workload (`mmspec.train.vlm_prompts`): a split disjoint by canvas and by template, deterministic,
+"""The free-form VLM workload (`mmspec.data.vlm_prompts`): a split disjoint by canvas and by template, deterministic,
 and every prompt answerable on its canvas."""
 
 import re
@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 
+from mmspec.data.canvases import POSITIONS, make_qa, mnist_digits, render, sample_layout
+from mmspec.data.vlm_prompts import KINDS, make_prompt, sample_prompts, split_templates, template_ids
 from mmspec.train import vlm_prompts
-from mmspec.train.vlm_data import POSITIONS, make_qa, mnist_digits, render, sample_layout
-from mmspec.train.vlm_prompts import KINDS, make_prompt, sample_prompts, split_templates, template_ids
 
 
 def test_template_split_is_disjoint_covers_every_kind_and_depends_on_its_seed():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mmspec.models
-from mmspec.models.vq import VQ_PRESETS, LlamaGenVQ, load_official_vq
+from mmspec.models.llamagen.vq import VQ_PRESETS, LlamaGenVQ, load_official_vq
 
 
 TINY = dict(
@@ -222,7 +222,7 @@ ASSET = Path(__file__).resolve().parents[1] / "assets" / "mnist-vq"
 @pytest.mark.zoo
 @pytest.mark.skipif(not (ASSET / "config.json").is_file(), reason="assets/mnist-vq not trained yet")
 def test_zoo_vq_meets_card_claims():
-    from mmspec.train.data import is_mnist_available, load_mnist
+    from mmspec.data.mnist import is_mnist_available, load_mnist
     from mmspec.train.vq import evaluate_vq
 
     if not is_mnist_available():

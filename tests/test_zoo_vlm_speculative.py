@@ -5,7 +5,7 @@ answer alone and a ragged batch), and the trained drafters really draft (accepta
 import pytest
 import torch
 
-from mmspec.eval.bench_vlm import held_out_canvases
+from mmspec.data.canvases import held_out_canvases
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 

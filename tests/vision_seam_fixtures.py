@@ -1,14 +1,14 @@
 """A minimal vision-token head for the seam tests (`tests/test_vision_seam.py`): an EAGLE head with the
 `VisionEagleHead` drafter API (`prefill_prompt`, a head cache with a per-row position offset) and the simplest policy
 that decouples draft positions from cache slots -- keep every `stride`-th image pair, drop the others -- so the seam
-(target prefill -> drafter -> head -> rounds) is tested apart from the real policies (`mmspec.models.vision_eagle`).
+(target prefill -> drafter -> head -> rounds) is tested apart from the real policies (`mmspec.drafters.vision_eagle`).
 Pairs are the target's `(h[t], x[t+1])`, written at the target's position `t + 1` of `x[t+1]`; the cache's
 `position_offset [rows]` maps later slots to positions (`position = slot + offset`)."""
 
 import torch
 
 from mmspec.cache import StaticKVCache
-from mmspec.models.hf_eagle import TextEagleHead
+from mmspec.models.hf.eagle import TextEagleHead
 
 
 class OffsetCache(StaticKVCache):

@@ -99,7 +99,7 @@ def hf_greedy(model, processor, image, prompt, max_new_tokens):
 def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
     """A `TextEagleHead` fitted in a few seconds on the target's own greedy continuations (so EAGLE drafts get
     accepted and multi-token commits are exercised)."""
-    from mmspec.models.hf_eagle import TextEagleHead
+    from mmspec.models.hf.eagle import TextEagleHead
     from mmspec.train.vlm_eagle import eagle_text_losses
 
     model = pipe.model
@@ -133,7 +133,7 @@ def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
 def llava_pipe_with_heads(with_draft=True):
     """The 4-layer tiny LLaVA in a pipeline with (optionally) its 3-layer truncated draft LM and an EAGLE head fitted
     on 9 canvases (`images(8) + images(1, seed=5)`)."""
-    from mmspec.models.hf_draft import truncated_draft
+    from mmspec.models.hf.draft import truncated_draft
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
     target = tiny_llava(4, seed=1)

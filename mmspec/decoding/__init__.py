@@ -7,7 +7,7 @@
 * `Target`, `TargetOutput` (`target.py`): what the loop needs from a target model.
 * `decode` (`loop.py`): draft -> score -> verify -> commit -> emit, plain AR being the no-drafter case.
 
-Drafters implement `mmspec.drafters.base.Drafter`; acceptance rules are `mmspec.verify` rule objects.
+Drafters implement `mmspec.decoding.drafter.Drafter`; acceptance rules are `mmspec.verify` rule objects.
 """
 
 from mmspec.decoding.guidance import Guidance

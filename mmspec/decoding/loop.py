@@ -23,7 +23,7 @@ import logging
 import torch
 
 from mmspec.cache import prepend_root
-from mmspec.drafters.base import Proposal
+from mmspec.decoding.drafter import Proposal
 from mmspec.sampling import sample
 from mmspec.verify import VerifyResult, verify_chain, verify_jacobi, verify_tree
 from mmspec.verify.jacobi_tree import verify_jacobi_tree
@@ -88,7 +88,7 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
 
     Args:
         target: a `mmspec.decoding.target.Target` whose prefill already ran (each row's first token is pending).
-        drafter: a `mmspec.drafters.base.Drafter` (prefilled), or None for plain AR decoding.
+        drafter: a `mmspec.decoding.drafter.Drafter` (prefilled), or None for plain AR decoding.
         rule: the `mmspec.verify` acceptance rule object (`Exact()`, `Lantern(...)`, `Grouped(...)`).
         state: the `SequenceState` (tokens, per-row generators, trace).
         guidance: the call's `Guidance` (greedy flag; finite-probability flags checked at the end).

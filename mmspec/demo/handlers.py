@@ -210,8 +210,8 @@ def generate_continuous(cache, class_label, seed, guidance_scale=4.0, num_ar_ste
 
 @functools.lru_cache(maxsize=32)
 def held_out_canvas(index):
-    """Held-out canvas `index`: 1-4 MNIST test digits (`mmspec.eval.bench_vlm.held_out_canvases`)."""
-    from mmspec.eval.bench_vlm import held_out_canvases
+    """Held-out canvas `index`: 1-4 MNIST test digits (`mmspec.data.canvases.held_out_canvases`)."""
+    from mmspec.data.canvases import held_out_canvases
 
     return held_out_canvases(1, index, min_digits=1)[0]
 

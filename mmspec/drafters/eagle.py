@@ -1,4 +1,4 @@
-"""EAGLE drafting (Li et al. 2024, EAGLE-1/2, arXiv 2401.15077 / 2406.16858) with an `mmspec.models.eagle.EagleHead`:
+"""EAGLE drafting (Li et al. 2024, EAGLE-1/2, arXiv 2401.15077 / 2406.16858) with an `mmspec.models.llamagen.eagle.EagleHead`:
 sampled chains, the EAGLE-2 dynamic draft tree, and `EagleDrafter`, the engine's drafter that keeps the head's
 state between rounds.
 
@@ -10,7 +10,7 @@ streams `[cond; uncond]` when guidance is on):
        [root, a_1, ..., a_k], `input_ids` = [a_1, ..., a_k, b] (`num_valid = k + 1`, ragged rows padded).
 Every draft starts by committing those pairs to the head cache (`commit_accepted`); drafted pairs stay scratch.
 
-Vision-aware heads (`mmspec.models.vision_eagle.VisionEagleHead`: ViSpec, SpecVLM, MSD) have `prefill_prompt`: they
+Vision-aware heads (`mmspec.drafters.vision_eagle.VisionEagleHead`: ViSpec, SpecVLM, MSD) have `prefill_prompt`: they
 read the target's merged input embeddings and image mask (`HFTarget.prefill(return_vision=True)`; the drafter's
 `needs_vision`) and write the prompt's pairs with the image pairs replaced by their vision-token policy's tokens, at
 the target's positions (the head keeps a per-row position offset, so a draft position is not its cache slot). Only
@@ -21,10 +21,10 @@ import logging
 
 import torch
 
-from mmspec.drafters.base import Proposal
+from mmspec.decoding.drafter import Proposal
 from mmspec.drafters.tree import DraftTree, grow_tree
-from mmspec.models.eagle import EagleHead
-from mmspec.models.vlm_inputs import image_token_mask
+from mmspec.models.hf.inputs import image_token_mask
+from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.random import num_rows
 from mmspec.sampling import sample
 
@@ -174,7 +174,7 @@ def draft_tree(
 
 
 class EagleDrafter:
-    """The engine's EAGLE drafter (`mmspec.drafters.base.Drafter`): owns the head cache and the accepted pairs.
+    """The engine's EAGLE drafter (`mmspec.decoding.drafter.Drafter`): owns the head cache and the accepted pairs.
 
     Args:
         head: the `EagleHead` trained on `target`.

@@ -17,7 +17,7 @@ coupled as in SCD) happens inside verification (`mmspec.verify.verify_jacobi`, a
 import torch
 import torch.nn.functional as F
 
-from mmspec.drafters.base import Proposal
+from mmspec.decoding.drafter import Proposal
 from mmspec.random import rand
 
 
@@ -26,7 +26,7 @@ __all__ = ["JacobiDrafter"]
 
 class JacobiDrafter:
     """Keeps the Jacobi window `[B, K]` of drafts and their `q_draft [B, K, V]` between iterations
-    (`mmspec.drafters.base.Drafter`).
+    (`mmspec.decoding.drafter.Drafter`).
 
     Args:
         vocab_size: V.

@@ -20,7 +20,7 @@ Adaptive continuation (the main branch's coupled re-draft) happens inside verifi
 
 import torch
 
-from mmspec.drafters.base import Proposal
+from mmspec.decoding.drafter import Proposal
 from mmspec.drafters.jacobi import JacobiDrafter
 from mmspec.random import rand
 

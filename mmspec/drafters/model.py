@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from mmspec.drafters.base import Proposal
+from mmspec.decoding.drafter import Proposal
 from mmspec.random import num_rows
 from mmspec.sampling import sample
 
@@ -31,7 +31,7 @@ __all__ = ["ModelDrafter"]
 
 
 class ModelDrafter:
-    """Drafts chains with a small `LlamaGenGPT` (see module docstring; `mmspec.drafters.base.Drafter`).
+    """Drafts chains with a small `LlamaGenGPT` (see module docstring; `mmspec.decoding.drafter.Drafter`).
 
     Args:
         model: the draft `LlamaGenGPT`; its vocabulary, class count and token grid must match the target's.

@@ -1,6 +1,6 @@
 """Draft-LM drafter for transformers targets: a smaller causal LM / LLaVA sharing the target's tokenizer drafts a
 chain of K tokens (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318) -- the text twin of
-`mmspec.drafters.model.ModelDrafter`, with the same cache protocol, run through `mmspec.models.hf.HFTarget`:
+`mmspec.drafters.model.ModelDrafter`, with the same cache protocol, run through `mmspec.models.hf.target.HFTarget`:
 
 * `prefill` writes the prompt (and, for a LLaVA draft, its image) into the draft's own `StaticKVCache`; the target's
   first token is pending.
@@ -20,9 +20,9 @@ of `top_k` tokens costs about what one token costs, so the tree buys acceptance 
 import torch
 
 from mmspec.cache import chain_inputs
-from mmspec.drafters.base import Proposal
+from mmspec.decoding.drafter import Proposal
 from mmspec.drafters.tree import grow_tree
-from mmspec.models.hf import HFTarget, decoder_of
+from mmspec.models.hf.target import HFTarget, decoder_of
 from mmspec.random import num_rows
 from mmspec.sampling import sample
 
@@ -31,7 +31,7 @@ __all__ = ["TextModelDrafter"]
 
 
 class TextModelDrafter:
-    """Drafts chains with a small transformers LM (see module docstring; `mmspec.drafters.base.Drafter`).
+    """Drafts chains with a small transformers LM (see module docstring; `mmspec.decoding.drafter.Drafter`).
 
     Args:
         draft: the draft model wrapped as `HFTarget(model, guidance, source="draft")`.

@@ -10,7 +10,7 @@ on a weight stored as the transpose of a contiguous `[in, out]` tensor (same val
 
 Values, shapes and module structure are unchanged, so any code reading the weights still works; results can differ in
 the last float bits (another summation order). Parameters shared between modules (tied input embedding and output
-head) stay shared. The zoo loader (`mmspec.models.vlm_zoo.load_vlm`) applies it to the language model on the CPU;
+head) stay shared. The zoo loader (`mmspec.models.hf.zoo.load_vlm`) applies it to the language model on the CPU;
 call it on your own CPU model the same way.
 """
 

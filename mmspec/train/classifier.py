@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import probability
+from mmspec.data.mnist import load_mnist
 from mmspec.models.classifier import MNISTClassifier
 from mmspec.train.common import (
     add_common_arguments,
@@ -24,7 +25,6 @@ from mmspec.train.common import (
     train_and_save,
     write_model_card,
 )
-from mmspec.train.data import load_mnist
 
 
 logger = logging.getLogger(__name__)

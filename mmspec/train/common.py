@@ -206,8 +206,8 @@ def check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def mnist_splits(text: str) -> str:
-    """argparse `type`: MNIST split names joined with "+" ("train", "train+val"; see `mmspec.train.data.SPLITS`)."""
-    from mmspec.train.data import SPLITS
+    """argparse `type`: MNIST split names joined with "+" ("train", "train+val"; see `mmspec.data.mnist.SPLITS`)."""
+    from mmspec.data.mnist import SPLITS
 
     parts = text.split("+")
     if not all(part in SPLITS for part in parts):

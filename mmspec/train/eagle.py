@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import non_negative_float, probability
-from mmspec.models.eagle import EagleHead
+from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
@@ -171,7 +171,7 @@ def run(args):
         args.out,
         title=f"MNIST EAGLE head for {args.target}",
         description=(
-            "`mmspec.models.eagle.EagleHead`: fc([tok_emb(x[t+1]); h[t]]) -> one decoder layer of the target's "
+            "`mmspec.models.llamagen.eagle.EagleHead`: fc([tok_emb(x[t+1]); h[t]]) -> one decoder layer of the target's "
             "block type -> f_hat[t+1], decoded by the target's own output head (token embedding and output head are "
             f"the target's, not stored here). Trained on the target's final-norm features: SmoothL1 regression + "
             f"{args.p_weight} x soft cross-entropy to the target's next-token distribution, uniform input-feature "

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import probability
-from mmspec.models.llamagen import LlamaGenGPT
+from mmspec.models.llamagen.gpt import LlamaGenGPT
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
@@ -170,7 +170,7 @@ def run(args):
         args.out,
         title=f"MNIST class-conditional LlamaGen GPT ({args.n_layer}L/{args.dim}, {codes.shape[1]} tokens)",
         description=(
-            "`mmspec.models.llamagen.LlamaGenGPT` (official LlamaGen parameter names, 2-D RoPE, c2i) trained from "
+            "`mmspec.models.llamagen.gpt.LlamaGenGPT` (official LlamaGen parameter names, 2-D RoPE, c2i) trained from "
             f"scratch on VQ token grids of MNIST ({vocab} codes, {codes.shape[1]} tokens in raster order) with "
             f"next-token cross-entropy; class dropout {args.class_dropout} to the null class {num_classes} (use "
             "it as the unconditional stream for classifier-free guidance). Held-out metrics are per-token NLL (nats) "

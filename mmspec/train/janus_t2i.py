@@ -3,9 +3,9 @@
 
 Model: the real `transformers.JanusForConditionalGeneration` from a small `JanusConfig` -- text: Llama (`--n-layer`
 x `--dim`, `--n-head` heads, SwiGLU width `--intermediate-size`), vocabulary = the word-level tokenizer of
-`mmspec.models.janus_processor`; vision: the tiniest valid SigLIP tower (1 layer, width 16; unused for t2i, present
+`mmspec.models.janus.processor`; vision: the tiniest valid SigLIP tower (1 layer, width 16; unused for t2i, present
 because the class builds it); VQ: the shipped LlamaGen VQ (`--vq`, default `assets/mnist-vq`) converted by
-`mmspec.models.janus_vq` (frozen; 8x8 grid, 256 codes, `vision_config.num_image_tokens` = 64); generation
+`mmspec.models.janus.vq` (frozen; 8x8 grid, 256 codes, `vision_config.num_image_tokens` = 64); generation
 embeddings / aligner / head at the text width.
 
 Data: the tokenized-MNIST file of `python -m mmspec.train tokenize` (codes [N, 64] from the same VQ) and its captions
@@ -102,7 +102,7 @@ def build_janus(processor, vq, *, dim=256, n_layer=4, n_head=4, intermediate_siz
         LlamaConfig,
     )
 
-    from mmspec.models.janus_vq import janus_vq_from_llamagen
+    from mmspec.models.janus.vq import janus_vq_from_llamagen
 
     tok = processor.tokenizer
     vq_config, vq_state = janus_vq_from_llamagen(vq, projection_dim=dim, image_token_embed_dim=dim,
@@ -142,7 +142,7 @@ def trainable_parameters(model):
 
 def encode_prompts(processor, prompts):
     """(input ids `[P, L]`, attention mask `[P, L]`) of the image-mode inputs of `prompts` (left-padded)."""
-    from mmspec.models.janus_processor import image_prompts
+    from mmspec.models.janus.processor import image_prompts
 
     out = processor(text=image_prompts(processor, prompts), generation_mode="image", padding=True,
                     return_tensors="pt")  # fmt: skip
@@ -195,7 +195,7 @@ def evaluate_nll(model, prompt_ids, prompt_mask, codes, special, batch_size=250)
 def generate_images(model, processor, prompts, guidance_scale, seed, batch_size=100):
     """Plain CFG sampling with `model.generate(generation_mode="image")` -> (tokens `[B, N]`, images `[B, C, H, W]`
     in [-1, 1]). `generate` samples with the global RNG: it is seeded with `seed` first (`torch.manual_seed`)."""
-    from mmspec.models.janus_processor import image_prompts
+    from mmspec.models.janus.processor import image_prompts
 
     model.eval()
     torch.manual_seed(seed)
@@ -254,7 +254,7 @@ def evaluate_samples(model, processor, captions, args):
 # ----------------------------------------------------------------------------- task
 def run(args):
     from mmspec.models import load
-    from mmspec.models.janus_processor import build_janus_processor
+    from mmspec.models.janus.processor import build_janus_processor
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
@@ -305,9 +305,9 @@ def run(args):
         f"{args.dim}, {codes.shape[1]} image tokens)",
         description=(
             "The real `transformers.JanusForConditionalGeneration` (small `JanusConfig`: Llama text model with the "
-            f"word-level prompt tokenizer of `mmspec.models.janus_processor` ({len(tok)} tokens), the tiniest SigLIP "
+            f"word-level prompt tokenizer of `mmspec.models.janus.processor` ({len(tok)} tokens), the tiniest SigLIP "
             "vision tower (unused for text-to-image), the shipped LlamaGen VQ `assets/mnist-vq` converted to "
-            "`JanusVQVAE` by `mmspec.models.janus_vq` (frozen)) trained from scratch on VQ token grids of MNIST "
+            "`JanusVQVAE` by `mmspec.models.janus.vq` (frozen)) trained from scratch on VQ token grids of MNIST "
             f"conditioned on prompts such as {captions['prompts'][0]!r} (chat template + `<begin_of_image>`, exactly "
             'the input of `generate(generation_mode="image")`). Caption dropout '
             f"{args.class_dropout} to the CFG null prompt of `generate` (every prompt token but BOS and BOI -> pad). "

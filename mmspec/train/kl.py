@@ -1,6 +1,6 @@
 """Train the MNIST KL autoencoder (continuous tokens): `python -m mmspec.train kl --out assets/mnist-kl`.
 
-MAR's KL-VAE architecture (mmspec.models.kl_vae.AutoencoderKL, official parameter names) at MNIST scale: 32x32 images,
+MAR's KL-VAE architecture (mmspec.models.mar.kl_vae.AutoencoderKL, official parameter names) at MNIST scale: 32x32 images,
 `ch_mult` (1, 2, 2) -> downsample 4 -> 8x8 = 64 tokens of dimension `--embed-dim` (4), no attention outside the middle
 blocks. Loss = L1 + L2 reconstruction of a posterior sample's decoding (means over pixels, as the VQ task) +
 `--kl-weight` x KL(posterior || N(0, I)) per latent element; no perceptual/GAN losses (no pretrained networks
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import non_negative_float
-from mmspec.models.kl_vae import AutoencoderKL
+from mmspec.data.mnist import MNIST_PAD, load_mnist
+from mmspec.models.mar.kl_vae import AutoencoderKL
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
@@ -35,7 +36,6 @@ from mmspec.train.common import (
     write_model_card,
     zoo_folder,
 )
-from mmspec.train.data import MNIST_PAD, load_mnist
 from mmspec.train.vq import psnr_from_mse
 
 
@@ -198,7 +198,7 @@ def run(args):
         title=f"MNIST KL autoencoder (MAR KL-VAE architecture, {h}x{w} continuous tokens of dimension "
         f"{args.embed_dim})",
         description=(
-            "MAR / LDM KL-VAE architecture (`mmspec.models.kl_vae.AutoencoderKL`, official parameter names) trained "
+            "MAR / LDM KL-VAE architecture (`mmspec.models.mar.kl_vae.AutoencoderKL`, official parameter names) trained "
             "from scratch on MNIST padded to 32x32, values in [-1, 1]. Downsample "
             f"{saved.downsample_factor} gives {h}x{w} = {h * w} continuous tokens of dimension "
             f"{args.embed_dim} per image (`encode_tokens`: posterior mean or sample x scale_factor, raster order, "

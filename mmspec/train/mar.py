@@ -2,7 +2,7 @@
 --kl assets/mnist-kl --out assets/mnist-mar` (draft: `--preset draft --out assets/mnist-mar-draft`).
 
 Data: MNIST train images encoded once by the KL autoencoder (posterior mean and std per token, cached in
-`runs/`); each batch draws fresh posterior samples (as MAR's cached-latent training does). Model: `mmspec.models.mar.MAR`
+`runs/`); each batch draws fresh posterior samples (as MAR's cached-latent training does). Model: `mmspec.models.mar.model.MAR`
 (official parameter names) trained with MAR's loss -- random order, truncated-normal mask ratio, class dropout 0.1 to
 `fake_latent`, the diffusion loss (epsilon MSE + variational term) on masked tokens -- with AdamW, warmup + cosine,
 and an EMA of the weights (what is saved, as upstream evaluates the EMA). The draft is the same family, smaller in
@@ -66,8 +66,8 @@ def add_arguments(parser):
 @torch.no_grad()
 def encode_dataset(kl_folder, cache_path, split="train", batch_size=500):
     """Posterior mean/std tokens ``[N, L, D]`` (scaled) and labels of an MNIST split, cached by the KL weights' hash."""
+    from mmspec.data.mnist import load_mnist
     from mmspec.models import load
-    from mmspec.train.data import load_mnist
 
     weights = next(Path(kl_folder).glob("*.safetensors"))
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
@@ -133,7 +133,7 @@ def check_args(parser, args):
 
 
 def run(args):
-    from mmspec.models.mar import MAR
+    from mmspec.models.mar.model import MAR
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
@@ -177,7 +177,7 @@ def run(args):
         title=f"MNIST class-conditional MAR ({args.preset}: {size['depth']}+{size['depth']} blocks / {size['dim']}, "
         f"head {size['head_depth']}x{size['head_width']}, {h}x{w} tokens)",
         description=(
-            "`mmspec.models.mar.MAR` (official MAR parameter names) trained from scratch on KL-autoencoder tokens of "
+            "`mmspec.models.mar.model.MAR` (official MAR parameter names) trained from scratch on KL-autoencoder tokens of "
             f"MNIST ({h}x{w} tokens of {mean.shape[2]} dims, posterior samples) with MAR's masked diffusion loss; "
             f"class dropout 0.1 to `fake_latent` (the CFG branch); EMA {args.ema} weights. Sampling defaults: "
             f"{args.sampling_steps} respaced diffusion steps, predicted x_start clamped to +-{args.clip_denoised} (the "

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import positive_float, probability
-from mmspec.models.llamagen import LlamaGenGPT
-from mmspec.train.captions import add_caption_arguments, attribute_labels, ensure_captions, split_rows
+from mmspec.data.captions import attribute_labels
+from mmspec.models.llamagen.gpt import LlamaGenGPT
+from mmspec.train.captions import add_caption_arguments, ensure_captions, split_rows
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,
@@ -145,7 +146,7 @@ def sample_images(model, cond, cond_mask, vq, guidance_scale, generator, batch_s
     """Plain AR sampling with CFG through the decoding engine -> (token grids `[B, N]`, images `[B, C, H, W]` in
     [-1, 1])."""
     from mmspec.decoding import Guidance, SequenceState, decode
-    from mmspec.models.llamagen_target import LlamaGenTarget
+    from mmspec.models.llamagen.target import LlamaGenTarget
     from mmspec.sampling import SamplingParams, sample
     from mmspec.stats import SpecStats
     from mmspec.verify import Exact
@@ -277,12 +278,12 @@ def run(args):
         title=f"MNIST text-to-image LlamaGen GPT ({args.n_layer}L/{args.dim}, {cls_token_num} text + "
         f"{codes.shape[1]} image tokens)",
         description=(
-            "`mmspec.models.llamagen.LlamaGenGPT` (official LlamaGen parameter names, 2-D RoPE, t2i) trained "
+            "`mmspec.models.llamagen.gpt.LlamaGenGPT` (official LlamaGen parameter names, 2-D RoPE, t2i) trained "
             f"{'from scratch' if not args.init_from else f'from {args.init_from} (all but the condition embedder)'} "
             f"on VQ token grids of MNIST ({vocab} codes, {codes.shape[1]} tokens in raster order) conditioned on "
             f"MiniLM (all-MiniLM-L6-v2, {caption_dim}-d) token features of prompts such as "
             f"{captions['prompts'][0]!r}, left-aligned in {cls_token_num} slots with a text mask "
-            "(`mmspec.models.text.encode_prompts`). Prompts name the digit (numeral or word) and optionally the "
+            "(`mmspec.models.llamagen.text.encode_prompts`). Prompts name the digit (numeral or word) and optionally the "
             "stroke thickness and slant measured on the image (`mmspec.train.captions`). Caption dropout "
             f"{args.class_dropout} to the learned null caption (`uncond_embedding`, the CFG unconditional stream); "
             "dropped rows keep the prompt's text mask, so sample with the same mask on the cond and the uncond "

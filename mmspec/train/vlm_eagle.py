@@ -3,7 +3,7 @@
 
 EAGLE-1/2 recipe (Li et al. 2024) on the target's own answers (`mmspec.train vlm-answers`): the frozen target's
 final-norm features `h` over prompt (image tokens included) + answer are computed once and cached
-(`<out>/features.pt`, resumable by chunks); the head (`mmspec.models.hf_eagle.TextEagleHead`) sees pairs
+(`<out>/features.pt`, resumable by chunks); the head (`mmspec.models.hf.eagle.TextEagleHead`) sees pairs
 `(h[i], x[i+1])` and regresses `h[i+1]`:
 
     loss = sum_j decay^j [ SmoothL1(f_j[i], h[i+1]) + p_weight * soft-CE(p_target(x[i+2]), q_draft(f_j[i])) ]
@@ -77,7 +77,7 @@ def target_features(model, processor, data, path, batch_size=8, quiet=False, inp
     the data, with their hashes), stored in the cache; a cache made from other inputs is refused."""
     from tqdm.auto import tqdm
 
-    from mmspec.train.vlm_data import to_pil
+    from mmspec.data.canvases import to_pil
 
     path = Path(path)
     done = {"features": [], "inputs": inputs}
@@ -159,8 +159,8 @@ def evaluate_text_head(head, target, hidden, ids, weight, steps=3, forward_kwarg
 
 
 def run(args):
-    from mmspec.models.hf_eagle import TextEagleHead
-    from mmspec.models.vlm_zoo import load_vlm
+    from mmspec.models.hf.eagle import TextEagleHead
+    from mmspec.models.hf.zoo import load_vlm
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)

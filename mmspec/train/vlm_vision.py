@@ -1,11 +1,11 @@
-"""Vision-aware EAGLE heads for the VLM zoo (ViSpec, MSD, SpecVLM; `mmspec.models.vision_eagle.VisionEagleHead`):
+"""Vision-aware EAGLE heads for the VLM zoo (ViSpec, MSD, SpecVLM; `mmspec.drafters.vision_eagle.VisionEagleHead`):
 `python -m mmspec.train vlm-vision --policy vispec|msd|specvlm --data runs/vlm-answers.pt --init runs/vlm-eagle
 --out runs/vlm-vispec`.
 
 Online distillation (SpecVLM): every step samples a batch of the target's own answers (`mmspec.train vlm-answers`),
 runs the frozen target on prompt + answer with the image and records, in the same forward, its final-norm features
 `h` (the teacher's penultimate features; its logits are `lm_head(h)`) and the decoder's merged input embeddings with
-the image mask (`mmspec.models.vlm_inputs.capture_decoder_inputs`); nothing is stored. The head is trained in the
+the image mask (`mmspec.models.hf.inputs.capture_decoder_inputs`); nothing is stored. The head is trained in the
 same step on the answer positions, with the losses of `vlm-eagle` (`eagle_text_losses`: `--unroll` training-time-test
 steps, uniform input-feature noise, the soft CE at `--ce-positions` random answer positions per row):
 
@@ -177,8 +177,8 @@ def text_only_row(ids, prompt_length, is_image):
 def teacher_batch(model, processor, data, idx, multimodal, pad_id=0):
     """Run the frozen target on rows `idx` of a `vlm-answers` file `data` (`multimodal [B]` bool: with the row's
     canvas as the image; else text-only, `text_only_row`, no pixel values) -> `TeacherBatch`."""
-    from mmspec.models.vlm_inputs import capture_decoder_inputs, image_token_mask
-    from mmspec.train.vlm_data import to_pil
+    from mmspec.data.canvases import to_pil
+    from mmspec.models.hf.inputs import capture_decoder_inputs, image_token_mask
 
     rows, prompts = [], []
     for r, mm in zip(idx.tolist(), multimodal.tolist()):
@@ -282,9 +282,9 @@ def build_head(args, model, processor, data, train_rows, generator=None):
     """The `VisionEagleHead` of `args.policy` (`"eagle"`: a `TextEagleHead`), from `--init` (a text EAGLE head) or
     fresh (its draft vocabulary built from the training answers as `vlm-eagle` does) -> `(head, text head or None,
     draft vocabulary coverage)`."""
+    from mmspec.drafters.vision_eagle import VisionEagleHead
     from mmspec.models import load
-    from mmspec.models.hf_eagle import TextEagleHead
-    from mmspec.models.vision_eagle import VisionEagleHead
+    from mmspec.models.hf.eagle import TextEagleHead
 
     kwargs = policy_kwargs(args)
     if args.init is not None:
@@ -317,7 +317,7 @@ def build_head(args, model, processor, data, train_rows, generator=None):
 
 
 def run(args):
-    from mmspec.models.vlm_zoo import load_vlm
+    from mmspec.models.hf.zoo import load_vlm
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)

@@ -1,6 +1,6 @@
 """Train the MNIST VQ tokenizer: `python -m mmspec.train vq --out assets/mnist-vq`.
 
-LlamaGen VQ architecture (mmspec.models.vq.LlamaGenVQ) at MNIST scale: 32x32 images, downsample 4 -> 8x8 = 64 tokens,
+LlamaGen VQ architecture (mmspec.models.llamagen.vq.LlamaGenVQ) at MNIST scale: 32x32 images, downsample 4 -> 8x8 = 64 tokens,
 256 l2-normalised codes of dimension 8. Loss = L1 + L2 reconstruction + codebook + beta * commitment (+ optional
 entropy term); no perceptual/GAN losses (no pretrained networks offline). Codes that go unused for a while are
 restarted on random encoder outputs of the current batch (dead-code restarts), which keeps codebook usage high.
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli import int_in_range, non_negative_float, probability
-from mmspec.models.vq import LlamaGenVQ
+from mmspec.data.mnist import MNIST_PAD, load_mnist
+from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.train.common import (
     MAX_STEPS,
     add_common_arguments,
@@ -30,7 +31,6 @@ from mmspec.train.common import (
     train_and_save,
     write_model_card,
 )
-from mmspec.train.data import MNIST_PAD, load_mnist
 
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ def run(args):
         args.out,
         title="MNIST VQ tokenizer (LlamaGen VQ architecture, 8x8 tokens, 256 codes)",
         description=(
-            "LlamaGen VQ architecture (`mmspec.models.vq.LlamaGenVQ`, official parameter names) trained from scratch "
+            "LlamaGen VQ architecture (`mmspec.models.llamagen.vq.LlamaGenVQ`, official parameter names) trained from scratch "
             "on MNIST padded to 32x32, values in [-1, 1]. Downsample 4 gives an 8x8 grid = 64 tokens per image, "
             "raster order; codebook of 256 l2-normalised codes of dimension 8. Losses: L1 + L2 reconstruction, "
             f"codebook + {args.beta} x commitment{' + entropy' if args.entropy_weight else ''}, dead-code restarts "

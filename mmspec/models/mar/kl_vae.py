@@ -11,7 +11,7 @@ so the official `kl16.ckpt` (`{"model": state_dict}`) loads strictly with `load_
 
 As in MAR, the encoder has attention at `attn_resolutions` (kl16: the 16x16 level) and the decoder at
 `decoder_attn_resolutions` (MAR builds its Decoder with the default `()`: attention in the middle block only).
-The resnet / attention / resampling blocks are the ones of `mmspec.models.vq` (same parameter names and maths).
+The resnet / attention / resampling blocks are the ones of `mmspec.models.llamagen.vq` (same parameter names and maths).
 
 Tokens (`encode_tokens` / `decode_tokens`) are the latents times `scale_factor`, flattened like MAR's `patchify` with
 patch size 1: row-major over the (h, w) grid, channels last, [B, h*w, embed_dim]. MAR uses `scale_factor = 0.2325`
@@ -39,7 +39,7 @@ from diffusers.configuration_utils import register_to_config
 from diffusers.utils import BaseOutput
 from torch import nn
 
-from mmspec.models.vq import AttnBlock, Downsample, ResnetBlock, Upsample, _norm
+from mmspec.models.llamagen.vq import AttnBlock, Downsample, ResnetBlock, Upsample, _norm
 from mmspec.random import Generators, randn
 
 
@@ -365,7 +365,7 @@ def load_official_kl(path: str | os.PathLike, **config) -> AutoencoderKL:
     Raises:
         ValueError: unreadable file, missing / unexpected key, wrong shape, or non-finite weights (names the key).
     """
-    from mmspec.models.checkpoints import check_state_dict, load_official_state_dict
+    from mmspec.models.llamagen.checkpoints import check_state_dict, load_official_state_dict
 
     state = load_official_state_dict(path, wrapper_keys=("model", "state_dict"))
     model = AutoencoderKL(**{**KL16_CONFIG, **config})

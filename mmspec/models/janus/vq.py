@@ -1,4 +1,4 @@
-"""The shipped LlamaGen VQ (`mmspec.models.vq.LlamaGenVQ`) as a transformers `JanusVQVAE`: config + state dict.
+"""The shipped LlamaGen VQ (`mmspec.models.llamagen.vq.LlamaGenVQ`) as a transformers `JanusVQVAE`: config + state dict.
 
 Janus' VQ-VAE (transformers `models/janus/modeling_janus.py`) is the same VQGAN-style network as LlamaGen's VQ
 (both descend from taming-transformers): per level `num_res_blocks` resnet blocks in the encoder and one more in

@@ -9,7 +9,7 @@ by the VQ (`decode_image_tokens`). Classifier-free guidance runs both streams as
 unconditional prompt being the prompt with every token but BOS and BOI replaced by the pad token (same attention
 mask), and guides the raw generation-head logits before temperature / top-k / top-p, as transformers does.
 
-This adapter is `mmspec.models.hf.HFTarget` (static KV cache, chains and trees, attention windows, right-aligned
+This adapter is `mmspec.models.hf.target.HFTarget` (static KV cache, chains and trees, attention windows, right-aligned
 ragged prompts) with its hooks set: image-token embeddings in, generation-head logits out, CFG rows through
 `mmspec.decoding.guidance.Guidance`. Left-padded prompts (the processor pads left) are right-aligned per row
 (`right_align`): each row's positions are those of its unpadded prompt, as transformers derives them from the mask.
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
-from mmspec.models.hf import HFTarget, right_align
+from mmspec.models.hf.target import HFTarget, right_align
 
 
 __all__ = ["JanusTarget", "special_token_ids"]

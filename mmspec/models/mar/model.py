@@ -2,7 +2,7 @@
 MAE-style encoder/decoder over continuous tokens with class "buffer" tokens, and a per-token diffusion head.
 
 Parameter names equal the official ``models/mar.py`` (``LTH14/mar``; timm ``Block`` names inside), so official
-``mar_base/large/huge`` checkpoints load as they are (`mmspec.models.mar_checkpoints.load_official_mar`).
+``mar_base/large/huge`` checkpoints load as they are (`mmspec.models.mar.checkpoints.load_official_mar`).
 
 Masks: ``visible [B, L]`` bool, True = the token is known (upstream's ``mask`` is the complement). The encoder sees the
 buffer and the visible tokens only (upstream drops the masked ones; rows with fewer visible tokens than others are
@@ -18,7 +18,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import Tensor, nn
 
-from mmspec.models.diffloss import DiffLossHead
+from mmspec.models.mar.diffloss import DiffLossHead
 
 
 __all__ = ["MAR", "MAR_PRESETS", "mask_ratio_sample"]

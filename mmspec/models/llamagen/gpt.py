@@ -4,7 +4,7 @@ decoding.
 A Llama-style decoder over VQ image tokens: RMSNorm, SwiGLU, 2-D RoPE, and a condition prefix of `cls_token_num`
 tokens (c2i: one class embedding; t2i: `cls_token_num` projected text features). Module and parameter names are the
 official ones (`tok_embeddings`, `cls_embedding.*`, `layers.{i}.attention.wqkv`, ..., `norm`, `output`), so official
-`c2i_*.pt` / `t2i_*.pt` state dicts load directly (see `mmspec.models.checkpoints`).
+`c2i_*.pt` / `t2i_*.pt` state dicts load directly (see `mmspec.models.llamagen.checkpoints`).
 
 Two faithful-to-upstream details worth knowing:
 

@@ -48,7 +48,7 @@ def _pre_tokenizer():
 def prompt_words(templates=None) -> list[str]:
     """Every word (pre-tokenizer piece) of every prompt `templates` (default: the caption templates) can render, plus
     the chat template's ":", in first-seen order."""
-    from mmspec.train.captions import TEMPLATES, render_prompt
+    from mmspec.data.captions import TEMPLATES, render_prompt
 
     pre = _pre_tokenizer()
     words = {":": None}

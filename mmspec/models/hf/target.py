@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
-from mmspec.models.vlm_inputs import capture_decoder_inputs, image_token_mask
+from mmspec.models.hf.inputs import capture_decoder_inputs, image_token_mask
 
 
 logger = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class HFTarget:
         vocab: draft LMs only, optional `[N]` token ids: score only these (FR-Spec draft vocabulary, Zhao et al.
             2025); every other token gets logit `-inf`, i.e. probability 0 in `q_draft`.
 
-    Hooks for models that generate another modality through the same decoder (`mmspec.models.janus.JanusTarget`):
+    Hooks for models that generate another modality through the same decoder (`mmspec.models.janus.target.JanusTarget`):
     `token_inputs` (what the decoder gets for new tokens: `input_ids`, or `inputs_embeds` of image tokens),
     `logits` (the output head) and `supports_guidance` (CFG rows `[cond; uncond]`: `forward`, `commit`,
     `select_rows` and `lengths` speak in batch items and address both streams, `prefill` takes the model rows).
@@ -300,7 +300,7 @@ class HFTarget:
         distribution. `model_inputs`: `pixel_values` etc. (the vision tower runs here, once). With guidance on,
         `input_ids` / `lengths` are the model rows (`[cond; uncond]`, `2B`). `return_vision`: also return what the
         decoder received (`inputs_embeds [rows, L, dim]`, the projected image features merged in; recorded during
-        this forward, `mmspec.models.vlm_inputs`) and `image_mask [rows, L]` (vision-aware drafters); off by
+        this forward, `mmspec.models.hf.inputs`) and `image_mask [rows, L]` (vision-aware drafters); off by
         default, so plain decoding and the other drafters pay nothing.
 
         Returns:

@@ -471,7 +471,7 @@ def load_official_vq(path: str | os.PathLike, preset: str | None = "VQ-16", **co
         ValueError: unreadable/corrupt file, missing weights entry, missing or unexpected key, shape mismatch,
             or non-finite weights; the message names the offending key.
     """
-    from mmspec.models.checkpoints import check_state_dict, load_official_state_dict
+    from mmspec.models.llamagen.checkpoints import check_state_dict, load_official_state_dict
 
     state = load_official_state_dict(path, wrapper_keys=("ema", "model", "state_dict"))
     state = {k: v for k, v in state.items() if k not in _OFFICIAL_IGNORED_KEYS}

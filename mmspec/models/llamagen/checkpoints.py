@@ -6,7 +6,7 @@ sample scripts unwrap them in that order. Here files are read with `torch.load(w
 containers and primitives, plus `argparse.Namespace` for the `args` entry) so no code is ever unpickled, and every
 mismatch is refused with a `ValueError` naming the offending key.
 
-Shared helpers (also meant for the VQ loader in `mmspec.models.vq`):
+Shared helpers (also meant for the VQ loader in `mmspec.models.llamagen.vq`):
 
 * `load_official_state_dict(path)` -> the unwrapped `{name: tensor}` dict (prefixes `module.` / `_orig_mod.` removed);
 * `check_state_dict(state_dict, expected)` -> raises `ValueError` on missing / unexpected / wrong-shape keys.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.models.llamagen import LlamaGenGPT
+from mmspec.models.llamagen.gpt import LlamaGenGPT
 
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mmspec.models.diffusion import GaussianDiffusion
+from mmspec.models.mar.diffusion import GaussianDiffusion
 
 
 __all__ = ["DiffLossHead", "HeadSample", "SimpleMLPAdaLN"]

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 CANVAS = 64
 CELL = 32
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
+MAX_DIGITS = len(POSITIONS)  # a canvas has 4 cells: at most 4 digits
 THICKNESSES = ("thin", "normal", "thick")
 QUESTION_KINDS = ("count", "which", "what", "describe")
 NUMBER_WORDS = ("zero", "one", "two", "three", "four")
@@ -66,7 +67,7 @@ class Layout:
 @lru_cache(maxsize=2)
 def mnist_digits(split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
     """MNIST `split` as ink in [0, 1]: (images float32 [N, 28, 28], labels int64 [N])."""
-    from mmspec.train.data import load_mnist
+    from mmspec.data.mnist import load_mnist
 
     images, labels = load_mnist(split, pad=False)
     return (images[:, 0] + 1) / 2, labels
@@ -224,3 +225,19 @@ def make_qa(layout: Layout, kind: str, generator: torch.Generator | None = None,
             )
         return "Describe the image.", " ".join(parts)
     raise ValueError(f"kind={kind!r}: use one of {QUESTION_KINDS}")
+
+
+def held_out_canvases(num, seed, min_digits=3):
+    """`num` PIL canvases of MNIST test digits with at least `min_digits` digits (long descriptions; a canvas holds
+    at most `MAX_DIGITS`)."""
+    if isinstance(min_digits, bool) or not isinstance(min_digits, int) or not 1 <= min_digits <= MAX_DIGITS:
+        raise ValueError(f"min_digits must be an int in [1, {MAX_DIGITS}] (digits a canvas holds), got {min_digits!r}")
+
+    images, labels = mnist_digits("test")
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < num:
+        layout = sample_layout(labels, generator)
+        if len(layout.filled) >= min_digits:
+            out.append(to_pil(render(layout, images)))
+    return out

@@ -1,4 +1,4 @@
-"""The free-form VLM workload: open prompts about the digit canvases (`mmspec.train.vlm_data`), split into train /
+"""The free-form VLM workload: open prompts about the digit canvases (`mmspec.data.canvases`), split into train /
 held-out by canvas AND by prompt template.
 
 Five kinds of prompt (`KINDS`), a few templates each (`TEMPLATES`):
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.train.vlm_data import POSITIONS, Layout, make_qa
+from mmspec.data.canvases import POSITIONS, Layout, make_qa
 
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def sample_prompts(num: int, split: str, seed: int, min_digits: int = 1):
     Raises:
         ValueError: unknown `split`, `num` < 1; `min_digits` as `vlm_data.sample_layout` takes it.
     """
-    from mmspec.train.vlm_data import mnist_digits, sample_batch
+    from mmspec.data.canvases import mnist_digits, sample_batch
 
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: use one of {SPLITS}")

@@ -25,7 +25,7 @@ from diffusers.configuration_utils import register_to_config
 
 from mmspec.cache import StaticKVCache, chain_inputs
 from mmspec.models.config_fields import check_fields
-from mmspec.models.llamagen import TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
+from mmspec.models.llamagen.gpt import TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
 
 
 logger = logging.getLogger(__name__)

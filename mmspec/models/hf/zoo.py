@@ -1,5 +1,5 @@
 """The offline VLM target of the zoo (`assets/mnist-vlm`): a transformers `LlavaForConditionalGeneration` whose
-language model is the frozen SmolLM2-135M-Instruct (`mmspec.models.smollm2`, never copied into assets/) with a small
+language model is the frozen SmolLM2-135M-Instruct (`mmspec.models.hf.smollm2`, never copied into assets/) with a small
 trained CLIP vision tower (64x64 images, 8x8 patches) and LLaVA's projector: 64 image tokens per image.
 
 The image placeholder is SmolLM2's existing special token `<empty_output>` (id 16), so the vocabulary stays 49,152
@@ -29,7 +29,7 @@ IMAGE_TOKEN = "<empty_output>"
 IMAGE_TOKEN_ID = 16
 WEIGHTS_NAME = "vision_projector.safetensors"
 PARTS = ("vision_tower", "multi_modal_projector")
-ZOO_ROOT = Path(__file__).resolve().parents[2] / "assets"
+ZOO_ROOT = Path(__file__).resolve().parents[3] / "assets"
 
 # SmolLM2's ChatML template (same default system prompt) with list contents: {"type": "image"} -> the placeholder
 # (expanded to 64 tokens by the processor) followed by a newline, {"type": "text"} -> its text.
@@ -182,7 +182,7 @@ def load_vlm(folder="mnist-vlm", dtype: torch.dtype = torch.float32, device=None
     """
     from transformers import LlavaConfig, LlavaProcessor
 
-    from mmspec.models.smollm2 import load_smollm2
+    from mmspec.models.hf.smollm2 import load_smollm2
 
     folder = resolve_folder(folder)
     config = LlavaConfig.from_pretrained(folder)

@@ -2,7 +2,7 @@
 
 A `TextEagleHead` (EAGLE-1/2) reads the image only through the target's hidden states at the image positions: one
 draft pair per image token. The three papers instead hand the draft the target's *projected image embeddings*
-`E_img` (what the decoder received there, `mmspec.models.vlm_inputs`) through a vision-token policy
+`E_img` (what the decoder received there, `mmspec.models.hf.inputs`) through a vision-token policy
 (`mmspec.compressors`), applied once, when the drafter takes over the target's prefill:
 
 | `vision_policy` | paper | draft-side image tokens | text pairs |
@@ -17,7 +17,7 @@ prompt, draft cache slot `s` of row `r` holds position `s + position_offset[r]` 
 forward (chains, EAGLE-2 trees, `mmspec.drafters.eagle`) adds the offset itself. Verification is untouched: drafting
 stays lossless whatever the policy keeps.
 
-Notation as in `mmspec.models.hf_eagle`: pair `i = (h[i], x[i+1])` sits at position `i + 1`; `p_target` / `q_draft`
+Notation as in `mmspec.models.hf.eagle`: pair `i = (h[i], x[i+1])` sits at position `i + 1`; `p_target` / `q_draft`
 are the target's and the draft's next-token laws.
 """
 
@@ -31,8 +31,9 @@ from diffusers.configuration_utils import register_to_config
 from torch import Tensor
 
 from mmspec.cache import StaticKVCache
-from mmspec.models.hf import StaticCache
-from mmspec.models.hf_eagle import TextEagleHead
+from mmspec.methods import VISION_POLICIES
+from mmspec.models.hf.eagle import TextEagleHead
+from mmspec.models.hf.target import StaticCache
 
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,6 @@ __all__ = [
     "VisionEagleHead",
     "question_embedding",
 ]
-
-VISION_POLICIES = ("vispec", "specvlm", "msd")
 
 
 class VisionDraftCache(StaticKVCache):

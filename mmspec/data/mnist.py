@@ -4,7 +4,7 @@ Images come back as float32 tensors in [-1, 1] of shape [N, 1, 32, 32] (28x28 ze
 background value -1 -- by 2 px on each side so that a VQ with downsample 4 gives an 8x8 token grid), labels as int64 [N].
 
 Examples:
-    >>> from mmspec.train.data import load_mnist
+    >>> from mmspec.data.mnist import load_mnist
     >>> images, labels = load_mnist("test")  # [10000, 1, 32, 32] in [-1, 1], [10000]
     >>> images, labels = load_mnist("train+val")  # the 60k images of the usual MNIST training set
 """

@@ -1,10 +1,10 @@
 """What a VLM's decoder receives at prefill: the input embeddings with the projected image features merged in
 (`inputs_embeds [rows, L, dim]`) and where the image tokens are (`image_mask [rows, L]`).
 
-Vision-aware drafters (ViSpec, SpecVLM, MSD: `mmspec.models.vision_eagle`) read the target's projector outputs
+Vision-aware drafters (ViSpec, SpecVLM, MSD: `mmspec.drafters.vision_eagle`) read the target's projector outputs
 `E_img`, not its hidden states at image positions. The vision tower must still run once: `capture_decoder_inputs`
 records the decoder's `inputs_embeds` during the target's own prefill forward (a forward pre-hook on the decoder
-stack, `mmspec.models.hf.decoder_of`), so nothing is recomputed and the merge is exactly the model's.
+stack, `mmspec.models.hf.target.decoder_of`), so nothing is recomputed and the merge is exactly the model's.
 """
 
 from contextlib import contextmanager
@@ -20,7 +20,7 @@ __all__ = ["capture_decoder_inputs", "image_token_mask"]
 def capture_decoder_inputs(model):
     """Within the block, every forward of `model`'s decoder stack stores what it received in the yielded dict:
     `inputs_embeds [rows, L, dim]` (a causal LM's decoder gets `input_ids`; their embeddings are stored)."""
-    from mmspec.models.hf import decoder_of
+    from mmspec.models.hf.target import decoder_of
 
     decoder, seen = decoder_of(model), {}
 

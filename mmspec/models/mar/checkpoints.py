@@ -9,13 +9,14 @@ likely wrong.
 
 The model size is the preset (``mar_base`` / ``mar_large`` / ``mar_huge``); the diffusion head's depth and width are
 training arguments that the checkpoint does not record, so they default to the README's evaluation commands (the
-``diffloss_d`` / ``diffloss_w`` of `mmspec.models.mar.MAR_PRESETS`: 6/1024, 8/1280, 12/1536).
+``diffloss_d`` / ``diffloss_w`` of `mmspec.models.mar.model.MAR_PRESETS`: 6/1024, 8/1280, 12/1536).
 
 Examples:
     >>> transformer = load_official_mar("pretrained_models/mar/mar_large/checkpoint-last.pth", "mar_large")
-    >>> pipe = official_continuous_pipeline(
+    >>> parts = official_continuous_parts(
     ...     "pretrained_models/mar/mar_large/checkpoint-last.pth", "pretrained_models/vae/kl16.ckpt",
     ...     draft_ckpt="pretrained_models/mar/mar_base/checkpoint-last.pth", draft_model="mar_base")
+    >>> pipe = SpeculativeContinuousARPipeline(**parts)  # = SpeculativeContinuousARPipeline.from_official(...)
     >>> images = pipe([207, 360], acceptance="continuous", generator=torch.Generator().manual_seed(0)).images
 """
 
@@ -30,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from mmspec.models.mar import MAR, MAR_PRESETS
+from mmspec.models.mar.model import MAR, MAR_PRESETS
 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_official_mar", "load_official_mar", "official_continuous_pipeline"]
+__all__ = ["build_official_mar", "load_official_mar", "official_continuous_parts"]
 
 # MAR fields that `build_official_mar` derives from upstream's arguments (img_size, vae_stride, ...)
 _DERIVED = ("seq_h", "seq_w", "token_embed_dim", "class_num", "buffer_size", "diffloss_d", "diffloss_w",
@@ -237,7 +238,7 @@ def load_official_mar(
     return mar.eval()
 
 
-def official_continuous_pipeline(
+def official_continuous_parts(
     mar_ckpt: str | os.PathLike,
     vae_ckpt: str | os.PathLike,
     model: str = "mar_large",
@@ -248,19 +249,19 @@ def official_continuous_pipeline(
     vae_config: dict | None = None,
     **kw,
 ):
-    """`SpeculativeContinuousARPipeline` from the official MAR checkpoint(s) and ``kl16.ckpt``.
+    """The parts of a `SpeculativeContinuousARPipeline` (`transformer`, `vae`, `draft_transformer`, keywords of its
+    constructor) from the official MAR checkpoint(s) and ``kl16.ckpt``.
 
     Args:
         mar_ckpt, model: the target's checkpoint and preset (`load_official_mar`).
-        vae_ckpt: the KL-VAE checkpoint (`mmspec.models.kl_vae.load_official_kl`; ``scale_factor`` 0.2325 as MAR).
+        vae_ckpt: the KL-VAE checkpoint (`mmspec.models.mar.kl_vae.load_official_kl`; ``scale_factor`` 0.2325 as MAR).
         draft_ckpt, draft_model: optional draft MAR (needed for ``acceptance="continuous"``).
         draft_kw: `load_official_mar` arguments for the draft only (on top of ``kw``).
         vae_config: `AutoencoderKL` overrides on top of kl16 (default resolution: ``img_size``).
         **kw: `load_official_mar` arguments shared by target and draft (``img_size``, ``num_sampling_steps``,
             ``torch_dtype``, ``device``, ...); each model's ``diffloss_d`` / ``diffloss_w`` default to its preset.
     """
-    from mmspec.models.kl_vae import load_official_kl
-    from mmspec.pipelines import SpeculativeContinuousARPipeline
+    from mmspec.models.mar.kl_vae import load_official_kl
 
     transformer = load_official_mar(mar_ckpt, model, **kw)
     draft = None
@@ -273,4 +274,4 @@ def official_continuous_pipeline(
         raise ValueError(f"vae_ckpt={os.fspath(vae_ckpt)!r}: the VAE downsamples by {vae.downsample_factor}, "
                          f"but vae_stride={stride}")  # fmt: skip
     torch.nn.Module.to(vae, device=kw.get("device"), dtype=kw.get("torch_dtype"))
-    return SpeculativeContinuousARPipeline(transformer=transformer, vae=vae, draft_transformer=draft)
+    return {"transformer": transformer, "vae": vae, "draft_transformer": draft}

@@ -1,5 +1,5 @@
 """EAGLE head for a transformers decoder LM / LLaVA target (Li et al. 2024, EAGLE-1/2, arXiv 2401.15077 /
-2406.16858): the text twin of `mmspec.models.eagle.EagleHead`, with the same call signature, so the engine's
+2406.16858): the text twin of `mmspec.models.llamagen.eagle.EagleHead`, with the same call signature, so the engine's
 `mmspec.drafters.eagle` (chains, EAGLE-2 dynamic trees, `EagleDrafter`) drives both.
 
     f_hat[t+1] = LlamaDecoderLayer(fc([embed(x[t+1]) ; h[t]]))     # one decoder layer, transformers' own class
@@ -13,7 +13,7 @@ lossless (a draft outside the subset is simply never proposed). The token embedd
 (`get_input_embeddings()` / `get_output_embeddings()`, passed in on every call, never stored). Pair `(h[t], x[t+1])`
 sits at the RoPE position of `x[t+1]`; the head cache (`setup_cache`) is a one-layer `StaticKVCache` whose slot is
 the position, slot 0 (no pair ends there) invalid and lengths starting at 1; a forward reads only the slots in use
-(`mmspec.models.hf.attention_window`), not the whole allocation. Image tokens of a LLaVA prompt enter as
+(`mmspec.models.hf.target.attention_window`), not the whole allocation. Image tokens of a LLaVA prompt enter as
 the embedding of the image placeholder id (the head sees the image only through the target's hidden states).
 """
 
@@ -28,8 +28,8 @@ from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from mmspec.cache import StaticKVCache, chain_inputs
-from mmspec.models.eagle import EagleHead
-from mmspec.models.hf import StaticCache, attention_window, window_view
+from mmspec.models.hf.target import StaticCache, attention_window, window_view
+from mmspec.models.llamagen.eagle import EagleHead
 
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,15 @@
+"""The LlamaGen family: GPT (`gpt.py`), VQ-16 tokenizer (`vq.py`), EAGLE head (`eagle.py`), the engine adapter
+(`target.py`), official `.pt` checkpoints (`checkpoints.py`) and the t2i text encoder (`text.py`).
+
+The main classes are offered here lazily (`mmspec.models.llamagen.LlamaGenGPT`, the path saved pipelines name)."""
+
+import importlib
+
+
+_LAZY = {"LlamaGenGPT": "gpt", "LlamaGenVQ": "vq", "EagleHead": "eagle", "LlamaGenTarget": "target"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

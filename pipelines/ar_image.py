@@ -244,6 +244,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         """`DiffusionPipeline.from_pretrained`, but a local pipeline folder's components load strictly through
         `mmspec.models.load` (diffusers would leave missing weights randomly initialised with only a warning);
         components passed as keywords are used as given."""
+        from mmspec.models.loading import import_index_modules
+
+        import_index_modules(pretrained_model_name_or_path)
         folder = Path(pretrained_model_name_or_path)
         if (folder / "model_index.json").is_file():
             from mmspec.models import ZOO_PARTS, load

@@ -136,6 +136,9 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """`DiffusionPipeline.from_pretrained`, with a local pipeline folder's components loaded strictly through
         `mmspec.models.load` (components passed as keywords are used as given)."""
+        from mmspec.models.loading import import_index_modules
+
+        import_index_modules(pretrained_model_name_or_path)
         from pathlib import Path
 
         folder = Path(pretrained_model_name_or_path)

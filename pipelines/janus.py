@@ -126,6 +126,9 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
             ValueError naming the path: a missing folder, a folder without a Janus config, missing or mis-shaped
             weights, unreadable files.
         """
+        from mmspec.models.loading import import_index_modules
+
+        import_index_modules(pretrained_model_name_or_path)
         if kwargs.pop("trust_remote_code", False):
             raise ValueError("trust_remote_code=True is refused: Janus loads through transformers' own classes")
         if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):

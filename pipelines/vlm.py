@@ -151,6 +151,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         config's shape, none unexpected, else a ValueError naming the folder and the key (transformers and
         diffusers would leave missing weights randomly initialised with only a warning). Components passed as
         keywords are used as given."""
+        from mmspec.models.loading import import_index_modules
+
+        import_index_modules(pretrained_model_name_or_path)
         from pathlib import Path
 
         folder = Path(pretrained_model_name_or_path)

@@ -331,3 +331,17 @@ def load(path, device=None, dtype=None):
     # plain nn.Module.to: ModelMixin.to warns about dtype casts that are intended here (fp16 storage -> fp32)
     torch.nn.Module.to(model, device=device, dtype=dtype or torch.float32)
     return model.eval()
+
+
+def import_index_modules(folder):
+    """Import the mmspec modules a saved pipeline's `model_index.json` names (diffusers loads a component's class only
+    from a module already imported), old paths (`mmspec.models.MOVED`) included. Called by the pipelines'
+    `from_pretrained` before diffusers reads the index; a folder without an index is left alone."""
+    index = Path(folder) / "model_index.json"
+    if not index.is_file():
+        return
+    import mmspec.models  # noqa: F401  (installs the old-path aliases)
+
+    for value in json.loads(index.read_text()).values():
+        if isinstance(value, list) and value and isinstance(value[0], str) and value[0].startswith("mmspec."):
+            importlib.import_module(value[0])

@@ -11,6 +11,8 @@ _LAZY = {"MAR": "model", "MAR_PRESETS": "model", "AutoencoderKL": "kl_vae", "Dif
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """The names above, and any other public name of `model.py`: `mmspec.models.mar` was that module before the
+    family folders, and saved pipelines' `model_index.json` (read by diffusers) name it."""
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY.get(name, 'model')}"), name)

@@ -16,12 +16,13 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from mmspec.decoding.masked import ImageNoise, MARRunner, cfg_schedule, decode_masked, mar_schedule
+from mmspec.decoding.masked import ImageNoise, cfg_schedule, decode_masked, mar_schedule
 from mmspec.decoding.trace import DecodeTrace
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.mar.diffusion import GaussianDiffusion
 from mmspec.models.mar.kl_vae import AutoencoderKL
 from mmspec.models.mar.model import MAR
+from mmspec.models.mar.runner import MARRunner
 from mmspec.random import check_generator
 from mmspec.stats import SpecStats
 

@@ -46,6 +46,7 @@ point, whose "density" needs its inner temperature of 42 to accept anything), mu
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -60,7 +61,7 @@ from mmspec.verify.continuous import verify_continuous
 __all__ = [
     "ImageNoise",
     "FiniteWatch",
-    "MARRunner",
+    "MaskedTarget",
     "cfg_schedule",
     "decode_masked",
     "finished_accept_prob",
@@ -160,40 +161,30 @@ class FiniteWatch:
         )
 
 
-class MARRunner:
-    """A MAR model with its condition and CFG: features of canvases, and its head on selected tokens.
+class MaskedTarget(Protocol):
+    """What the masked loop needs of a model (`mmspec.models.mar.runner.MARRunner` is the MAR one): features of
+    canvases under its condition and CFG, and its diffusion head on selected tokens.
 
-    Rows: ``features`` takes ``[R, L, D]`` canvases and ``rows [R]`` (the image each canvas belongs to) and returns the
-    conditional and unconditional ``z`` (the latter None without guidance). ``name`` (the pipeline component, e.g.
-    ``"transformer"``) names the model in errors; ``watch`` (a `FiniteWatch`, set by `decode_masked`) records
-    whether its outputs are finite."""
+    Attributes:
+        name: the pipeline component (``"transformer"``), named in errors.
+        guided: CFG on (``features`` also returns the unconditional ``z``).
+        forwards: feature passes so far (the loop's statistics).
+        watch: the `FiniteWatch` the loop sets; ``saw`` records into it.
+        head: the diffusion head (`mmspec.models.mar.diffloss.DiffLossHead`: ``sample_last`` / ``final_step``).
+    """
 
-    def __init__(self, model, labels: Tensor, guided: bool, name: str = "transformer"):
-        self.model, self.labels, self.guided, self.name = model, labels, guided, name
-        self.forwards = 0
-        self.watch: FiniteWatch | None = None
-
-    def saw(self, part: str, *tensors: Tensor | None) -> None:
-        """Record the finiteness of outputs of ``part`` (``"features"`` / ``"diffusion head"``) of this model."""
-        if self.watch is not None:
-            self.watch.see(self.name, part, *tensors)
-
-    @property
-    def head(self):
-        return self.model.diffloss
+    name: str
+    guided: bool
+    forwards: int
+    watch: FiniteWatch | None
+    head: Any
 
     def features(self, tokens: Tensor, visible: Tensor, rows: Tensor) -> tuple[Tensor, Tensor | None]:
-        r = tokens.shape[0]
-        cond = self.model.class_embedding(self.labels[rows])
-        self.forwards += 1
-        if not self.guided:
-            z = self.model.features(tokens, visible, cond)
-            self.saw("features", z)
-            return z, None
-        uncond = self.model.class_embedding(None, r)
-        z = self.model.features(torch.cat([tokens, tokens]), torch.cat([visible, visible]), torch.cat([cond, uncond]))
-        self.saw("features", z)
-        return z[:r], z[r:]
+        """Canvases ``[R, L, D]`` with ``visible [R, L]`` of images ``rows [R]`` -> conditional and unconditional
+        ``z`` (the latter None without guidance)."""
+
+    def saw(self, part: str, *tensors: Tensor | None) -> None:
+        """Record the finiteness of outputs of ``part`` (``"features"`` / ``"diffusion head"``)."""
 
 
 def _gather(t: Tensor, rows: Tensor, pos: Tensor) -> Tensor:
@@ -231,8 +222,8 @@ def _head_last(runner, z_c, z_u, noise, rows, pos, cfg, temperature, aligned_noi
 
 
 def decode_masked(
-    target: MARRunner,
-    draft: MARRunner | None,
+    target: MaskedTarget,
+    draft: MaskedTarget | None,
     noise: ImageNoise,
     *,
     counts: list[int],
@@ -251,7 +242,7 @@ def decode_masked(
     """Run MAR's schedule for every image: plain (``draft=None``) or CSpD (module docstring).
 
     Args:
-        target, draft: `MARRunner` s (same token grid and dim).
+        target, draft: `MaskedTarget` s (`mmspec.models.mar.runner.MARRunner`) (same token grid and dim).
         noise: the images' `ImageNoise` (the target's; the draft's too unless ``draft_noise`` is given, i.e. without
             trajectory alignment).
         counts, cfg_scales: the schedule (`mar_schedule`, `cfg_schedule`).

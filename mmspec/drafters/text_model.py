@@ -22,7 +22,8 @@ import torch
 from mmspec.cache import chain_inputs
 from mmspec.decoding.drafter import Proposal
 from mmspec.drafters.tree import grow_tree
-from mmspec.models.hf.target import HFTarget, decoder_of
+from mmspec.models.hf.inputs import decoder_of
+from mmspec.models.hf.target import HFTarget
 from mmspec.random import num_rows
 from mmspec.sampling import sample
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmspec.models.hf.target import decoder_of
+from mmspec.models.hf.inputs import decoder_of
 
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
 Vision-aware drafters (ViSpec, SpecVLM, MSD: `mmspec.drafters.vision_eagle`) read the target's projector outputs
 `E_img`, not its hidden states at image positions. The vision tower must still run once: `capture_decoder_inputs`
 records the decoder's `inputs_embeds` during the target's own prefill forward (a forward pre-hook on the decoder
-stack, `mmspec.models.hf.target.decoder_of`), so nothing is recomputed and the merge is exactly the model's.
+stack, `decoder_of`), so nothing is recomputed and the merge is exactly the model's.
 """
 
 from contextlib import contextmanager
@@ -17,11 +17,15 @@ __all__ = ["capture_decoder_inputs", "image_token_mask"]
 
 
 @contextmanager
+def decoder_of(model):
+    """The decoder stack of a causal LM / LLaVA (`model.model.language_model` or `model.model`)."""
+    base = model.model
+    return getattr(base, "language_model", base)
+
+
 def capture_decoder_inputs(model):
     """Within the block, every forward of `model`'s decoder stack stores what it received in the yielded dict:
     `inputs_embeds [rows, L, dim]` (a causal LM's decoder gets `input_ids`; their embeddings are stored)."""
-    from mmspec.models.hf.target import decoder_of
-
     decoder, seen = decoder_of(model), {}
 
     def hook(module, args, kwargs):

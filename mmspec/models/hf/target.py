@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
-from mmspec.models.hf.inputs import capture_decoder_inputs, image_token_mask
+from mmspec.models.hf.inputs import capture_decoder_inputs, decoder_of, image_token_mask
 
 
 logger = logging.getLogger(__name__)
@@ -169,12 +169,6 @@ class Positions:
     def select_rows(self, index: Tensor) -> None:
         if self.offset is not None:
             self.offset = self.offset[index]
-
-
-def decoder_of(model):
-    """The decoder stack of a causal LM / LLaVA (`model.model.language_model` or `model.model`)."""
-    base = model.model
-    return getattr(base, "language_model", base)
 
 
 def right_align(input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: int = 0):

@@ -1,0 +1,46 @@
+"""The masked loop's adapter for MAR (`mmspec.decoding.masked.MaskedTarget`): a MAR model with its class condition
+and CFG."""
+
+import torch
+from torch import Tensor
+
+from mmspec.decoding.masked import FiniteWatch
+
+
+__all__ = ["MARRunner"]
+
+
+class MARRunner:
+    """A MAR model with its condition and CFG: features of canvases, and its head on selected tokens.
+
+    Rows: ``features`` takes ``[R, L, D]`` canvases and ``rows [R]`` (the image each canvas belongs to) and returns the
+    conditional and unconditional ``z`` (the latter None without guidance). ``name`` (the pipeline component, e.g.
+    ``"transformer"``) names the model in errors; ``watch`` (a `FiniteWatch`, set by `decode_masked`) records
+    whether its outputs are finite."""
+
+    def __init__(self, model, labels: Tensor, guided: bool, name: str = "transformer"):
+        self.model, self.labels, self.guided, self.name = model, labels, guided, name
+        self.forwards = 0
+        self.watch: FiniteWatch | None = None
+
+    def saw(self, part: str, *tensors: Tensor | None) -> None:
+        """Record the finiteness of outputs of ``part`` (``"features"`` / ``"diffusion head"``) of this model."""
+        if self.watch is not None:
+            self.watch.see(self.name, part, *tensors)
+
+    @property
+    def head(self):
+        return self.model.diffloss
+
+    def features(self, tokens: Tensor, visible: Tensor, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        r = tokens.shape[0]
+        cond = self.model.class_embedding(self.labels[rows])
+        self.forwards += 1
+        if not self.guided:
+            z = self.model.features(tokens, visible, cond)
+            self.saw("features", z)
+            return z, None
+        uncond = self.model.class_embedding(None, r)
+        z = self.model.features(torch.cat([tokens, tokens]), torch.cat([visible, visible]), torch.cat([cond, uncond]))
+        self.saw("features", z)
+        return z[:r], z[r:]

@@ -74,10 +74,10 @@ class ClassifierLogits(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        from mmspec.eval.metrics import _to_unit_float
+        from mmspec.eval.images import to_unit_float
 
         device = next(self.classifier.parameters()).device
-        return self.classifier(_to_unit_float(images).to(device) * 2 - 1).float()
+        return self.classifier(to_unit_float(images).to(device) * 2 - 1).float()
 
 
 def inception_logits_extractor(weights_path: str | None = None) -> torch.nn.Module:

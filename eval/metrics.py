@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
+from mmspec.eval.images import to_unit_float
 from mmspec.eval.reference_stats import (
     ReferenceStats,
     _batches,
@@ -213,24 +214,6 @@ def fid_and_features(
 # --- in-domain metrics for the MNIST zoo -------------------------------------------------------------------------
 
 
-def _to_unit_float(images: torch.Tensor, name: str = "images") -> torch.Tensor:
-    """uint8 [0, 255] or float [0, 1] grayscale [N, 1, H, W] -> float32 [0, 1]."""
-    if not isinstance(images, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor [N, 1, H, W], got {type(images).__name__}")
-    if images.dim() != 4 or images.shape[1] != 1 or images.shape[0] == 0:
-        raise ValueError(f"{name} must have shape [N, 1, H, W] with N >= 1 (grayscale), got {tuple(images.shape)}")
-    if images.dtype == torch.uint8:
-        return images.float() / 255
-    if not images.is_floating_point():
-        raise TypeError(f"{name} must be uint8 in [0, 255] or float in [0, 1], got dtype {images.dtype}")
-    lo, hi = float(images.min()), float(images.max())
-    if lo < 0.0 or hi > 1.0:
-        raise ValueError(
-            f"float {name} must lie in [0, 1] (MNIST data in [-1, 1]: use (x + 1) / 2), got [{lo:.4g}, {hi:.4g}]"
-        )
-    return images.float()
-
-
 class MNISTClassifierFeatures(torch.nn.Module):
     """The zoo classifier's penultimate (post-ReLU) features as a feature extractor (torchmetrics-compatible).
 
@@ -255,7 +238,7 @@ class MNISTClassifierFeatures(torch.nn.Module):
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         device = next(self.classifier.parameters()).device
-        return self.classifier.features(_to_unit_float(images).to(device) * 2 - 1).float()
+        return self.classifier.features(to_unit_float(images).to(device) * 2 - 1).float()
 
     def protocol(self) -> dict:
         return {
@@ -272,7 +255,7 @@ class MNISTClassifierFeatures(torch.nn.Module):
 @torch.no_grad()
 def classifier_accuracy(classifier: torch.nn.Module, images: torch.Tensor, labels, batch_size: int = 500) -> float:
     """Fraction of images (uint8 [0, 255] or float [0, 1], [N, 1, H, W]) the classifier labels as `labels` [N]."""
-    x = _to_unit_float(images)
+    x = to_unit_float(images)
     labels = _check_labels(labels, x.shape[0])
     device = next(classifier.parameters()).device
     preds = torch.cat([classifier(b.to(device) * 2 - 1).argmax(-1).cpu() for b in x.split(batch_size)])

@@ -1,6 +1,7 @@
-"""README.md as a user pastes it: every ```python block runs on a fresh checkout (its own Python process, the working
+"""README.md and every page of docs/ as a user pastes them: every ```python block runs on a fresh checkout (its own Python process, the working
 directory outside the repository, so relative paths are caught), and every `mmspec ...` / `python -m mmspec...`
-command of the README parses with the real argument parsers (a renamed or removed flag fails here).
+command of README.md and docs/*.md parses with the real argument parsers (a renamed or removed flag fails here);
+README.md stays a front page (at most 200 lines) that links every docs page.
 
 Blocks marked `<!-- readme-test: official files -->` load official LlamaGen / MAR checkpoints by file name: they run
 after `tests/readme_official_files.install()` has written tiny stand-ins of those files, in the official formats,
@@ -23,6 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
 OFFICIAL = "<!-- readme-test: official files -->"
 ONLINE = "<!-- readme-test: online -->"
 TIMEOUT_S = 240  # per block (the VLM block's first run on a machine dequantizes SmolLM2, ~25 s)
@@ -78,9 +81,16 @@ def shell_commands(text):
     return list(unique.values())
 
 
-TEXT = README.read_text()
-BLOCKS = python_blocks(TEXT)
-COMMANDS = shell_commands(TEXT)
+BLOCKS = [(f"{page.relative_to(ROOT)}:{line}", line, code, marked) for page in PAGES
+          for line, code, marked in python_blocks(page.read_text())]  # fmt: skip
+COMMANDS = list({(module, tuple(argv)): (text, module, argv) for page in PAGES
+                 for text, module, argv in shell_commands(page.read_text())}.values())  # fmt: skip
+
+
+def test_the_readme_is_a_front_page_that_links_every_docs_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    assert DOCS and all(f"(docs/{page.name})" in text for page in DOCS)
 
 
 def test_the_readme_has_the_blocks_and_commands_this_test_runs():
@@ -90,8 +100,8 @@ def test_the_readme_has_the_blocks_and_commands_this_test_runs():
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("line, code, official", BLOCKS, ids=[f"README.md:{line}" for line, _, _ in BLOCKS])
-def test_python_block_runs_as_pasted(line, code, official, tmp_path):
+@pytest.mark.parametrize("where, line, code, official", BLOCKS, ids=[where for where, *_ in BLOCKS])
+def test_python_block_runs_as_pasted(where, line, code, official, tmp_path):
     prelude = ""
     if official == OFFICIAL:
         prelude = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import readme_official_files; "
@@ -107,8 +117,8 @@ def test_python_block_runs_as_pasted(line, code, official, tmp_path):
         done = subprocess.run([sys.executable, "-c", prelude + code], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=TIMEOUT_S)  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail(f"README.md:{line}: the block ran longer than {TIMEOUT_S} s")
-    assert done.returncode == 0, f"README.md:{line} fails as pasted:\n{done.stderr[-3000:]}"
+        pytest.fail(f"{where}: the block ran longer than {TIMEOUT_S} s")
+    assert done.returncode == 0, f"{where} fails as pasted:\n{done.stderr[-3000:]}"
 
 
 class _Parsed(BaseException):

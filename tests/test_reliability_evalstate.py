@@ -152,8 +152,9 @@ def test_reference_chunks_of_another_feature_net_are_recomputed(tmp_path, caplog
 
 
 def _readme_sweep_argv():
-    """The `mmspec eval sweep ...` command of the README (continuation lines joined, comment dropped)."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+    """The `mmspec eval sweep ...` command of the docs (`docs/evaluation.md`; continuation lines joined, comment
+    dropped)."""
+    lines = (ROOT / "docs" / "evaluation.md").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("mmspec eval sweep"))
     command = ""
     for line in lines[start:]:

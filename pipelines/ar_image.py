@@ -15,7 +15,7 @@ How far `"relaxed"` may move each token's law from `p_target` (total variation, 
 prefix) depends on the drafts it relaxes: `<= delta` for point-mass drafts (Jacobi fresh tokens, a tree's single
 top-1 child); `<= sum_v min(q_draft(v), delta)` for drafts sampled from `q_draft` (EAGLE / model chains: up to
 `min(1, V * delta)`, measured up to ~11 delta on the MNIST zoo); LANTERN++'s `relaxation_lambda` bounds the ratio
-instead: `<= (lambda - 1) * sum_{q > p} p`. `tests/test_pipeline_ar_image.py` measures the first two through the
+instead: `<= (lambda - 1) * sum_{q > p} p`. `tests/pipelines/test_pipeline_ar_image.py` measures the first two through the
 pipeline. An EAGLE-2 tree with `m` deterministic siblings per node can pass on `delta` at every rejected sibling (up
 to `m * delta`; 2.8 delta measured with 4 siblings).
 

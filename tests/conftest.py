@@ -1,4 +1,17 @@
-"""Generic test fixtures (keep small; shared by all test modules)."""
+"""Generic test fixtures (keep small; shared by all test modules).
+
+Tests are grouped by subject in folders (`core/`, `verify/`, `decoding/`, `models/`, `drafters/`, `pipelines/`,
+`eval/`, `cli/`, `demo/`, `train/`); the modules beside this file are shared by all of them: `factories.py` (tiny
+models, one `tiny_gpt`), `pipeline_mixin.py` (the contract every pipeline passes), `janus_fixtures.py`,
+`vlm_fixtures.py`, `vision_seam_fixtures.py`, `readme_*.py`. A test module may reuse another subject's helpers by
+module name (`from test_pipeline_vlm import make_pipe`): every subject folder is on `sys.path`.
+
+The fast local loop skips the long statistical and end-to-end tests: `python -m pytest -q -n 2 -m "not slow"`;
+CI runs everything.
+"""
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,6 +52,11 @@ def chi2_pvalue():
 
     return pvalue
 
+
+HERE = Path(__file__).resolve().parent
+for _folder in sorted(p for p in HERE.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 # Each pytest-xdist worker gets one torch thread: two workers x two threads on two cores slows small ops ~10x.
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ idea, for speculative decoding). A pipeline's test class sets the hooks below an
 Pipelines that differ in kind override the optional hooks (defaults: discrete tokens, ``-1`` = not generated,
 greedy via ``do_sample=False``, LlamaGen-style rounds): `deterministic_kwargs` / `get_lossless_pipeline` (a setting
 where every lossless method must equal the plain one sample for sample), `assert_same_tokens`, `written_mask`,
-`scored_call` and `check_rounds` (see `tests/test_pipeline_continuous.py` for continuous tokens).
+`scored_call` and `check_rounds` (see `tests/pipelines/test_pipeline_continuous.py` for continuous tokens).
 
 Every test compares the pipeline against itself (plain vs speculative, one batch vs another), so it can fail: a lossy
 verifier, a drafter that leaks state between rows, a trace that disagrees with the stats, compaction that never

@@ -1,5 +1,5 @@
 """Tiny stand-ins for the official checkpoints that README.md's `from_official` examples name, for the README test
-(`tests/test_readme.py`), which runs each block marked `<!-- readme-test: official files -->` after `install()`.
+(`tests/core/test_readme.py`), which runs each block marked `<!-- readme-test: official files -->` after `install()`.
 
 No real LlamaGen / MAR checkpoint is available offline, so `install()`, in the block's own process:
 - shrinks the upstream size presets the examples name (`GPT-L`, `GPT-XL`, `VQ-16`, `mar_base`, `mar_huge`, kl16) to

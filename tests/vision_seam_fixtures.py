@@ -1,4 +1,4 @@
-"""A minimal vision-token head for the seam tests (`tests/test_vision_seam.py`): an EAGLE head with the
+"""A minimal vision-token head for the seam tests (`tests/drafters/test_vision_seam.py`): an EAGLE head with the
 `VisionEagleHead` drafter API (`prefill_prompt`, a head cache with a per-row position offset) and the simplest policy
 that decouples draft positions from cache slots -- keep every `stride`-th image pair, drop the others -- so the seam
 (target prefill -> drafter -> head -> rounds) is tested apart from the real policies (`mmspec.drafters.vision_eagle`).

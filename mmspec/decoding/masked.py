@@ -31,7 +31,7 @@ point, whose "density" needs its inner temperature of 42 to accept anything), mu
   alone on the *merged* schedule where each block's steps reveal their tokens together (same order, each token its
   own step's CFG scale). It is not the plain schedule's law -- the target conditions on fewer tokens than it would
   step by step -- and the draft does not change the law at all (it only decides how often the residual is sampled):
-  block mode is a coarser target schedule plus the draft's cost (`tests/test_pipeline_continuous.py` checks both).
+  block mode is a coarser target schedule plus the draft's cost (`tests/pipelines/test_pipeline_continuous.py` checks both).
 * ``"exact"``: lossless w.r.t. the plain schedule. The target scores step ``j`` of the block on its own nested canvas
   (the committed tokens plus the drafts of the block's steps ``< j``; ``K`` canvases per image in one batched pass)
   and steps are accepted in order. A nested canvas holds the draft's *finished* values, so what is verified must be

@@ -1,0 +1,220 @@
+"""The demo served on loopback: driven with `gradio_client` (one call per tab, bad inputs answered with a message
+while the server keeps serving) and by a real browser (Debian's chromium through Playwright: it generates in every
+tab and checks that the images, maps and stats appear; screenshots go to a tmp dir).
+
+The browser test skips when chromium or playwright is missing, except in CI (`CI` set), where it fails instead.
+`MMSPEC_DEMO_SCREENSHOT=1` also writes the README's screenshot, `assets/demo/screenshot.png`.
+"""
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+
+try:
+    import gradio  # noqa: F401 -- the app needs it (imported below through mmspec.demo.app)
+    import gradio_client
+except ImportError as err:  # the `demo` extra; CI installs it, so there a missing one is a failure
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(f"the demo needs gradio and gradio_client ({err})", allow_module_level=True)
+
+from mmspec.demo.app import CSS, TAB_TITLES, build_app  # noqa: E402
+from mmspec.demo.models import PipelineCache  # noqa: E402
+
+
+pytestmark = pytest.mark.zoo
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+SCREENSHOT = Path(__file__).resolve().parents[2] / "assets" / "demo" / "screenshot.png"
+KNOBS_DEFAULT = (None, None, 1, 16, 0.2, None, 25, 0.15, 1.0, 16, "repeat", True, 1, 3, "optimal")  # registry order
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    torch.set_num_threads(1)
+    cache = PipelineCache()
+    demo = build_app(cache)
+    port = _free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, css=CSS)
+    try:
+        yield f"http://127.0.0.1:{port}/", cache
+    finally:
+        demo.close()
+
+
+def _is_image(path, varied=True):
+    """A 256 x 256 image; `varied`: not a blank (a sample shows a digit; a map may be one colour)."""
+    with Image.open(path) as image:
+        return image.size == (256, 256) and (not varied or np.asarray(image.convert("L")).std() > 5)
+
+
+def test_gradio_client_every_tab(served):
+    url, cache = served
+    from mmspec.methods import KNOBS
+
+    assert len(KNOBS_DEFAULT) == len(KNOBS)
+    client = gradio_client.Client(url, verbose=False)
+    for tab, condition, method in (("c2i", 3, ("exact", "eagle")), ("t2i", "a thin four", ("jacobi", "auto"))):
+        plain, spec, amap, legend, summary, _plot = client.predict(
+            condition, *method, "0", 2.0, *KNOBS_DEFAULT, api_name=f"/generate_{tab}"
+        )
+        assert _is_image(plain) and _is_image(spec) and _is_image(amap, varied=False), tab
+        assert "speedup" in summary and "target forwards" in summary and "round 0" in legend
+    plain, spec, amap, legend, summary, _plot = client.predict(3, "0", 4.0, 16, "block", 4, 0.15,
+                                                               api_name="/generate_continuous")  # fmt: skip
+    assert _is_image(spec) and _is_image(amap, varied=False) and "acceptance rate" in summary and "resampled" in legend
+    image, answer, plain_text, summary = client.predict(
+        None, 0, "Describe the image.", "greedy", "eagle", 6, "0", False, 1.0, None, None, 1, api_name="/ask_vlm"
+    )  # fmt: skip
+    assert _is_image(image) and "tok-accepted" in answer and plain_text and "τ" in summary
+    assert cache.loads == 4  # one load per tab, not per call
+
+
+def test_gradio_client_bad_inputs_get_a_message_and_the_server_keeps_serving(served, tmp_path):
+    url, _ = served
+    client = gradio_client.Client(url, verbose=False)
+    with pytest.raises(Exception, match="seed must be a whole number, got 'abc'"):
+        client.predict(3, "exact", "auto", "abc", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i")
+    knobs = list(KNOBS_DEFAULT)
+    knobs[1] = 0  # tree_depth
+    with pytest.raises(Exception, match=r"tree_depth must be in \[1, 32\]"):
+        client.predict(3, "exact", "auto", "0", 2.0, *knobs, api_name="/generate_c2i")
+    text = tmp_path / "notes.txt"
+    text.write_text("not an image")
+    with pytest.raises(Exception, match="is not an image"):
+        client.predict(gradio_client.handle_file(str(text)), 0, "hi", "greedy", "auto", 4, "0", False, 1.0, None,
+                       None, 1, api_name="/ask_vlm")  # fmt: skip
+    _, spec, amap, _, summary, _ = client.predict(
+        3, "exact", "auto", "1", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i"
+    )
+    assert _is_image(spec) and _is_image(amap, varied=False) and "speedup" in summary
+
+
+def test_progress_is_reported_and_users_are_queued(served):
+    url, _ = served
+    client = gradio_client.Client(url, verbose=False)
+    job = client.submit(3, "0", 4.0, 64, "block", 4, 0.15, api_name="/generate_continuous")
+    seen = []
+    while not job.done():
+        status = job.status()
+        seen += [(p.index, p.length) for p in status.progress_data or []]
+    assert _is_image(job.result()[1])
+    assert seen and all(length == 64 for _, length in seen)  # the pipeline's tqdm bar, in tokens
+    # two users at once: both are served (one after the other: concurrency 1 on the shared models)
+    jobs = [client.submit(d, "jacobi", "auto", "0", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i") for d in (1, 2)]
+    results = [job.result() for job in jobs]
+    assert all(_is_image(r[1]) and "speedup" in r[4] for r in results)
+
+
+def _browser():
+    """(playwright's sync_playwright, chromium path), or skip / fail (CI) when either is missing."""
+    missing = []
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+        missing.append("playwright (pip install playwright)")
+    if not Path(CHROMIUM).is_file():
+        missing.append(f"{CHROMIUM} (apt-get install chromium)")
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"the browser test needs {' and '.join(missing)} in CI")
+        pytest.skip(f"needs {' and '.join(missing)}")
+    return sync_playwright
+
+
+def _image_src(page, selector):
+    """The `src` of the loaded `<img>` under `selector`, waiting until it differs from `old` (None: any) and has
+    loaded; checks it is 256 pixels wide."""
+    page.wait_for_function(
+        """([s, old]) => { const i = document.querySelector(s + ' img');
+                          return i && i.src !== old && i.complete && i.naturalWidth === 256; }""",
+        arg=[selector, None],
+        timeout=120_000,
+    )
+    return page.eval_on_selector(selector + " img", "i => i.src")
+
+
+def _new_image(page, selector, old):
+    page.wait_for_function(
+        """([s, old]) => { const i = document.querySelector(s + ' img');
+                          return i && i.src !== old && i.complete && i.naturalWidth === 256; }""",
+        arg=[selector, old],
+        timeout=120_000,
+    )
+
+
+def test_real_browser_every_tab(served, tmp_path):
+    sync_playwright = _browser()
+    from playwright.sync_api import expect
+
+    url, _ = served
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(url, wait_until="networkidle")
+            for tab in ("c2i", "t2i", "continuous"):
+                page.get_by_role("tab", name=TAB_TITLES[tab]).click()
+                if tab == "continuous":
+                    page.locator("#continuous-steps input").fill("16")
+                page.locator(f"#{tab}-generate").click()
+                for part in ("plain", "speculative", "map"):
+                    _image_src(page, f"#{tab}-{part}")
+                expect(page.locator(f"#{tab}-stats")).to_contain_text("speedup", timeout=60_000)
+                expect(page.locator(f"#{tab}-stats")).to_contain_text("target forwards")
+                expect(page.locator(f"#{tab}-legend")).to_contain_text("resampled")
+                expect(page.locator(f"#{tab}-histogram img, #{tab}-histogram svg").first).to_be_visible(timeout=60_000)
+                page.screenshot(path=shots / f"{tab}.png", full_page=True)
+                if tab == "c2i" and os.environ.get("MMSPEC_DEMO_SCREENSHOT"):
+                    _save_readme_screenshot(shots / "c2i.png")
+            page.get_by_role("tab", name=TAB_TITLES["vlm"]).click()
+            page.locator("#vlm-max-new input").fill("8")
+            page.locator("#vlm-generate").click()
+            expect(page.locator("#vlm-answer .tok-accepted").first).to_be_visible(timeout=120_000)
+            _image_src(page, "#vlm-image")
+            expect(page.locator("#vlm-stats")).to_contain_text("tokens/s", timeout=30_000)
+            expect(page.locator("#vlm-plain-text textarea")).not_to_have_value("", timeout=30_000)
+            page.screenshot(path=shots / "vlm.png", full_page=True)
+            # a bad seed: a visible message; then a good one generates again (the server kept serving)
+            page.get_by_role("tab", name=TAB_TITLES["c2i"]).click()
+            old = page.eval_on_selector("#c2i-map img", "i => i.src")
+            page.locator("#c2i-seed textarea, #c2i-seed input").first.fill("abc")
+            page.locator("#c2i-generate").click()
+            toast = page.locator('[data-testid="toast-text"]', has_text="seed must be a whole number, got 'abc'")
+            expect(toast).to_be_visible(timeout=30_000)
+            page.wait_for_timeout(500)  # the toast's fade-in
+            page.screenshot(path=shots / "error.png")
+            page.locator("#c2i-seed textarea, #c2i-seed input").first.fill("1")
+            page.locator("#c2i-generate").click()
+            _new_image(page, "#c2i-map", old)
+            expect(page.locator("#c2i-stats")).to_contain_text("speedup", timeout=60_000)
+        finally:
+            browser.close()
+    assert sorted(p.name for p in shots.iterdir()) == ["c2i.png", "continuous.png", "error.png", "t2i.png", "vlm.png"]
+
+
+def _save_readme_screenshot(path):
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+        image.thumbnail((1000, 1400))
+        image.quantize(128).save(SCREENSHOT, optimize=True)
+    shutil.copystat(path, SCREENSHOT)

@@ -1,0 +1,68 @@
+"""The continuous-token MNIST zoo: mnist-kl, mnist-mar (target), mnist-mar-draft."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmspec.models import load
+from mmspec.pipelines import SpeculativeContinuousARPipeline
+
+
+ZOO = Path(__file__).resolve().parents[2] / "assets"
+NAMES = ["mnist-kl", "mnist-mar", "mnist-mar-draft"]
+
+
+def step_macs(model) -> float:
+    """Multiply-accumulates of one AR step that reveals one token, with CFG (both branches): the encoder and decoder
+    over the buffer + every position (upper bound: all visible) and the head's full denoising chain on one token."""
+    tokens = model.seq_len + model.buffer_size
+    blocks = sum(p.numel() for n, p in model.named_parameters() if "_blocks." in n and p.dim() == 2)
+    head = sum(p.numel() for p in model.diffloss.net.parameters() if p.dim() == 2)
+    return 2 * (blocks * tokens + head * model.diffloss.num_sampling_steps)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = SpeculativeContinuousARPipeline.from_zoo(ZOO)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zoo_folder_is_complete(name):
+    folder = ZOO / name
+    for f in ("config.json", "diffusion_pytorch_model.safetensors", "README.md", "training.json"):
+        assert (folder / f).is_file(), f"{folder / f} missing"
+    assert not (folder / "checkpoint.pt").exists()
+
+
+def test_draft_costs_at_most_a_third_of_the_target_per_step(pipe):
+    assert step_macs(pipe.draft_transformer) <= step_macs(pipe.transformer) / 3
+    assert pipe.draft_transformer.seq_len == pipe.transformer.seq_len == pipe.vae.tokens_per_image >= 16
+
+
+def test_target_draws_the_requested_digits(pipe):
+    classifier = load(ZOO / "mnist-classifier")
+    labels = [i % 10 for i in range(40)]
+    gens = [torch.Generator().manual_seed(1000 + i) for i in range(40)]
+    images = pipe(labels, guidance_scale=4.0, generator=gens, output_type="pt").images
+    with torch.no_grad():
+        accuracy = (classifier(images * 2 - 1).argmax(-1) == torch.tensor(labels)).float().mean()
+    assert accuracy >= 0.9
+    recorded = json.loads((ZOO / "mnist-mar" / "training.json").read_text())
+    assert recorded["metrics"]["classifier_accuracy"] >= 0.95
+
+
+@pytest.mark.parametrize("mode", ["block", "exact"])
+def test_cspd_on_the_zoo_draws_the_requested_digits(pipe, mode):
+    classifier = load(ZOO / "mnist-classifier")
+    labels = [i % 10 for i in range(20)]
+    gens = [torch.Generator().manual_seed(2000 + i) for i in range(20)]
+    out = pipe(labels, guidance_scale=4.0, acceptance="continuous", verify_mode=mode, generator=gens,
+               output_type="pt")  # fmt: skip
+    with torch.no_grad():
+        accuracy = (classifier(out.images * 2 - 1).argmax(-1) == torch.tensor(labels)).float().mean()
+    assert accuracy >= 0.85
+    assert 0.0 < out.stats.extra["acceptance_rate"] < 1.0

@@ -16,13 +16,13 @@ from torch import Tensor
 __all__ = ["capture_decoder_inputs", "image_token_mask"]
 
 
-@contextmanager
 def decoder_of(model):
     """The decoder stack of a causal LM / LLaVA (`model.model.language_model` or `model.model`)."""
     base = model.model
     return getattr(base, "language_model", base)
 
 
+@contextmanager
 def capture_decoder_inputs(model):
     """Within the block, every forward of `model`'s decoder stack stores what it received in the yielded dict:
     `inputs_embeds [rows, L, dim]` (a causal LM's decoder gets `input_ids`; their embeddings are stored)."""

@@ -37,6 +37,7 @@ from diffusers import DiffusionPipeline
 
 from mmspec.decoding import Guidance, SequenceState, decode
 from mmspec.drafters import make_jacobi_drafter
+from mmspec.memory import check_hf_call_memory
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
 from mmspec.models.janus import JanusTarget, special_token_ids
 from mmspec.random import check_generator
@@ -394,6 +395,10 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         draft = self.make_drafter(drafter, target.vocab_size, knobs)
         scratch = 1 + (draft.max_width if draft else 0)
         self.check_context(mask, scratch)
+        check_hf_call_memory(target, draft, batch=batch, prompt_tokens=ids.shape[1], num_tokens=n_tokens,
+                             acceptance=acceptance, drafter=drafter, knobs=knobs,
+                             num_images_per_prompt=num_images_per_prompt,
+                             codebook_dim=self.model.model.vqmodel.quantize.embedding.weight.shape[-1])  # fmt: skip
         rule = self.make_rule(acceptance, knobs)
         stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 

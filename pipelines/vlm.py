@@ -46,6 +46,7 @@ from mmspec.cli_vlm import EAGLE_HEADS  # `from_zoo(eagle=...)`: the head folder
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
+from mmspec.memory import check_hf_call_memory
 from mmspec.methods import KNOBS, VLM_LIMITS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.hf import HFTarget, right_align
@@ -395,6 +396,10 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         target = HFTarget(self.model, guidance)
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
                                   draft_confidence)  # fmt: skip
+        check_hf_call_memory(target, draft, batch=batch, prompt_tokens=input_ids.shape[1], num_tokens=max_new_tokens,
+                             acceptance=rule_name, drafter=drafter, knobs=knobs,
+                             settings={"max_new_tokens": max_new_tokens},
+                             draft_model=self.draft_model if drafter == "model" else None)  # fmt: skip
         stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 
         # 3. prefill: prompt + image features of every row; the first token comes from the target alone

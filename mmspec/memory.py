@@ -151,10 +151,11 @@ def _size_knobs(drafter, knobs):
         if knobs.get("jacobi_tree_width", 1) > 1:
             return ("jacobi_tree_width", "jacobi_tree_depth", "jacobi_window")
         return ("jacobi_window",)
-    if drafter == "eagle":
-        return ("num_draft_tokens", "tree_depth", "tree_top_k")
-    if drafter == "model":
-        return ("num_draft_tokens",)
+    if drafter in ("eagle", "model"):
+        tree = (knobs.get("tree_top_k") or 1) > 1
+        if tree:
+            return ("num_draft_tokens", "tree_depth", "tree_top_k")
+        return ("tree_depth",) if drafter == "eagle" else ("num_draft_tokens",)
     return ()
 
 
@@ -209,7 +210,8 @@ def memory_budget(device, budget=None) -> tuple[float, str]:
 
 
 def _gib(nbytes) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
+    gib = nbytes / GIB
+    return f"{gib:.2f} GiB" if gib >= 0.1 or gib == 0 else f"{gib:.2g} GiB"
 
 
 def check_memory(terms, device, *, settings, budget=None) -> int:
@@ -230,7 +232,7 @@ def check_memory(terms, device, *, settings, budget=None) -> int:
     parts = "; ".join(f"{t.name} {_gib(t.nbytes)}" for t in largest)
     raise MemoryBudgetError(
         f"this call needs an estimated {_gib(total)} ({parts}), more than the memory budget {_gib(limit)} ({source}): "
-        f"{knobs}. Lower these (or the batch / num_images_per_prompt), or run on a device with more memory."
+        f"{knobs}. Lower these, or run on a device with more memory."
     )
 
 

@@ -14,8 +14,9 @@ cache slots per row, `V` the vocabulary):
 * KV caches (persistent): `2 * n_layer * R * n_kv_head * S * head_dim * dtype bytes` per model (target, draft model,
   EAGLE head), computed by the caller with `kv_cache_bytes`.
 * target logits and distributions: `R * M * V * 4` (logits) + `3 * B * M * V * 4` (guided / processed / softmax).
-* attention mask: `R * M * S * (1 + 4)` (the bool visibility `[R, M, S]` and the additive float mask fused kernels
-  make of it; a non-fused "eager" attention also builds `heads` times that in scores, not counted).
+* attention mask: `R * max(M, L) * S * (1 + 4)` (`L` the prefill's prompt / condition length; the bool visibility
+  `[R, M, S]` and the additive float mask fused kernels make of it; a non-fused "eager" attention also builds
+  `heads` times that in scores, not counted).
 * tree ancestry (tree drafters): `R * M * M` bool (the `[R, M, M]` ancestor mask) + `3 * R * M * 8` (pointers).
 * Jacobi window (SJD / SCD / SJD-PAC, window `L`): `6 * B * L * V * 4` (the cached `q` per position, the re-draft's
   `p` / `q` / residual / next `q`).

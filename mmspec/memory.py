@@ -264,17 +264,18 @@ def hf_kv_cache_bytes(model, rows, max_seq) -> int:
 
 def check_hf_call_memory(target, draft, *, batch, prompt_tokens, num_tokens, acceptance, drafter, knobs,
                          draft_model=None, codebook_dim=None, num_images_per_prompt=None, settings=None,
-                         budget=None) -> int:  # fmt: skip
+                         device=None, budget=None) -> int:  # fmt: skip
     """`check_call_memory` for a pipeline over an `mmspec.models.hf.HFTarget` (Janus, VLMs): the cache sizes from
     the models' configs (`prompt_tokens` + `num_tokens` + the drafter's scratch slots), the target's and (`drafter=
-    "model"`) the draft LM's; `draft` is the engine drafter (None: plain decoding)."""
+    "model"`) the draft LM's; `draft` is the engine drafter (None: plain decoding); `device`: where the call runs
+    (the pipeline's execution device; default: the target's output head's)."""
     width = draft.max_width if draft is not None else 0
     rows = int(batch) * target.guidance.streams
     slots = int(prompt_tokens) + int(num_tokens) + width + 2
     kv = hf_kv_cache_bytes(target.model, rows, slots)
     if draft_model is not None:
         kv += hf_kv_cache_bytes(draft_model, rows, slots)
-    device = target.model.get_output_embeddings().weight.device
+    device = target.model.get_output_embeddings().weight.device if device is None else device
     return check_call_memory(device=device, batch=batch, streams=target.guidance.streams, vocab=target.vocab_size,
                              width=width, cache_slots=slots, kv_bytes=kv, acceptance=acceptance, drafter=drafter,
                              knobs=knobs, prefill_tokens=prompt_tokens, codebook_dim=codebook_dim,

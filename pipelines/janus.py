@@ -396,7 +396,7 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         scratch = 1 + (draft.max_width if draft else 0)
         self.check_context(mask, scratch)
         check_hf_call_memory(target, draft, batch=batch, prompt_tokens=ids.shape[1], num_tokens=n_tokens,
-                             acceptance=acceptance, drafter=drafter, knobs=knobs,
+                             acceptance=acceptance, drafter=drafter, knobs=knobs, device=device,
                              num_images_per_prompt=num_images_per_prompt,
                              codebook_dim=self.model.model.vqmodel.quantize.embedding.weight.shape[-1])  # fmt: skip
         rule = self.make_rule(acceptance, knobs)

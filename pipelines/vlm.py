@@ -397,7 +397,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
                                   draft_confidence)  # fmt: skip
         check_hf_call_memory(target, draft, batch=batch, prompt_tokens=input_ids.shape[1], num_tokens=max_new_tokens,
-                             acceptance=rule_name, drafter=drafter, knobs=knobs,
+                             acceptance=rule_name, drafter=drafter, knobs=knobs, device=device,
                              settings={"max_new_tokens": max_new_tokens},
                              draft_model=self.draft_model if drafter == "model" else None)  # fmt: skip
         stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)

@@ -54,7 +54,9 @@ __all__ = ["HUB_ALIASES", "SpeculativeJanusPipeline"]
 
 OUTPUT_TYPES = ("pil", "np", "pt", "tokens")
 MAX_IMAGES_PER_PROMPT = 4096  # one batch: memory grows linearly
-DEFAULT_DTYPE = torch.float32  # `from_pretrained(torch_dtype=None)`: whatever the checkpoint stores (module docstring)
+DEFAULT_DTYPE = (
+    torch.float32
+)  # `from_pretrained(torch_dtype=None)`, whatever the checkpoint stores (see its docstring)
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # transformers 5 / older processor layouts
 
 # DeepSeek's own repositories hold the remote-code "multi_modality" format; transformers reads the conversions

@@ -85,6 +85,8 @@ def test_from_pretrained_upcasts_a_float16_pipeline_folder(name, tmp_path):
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.half()
+            for param in component.parameters():  # the VLM's CPU layout (input-major linears) is not contiguous
+                param.data = param.data.contiguous()  # and transformers' save refuses it (a separate bug)
     pipe.save_pretrained(tmp_path / "pipe")
     stored = type(pipe).from_pretrained(tmp_path / "pipe")
     found = weights(stored)

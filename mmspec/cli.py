@@ -451,19 +451,13 @@ def check_output_folder(parser, flag, path):
 
 
 def check_device(parser, device, flag="--device"):
-    """Usage error unless `device` names a torch device that exists here."""
-    import torch
+    """Usage error unless `device` names a torch device that exists here (`mmspec.checks.check_device`)."""
+    from mmspec.checks import check_device as check
 
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as err:
-        parser.error(f"argument {flag}: {device!r} is not a torch device ({err})")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"argument {flag}: {device!r} but CUDA is not available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        parser.error(f"argument {flag}: {device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        parser.error(f"argument {flag}: {device!r} but MPS is not available")
+        check(device, name=flag)
+    except ValueError as err:
+        parser.error(f"argument {err}")
 
 
 def check_zoo_folders(parser, zoo, names, flag="--zoo"):

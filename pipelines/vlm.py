@@ -42,6 +42,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
+from mmspec.checks import check_prompts
 from mmspec.cli_vlm import EAGLE_HEADS  # `from_zoo(eagle=...)`: the head folder `<name>-<kind>`
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
@@ -265,12 +266,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise ValueError("pass exactly one of prompt and messages")
         images = self.check_images(images)
         if prompt is not None:
-            prompts = [prompt] if isinstance(prompt, str) else prompt
-            if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
-                raise TypeError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
-            empty = [i for i, p in enumerate(prompts) if not p.strip()]
-            if empty:
-                raise ValueError(f"prompt must not be empty (prompt {empty[0]} is {prompts[empty[0]]!r})")
+            prompts = check_prompts(prompt)  # shared with the Janus pipeline (mmspec.checks)
             if images is not None and len(images) != len(prompts):
                 raise ValueError(f"got {len(images)} images for {len(prompts)} prompts (one image per prompt)")
             has_image = images is not None

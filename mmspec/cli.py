@@ -232,6 +232,9 @@ def probability(text):
     return value
 
 
+SAMPLING_LIMITS_KEYS = ("top_k",)  # the keys of mmspec.methods.SAMPLING_LIMITS (no registry import at import time)
+
+
 def sampling_type(name, kind):
     """argparse `type` for a `mmspec.sampling.SamplingParams` field: parsed as `kind`, checked by SamplingParams
     itself (so the CLI accepts exactly what the pipeline does)."""
@@ -249,10 +252,50 @@ def sampling_type(name, kind):
             SamplingParams(**{name: value})
         except (TypeError, ValueError) as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+        if name in SAMPLING_LIMITS_KEYS:
+            from mmspec.methods import SAMPLING_LIMITS
+
+            if value > SAMPLING_LIMITS[name]:
+                raise argparse.ArgumentTypeError(
+                    f"{name} must be at most {SAMPLING_LIMITS[name]} (and the model's vocabulary), got {value}"
+                )
         return value
 
     parse.__name__ = name
     return parse
+
+
+def limited_float(name, low, high, low_open=False):
+    """argparse `type` factory: a finite number in [low, high] (`(low, high]` with `low_open`), for a knob whose
+    pipeline bounds it so (e.g. `mmspec.methods.CONTINUOUS_LIMITS`); the message names the knob and the range."""
+
+    def parse(text):
+        value = finite_float(text)
+        if not ((low < value) if low_open else (low <= value)) or value > high:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text!r}"
+            )
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def check_top_k_vocab(parser, top_k, vocab, where, flag="--top-k"):
+    """Usage error when `top_k` is more than the model's vocabulary `vocab` (read from its config.json, so before
+    any model loads; `where` names the config). Nothing to check when either is unknown / unset."""
+    if top_k is not None and isinstance(vocab, int) and top_k > vocab:
+        parser.error(f"argument {flag}: {top_k} is more than the vocabulary of {where} ({vocab} tokens)")
+
+
+def check_sampling_only(parser, acceptance, temperature, method=None, do_sample=True):
+    """Usage error (naming --temperature) when a sampling-only acceptance rule (`Acceptance.sampling_only` of the
+    registry: GSD) would run greedily (temperature 0 or no sampling): it is undefined there."""
+    from mmspec.methods import ACCEPTANCES
+
+    if ACCEPTANCES[acceptance].sampling_only and (temperature == 0 or not do_sample):
+        what = f"the sampling method {method}" if method else f"the sampling rule --acceptance {acceptance}"
+        parser.error(f"argument --temperature: 0 (greedy) does not work with {what}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -403,6 +446,7 @@ def check_output_file(parser, flag, out, extensions=None):
         parser.error(f"argument {flag}: {str(parent)!r} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         parser.error(f"argument {flag}: {str(out)!r} is not writable")
+    _probe_write(parser, flag, parent, out)
     if extensions == "image":
         from PIL import Image
 
@@ -435,9 +479,23 @@ def _check_out(parser, out):
     check_output_file(parser, "--out", out, "image")
 
 
+def _probe_write(parser, flag, folder, out):
+    """Usage error unless a file can really be created in `folder` (a temporary file, removed at once): permission
+    bits do not tell (root, read-only mounts, /proc and /sys accept `os.access` but refuse files)."""
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".mmspec-write-check-", dir=folder)
+    except OSError as err:
+        parser.error(f"argument {flag}: {str(out)!r} is not writable ({err.strerror or err})")
+    os.close(fd)
+    Path(tmp).unlink(missing_ok=True)
+
+
 def check_output_folder(parser, flag, path):
-    """Usage error unless `path` is a folder, or can be created as one: its nearest existing parent is a writable
-    folder (for outputs a command creates itself: run folders, files inside them)."""
+    """Usage error unless `path` is a writable folder; a missing folder (and its missing parents) is created here,
+    before any work (for outputs a command creates itself: run folders, files inside them), so that a folder
+    that cannot be made (an unwritable or system folder) is a usage error naming `flag` and the path."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         parser.error(f"argument {flag}: {str(path)!r} is not a folder")
@@ -448,6 +506,11 @@ def check_output_folder(parser, flag, path):
         parser.error(f"argument {flag}: {str(existing)!r} is not a folder, so {str(path)!r} cannot be created")
     if not os.access(existing, os.W_OK | os.X_OK):
         parser.error(f"argument {flag}: {str(existing)!r} is not writable")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"argument {flag}: cannot create the folder {str(path)!r} ({err.strerror or err})")
+    _probe_write(parser, flag, path, path)
 
 
 def check_device(parser, device, flag="--device"):
@@ -481,7 +544,7 @@ def check_generate_args(parser, args):
     classes, resolves the (acceptance, drafter) pair against the drafter folders the zoo has, and checks `--out`.
     Sets `args.labels` (the class id of every image) and `args.grid_columns`.
     """
-    from mmspec.methods import ACCEPTANCES, resolve_drafter
+    from mmspec.methods import resolve_drafter
     from mmspec.models import read_config, zoo_folders
 
     args.kind = "c2i" if args.prompt is None else "t2i"
@@ -506,9 +569,8 @@ def check_generate_args(parser, args):
     except ValueError as err:
         parser.error(f"argument --drafter: {err} (zoo: {args.zoo})")
     check_knobs_used(parser, knob_values(args), args.acceptance, drafter)
-    if ACCEPTANCES[args.acceptance].sampling_only and args.temperature == 0:
-        parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling rule --acceptance "
-                     f"{args.acceptance}")  # fmt: skip
+    check_sampling_only(parser, args.acceptance, args.temperature)
+    check_top_k_vocab(parser, args.top_k, configs["transformer"].get("vocab_size"), f"the zoo's target ({args.zoo})")
     _check_out(parser, args.out)
     check_device(parser, args.device)
     if args.num_images is not None:

@@ -17,14 +17,14 @@ from pathlib import Path
 
 from mmspec.cli import (
     DEFAULT_ZOO,
+    MAX_THREADS,
     HelpFormatter,
     check_device,
     check_output_file,
+    check_top_k_vocab,
     check_zoo_folders,
     int_in_range,
-    positive_float,
-    positive_int,
-    probability,
+    sampling_type,
 )
 from mmspec.methods import VLM_LIMITS
 
@@ -54,9 +54,13 @@ def add_arguments(parser):
         help="tokens to generate at most (the prompt + these must fit the model's context)",
     )
     parser.add_argument("--do-sample", action="store_true", help="sample (default: greedy decoding)")
-    parser.add_argument("--temperature", type=positive_float, default=1.0)
-    parser.add_argument("--top-k", type=positive_int, default=None)
-    parser.add_argument("--top-p", type=probability, default=None)
+    # the pipeline's own rules (mmspec.sampling.SamplingParams; top-k also at most the vocabulary, see check_args)
+    parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0,
+                        help="sampling temperature (--do-sample; finite, >= 0, 0 = greedy)")  # fmt: skip
+    parser.add_argument("--top-k", type=sampling_type("top_k", int), default=None,
+                        help="keep the K most likely tokens (--do-sample; at most the vocabulary)")  # fmt: skip
+    parser.add_argument("--top-p", type=sampling_type("top_p", float), default=None,
+                        help="nucleus mass in (0, 1] (--do-sample)")  # fmt: skip
     parser.add_argument(
         "--num-draft-tokens",
         type=int_in_range(1, VLM_LIMITS["num_draft_tokens"]),
@@ -76,7 +80,7 @@ def add_arguments(parser):
     parser.add_argument("--save-image", default=None, help="write the canvas used here (PNG)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run")
     parser.add_argument(
-        "--threads", type=int_in_range(0, 4096), default=0, help="torch CPU threads (0: torch's default)"
+        "--threads", type=int_in_range(0, MAX_THREADS), default=0, help="torch CPU threads (0: torch's default)"
     )
     parser.add_argument("--device", default="cpu")
 
@@ -124,8 +128,7 @@ def check_args(parser, args):
             f"argument --max-new-tokens: {args.max_new_tokens} does not fit the model's context of {context} tokens "
             "(prompt included)"
         )
-    if isinstance(vocab, int) and args.top_k is not None and args.top_k > vocab:
-        parser.error(f"argument --top-k: {args.top_k} is more than the vocabulary ({vocab} tokens)")
+    check_top_k_vocab(parser, args.top_k, vocab, f"{args.zoo}/mnist-vlm")
     if args.acceptance == "greedy" and args.do_sample:
         parser.error("argument --do-sample: --acceptance greedy verifies greedy decoding (use --acceptance exact)")
     if args.acceptance == "none":

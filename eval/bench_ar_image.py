@@ -82,15 +82,16 @@ def add_arguments(parser):
 def check_args(parser, args):
     """Before any model loads: the zoo has the target, VQ, classifier and every drafter the methods need; the
     methods accept the sampling settings; the batch size divides the images; the device exists."""
-    from mmspec.methods import ACCEPTANCES, resolve_drafter
+    from mmspec.cli import check_sampling_only, check_top_k_vocab
+    from mmspec.methods import resolve_drafter
     from mmspec.models import read_config, zoo_folders
 
     try:
         folders = zoo_folders(args.zoo, kind=args.model)
-        for folder in folders.values():
-            read_config(folder)
+        configs = {name: read_config(folder) for name, folder in folders.items()}
     except ValueError as err:
         parser.error(f"argument --zoo: {err}")
+    check_top_k_vocab(parser, args.top_k, configs["transformer"].get("vocab_size"), f"the zoo's target ({args.zoo})")
     check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
     for name in args.methods:
         preset = PRESETS[name]
@@ -98,8 +99,7 @@ def check_args(parser, args):
             resolve_drafter(preset["acceptance"], preset.get("drafter"), set(folders))
         except ValueError as err:
             parser.error(f"argument --methods: {name}: {err}: the zoo {args.zoo!r} lacks its drafter folder")
-        if ACCEPTANCES[preset["acceptance"]].sampling_only and args.temperature == 0:
-            parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling method {name}")
+        check_sampling_only(parser, preset["acceptance"], args.temperature, name)
         check_knob_combination(parser, knob_values(args) | preset)
     if args.batch_size > args.num_images or args.num_images % args.batch_size:
         parser.error(f"argument --batch-size: {args.batch_size} does not divide --num-images {args.num_images} "

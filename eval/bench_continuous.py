@@ -33,15 +33,15 @@ from mmspec.cli import (
     check_device,
     check_output_file,
     check_zoo_folders,
-    finite_float,
     int_in_range,
     int_list_in_range,
-    positive_float,
+    limited_float,
     positive_int,
     positive_int_list,
     probability,
     seed_int,
 )
+from mmspec.methods import CONTINUOUS_LIMITS as LIMITS
 
 
 logger = logging.getLogger(__name__)
@@ -85,21 +85,17 @@ def add_arguments(parser):
     parser.add_argument("--prefill-ratio", type=probability, default=0.15)
     parser.add_argument("--num-inference-steps", type=int_in_range(2, MAX_INFERENCE_STEPS), default=None,
                         help="head steps (config default)")  # fmt: skip
-    parser.add_argument("--guidance-scale", type=_at_least_one, default=3.0, help="CFG scale (>= 1; 1 = off)")
-    parser.add_argument("--temperature", type=positive_float, default=1.0)
+    # the pipeline's bounds (mmspec.methods.CONTINUOUS_LIMITS = pipelines.continuous.LIMITS)
+    parser.add_argument("--guidance-scale", type=limited_float("guidance_scale", 1.0, LIMITS["guidance_scale"]),
+                        default=3.0, help=f"CFG scale (in [1, {LIMITS['guidance_scale']:g}]; 1 = off)")  # fmt: skip
+    parser.add_argument("--temperature", type=limited_float("temperature", 0.0, LIMITS["temperature"], low_open=True),
+                        default=1.0, help=f"the head's noise temperature (in (0, {LIMITS['temperature']:g}])")  # fmt: skip
     parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=0,
                         help="torch CPU threads (0: default)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--plot", type=Path, default=None,
                         help="speed-vs-FID plot (PNG) of every batch size (needs --num-images)")  # fmt: skip
-
-
-def _at_least_one(text):
-    value = finite_float(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
-    return value
 
 
 def check_args(parser, args):

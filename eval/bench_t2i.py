@@ -14,6 +14,7 @@ Prompts: `--prompts FILE` (one per line), else the digit prompts "a handwritten 
 zoo classifier's accuracy on the digit each prompt names (null for other prompts).
 """
 
+import json
 import logging
 import platform
 import re
@@ -112,12 +113,17 @@ def check_args(parser, args):
     """Before any model loads: the model folder (when local) holds a transformers config, the prompts file reads,
     the classifier is there for digit prompts, the methods accept the sampling settings, the batch size divides the
     images, the device exists."""
-    from mmspec.methods import ACCEPTANCES
+    from mmspec.cli import check_sampling_only, check_top_k_vocab
 
     local = Path(args.model).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
             parser.error(f"argument --model: {args.model!r} is not a transformers model folder (no config.json)")
+        try:  # the image vocabulary (VQ codebook size), for --top-k, without loading the model
+            vocab = (json.loads((local / "config.json").read_text()).get("vq_config") or {}).get("num_embeddings")
+        except (OSError, ValueError, AttributeError) as err:
+            parser.error(f"argument --model: {str(local / 'config.json')!r} is not a readable config ({err})")
+        check_top_k_vocab(parser, args.top_k, vocab, f"{args.model} (its VQ codebook)")
     elif not HUB_ID.fullmatch(args.model):
         parser.error(f"argument --model: {args.model!r} is neither a folder nor a hub id like "
                      "'deepseek-ai/Janus-Pro-1B'")  # fmt: skip
@@ -130,8 +136,7 @@ def check_args(parser, args):
         args.prompt_list = None
         check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
     for name in args.methods:
-        if ACCEPTANCES[T2I_PRESETS[name]["acceptance"]].sampling_only and args.temperature == 0:
-            parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling method {name}")
+        check_sampling_only(parser, T2I_PRESETS[name]["acceptance"], args.temperature, name)
     if args.batch_size > args.num_images or args.num_images % args.batch_size:
         parser.error(f"argument --batch-size: {args.batch_size} does not divide --num-images {args.num_images} "
                      "(every method must generate exactly --num-images images per repeat)")  # fmt: skip

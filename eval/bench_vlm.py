@@ -59,7 +59,7 @@ from mmspec.cli import (
     int_in_range,
     int_list_in_range,
     names_of,
-    positive_float,
+    sampling_type,
     seed_int,
 )
 from mmspec.data.canvases import MAX_DIGITS, held_out_canvases
@@ -144,7 +144,8 @@ def add_arguments(parser):
         action="store_true",
         help="sampled decoding (acceptance exact; answer i draws from a generator seeded --seed + i)",
     )
-    parser.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature (--do-sample)")
+    parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0,
+                        help="sampling temperature (--do-sample; the pipeline's rule: finite, >= 0)")  # fmt: skip
     parser.add_argument("--specvlm-expert", choices=SPECVLM_EXPERTS, default=None,
                         help="ablation: the specvlm row sends every input to this compressor instead of its gate's pick")  # fmt: skip
     parser.add_argument("--time-phases", action="store_true",

@@ -21,16 +21,17 @@ DRAFTER_COMPONENTS = {"model": "draft_model", "eagle": "eagle_head"}
 
 
 def check_output_path(parser, flag: str, path, extensions) -> None:
-    """`mmspec.cli.check_output_file`, also for a file whose folder does not exist yet (it must be creatable)."""
+    """`mmspec.cli.check_output_file`, also for a file whose folder does not exist yet (created here, before any
+    work; a folder that cannot be created is the usage error)."""
     from mmspec.cli import check_output_file
 
     path = Path(path)
     if path.parent.exists() or str(path.parent) in ("", "."):
         check_output_file(parser, flag, path, extensions)
         return
-    check_output_folder(parser, flag, path.parent)
     if path.suffix.lower() not in extensions:
         parser.error(f"argument {flag}: {str(path)!r} needs the extension {' or '.join(extensions)}")
+    check_output_folder(parser, flag, path.parent)
 
 
 def check_reference_file(parser, flag: str, path, feature_dim: int | None = None) -> None:

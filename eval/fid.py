@@ -61,11 +61,21 @@ def add_arguments(parser):
 
 def check_arguments(args, parser):
     """Usage errors (exit 2, one line naming the flag) before any model loads: every path, count, file and device."""
-    from mmspec.cli import check_device, check_output_file, check_zoo_folders, knob_values
+    from mmspec.cli import (
+        check_device,
+        check_knob_combination,
+        check_output_file,
+        check_sampling_only,
+        check_zoo_folders,
+        knob_values,
+    )
     from mmspec.eval import cli_checks as checks
     from mmspec.methods import PRESETS
 
     drafter = knob_values(args).get("drafter", PRESETS[args.preset].get("drafter"))
+    preset = PRESETS[args.preset]
+    check_sampling_only(parser, preset["acceptance"], args.temperature, f"--preset {args.preset}")
+    check_knob_combination(parser, preset | knob_values(args))  # e.g. an SJD-PAC tree deeper than the window
     if args.pipeline is not None:
         checks.check_pipeline_folder(parser, "--pipeline", args.pipeline, drafter)
     else:

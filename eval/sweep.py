@@ -379,7 +379,7 @@ def add_arguments(parser):
 
 def check_arguments(args, parser):
     """Usage errors (exit 2, one line naming the flag) before any model loads: every path, count, file and device."""
-    from mmspec.cli import check_device, check_zoo_folders
+    from mmspec.cli import check_device, check_sampling_only, check_zoo_folders
     from mmspec.eval import cli_checks as checks
 
     try:
@@ -389,6 +389,8 @@ def check_arguments(args, parser):
     names = [p.name for p in args.points]
     if "plain" in names or len(set(names)) != len(names):
         parser.error("argument --grid: point names must be unique and not 'plain' (the baseline rows)")
+    for point in args.points:  # GSD is undefined under greedy decoding
+        check_sampling_only(parser, point.call_kwargs()["acceptance"], args.temperature, f"{point.name!r} (--grid)")
     drafters = {p.call_kwargs().get("drafter") for p in args.points}
     check_zoo_folders(parser, args.zoo, ["mnist-c2i", "mnist-vq", "mnist-classifier"]
                       + sorted(checks.DRAFTER_FOLDERS[d] for d in drafters if d in checks.DRAFTER_FOLDERS))  # fmt: skip

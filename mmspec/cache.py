@@ -239,30 +239,45 @@ def check_parents(parents):
         raise ValueError("parents must satisfy -1 <= parents[r, i] < i (topological order, -1 = committed prefix)")
 
 
-def tree_ancestry(parents):
-    """Depths `[rows, M]` and ancestor-or-self mask `[rows, M, M]` (mask[r, i, j]: j is i or an ancestor of i)."""
+def tree_ancestry(parents, max_depth=None):
+    """Depths `[rows, M]` and ancestor-or-self mask `[rows, M, M]` (mask[r, i, j]: j is i or an ancestor of i).
+
+    Memory: the `[rows, M, M]` bool result plus `O(rows * M)` per step -- never an `M x M` intermediate per row
+    beyond the result (an earlier version built an int64 one-hot of `[rows, M, M]` per level, 10x the result).
+
+    Args:
+        parents: `[rows, M]` topologically ordered forest (`check_parents`).
+        max_depth: an upper bound on every node's depth (0 for a child of the prefix; e.g. from the knobs): then
+            exactly `max_depth` vectorised steps and no host read; None: steps until no node has an ancestor left (one host
+            read per level). Nodes deeper than `max_depth` would get a wrong depth: pass a true bound.
+    """
     check_parents(parents)
     rows, m = parents.shape
     device = parents.device
     mask = torch.eye(m, dtype=torch.bool, device=device).expand(rows, m, m).clone()
     depth = torch.zeros(rows, m, dtype=torch.long, device=device)
+    self_index = torch.arange(m, device=device).expand(rows, m)
     # Chase every node's ancestors one level per step: `ancestor` is the ancestor at distance d (or -1), so the loop
-    # runs max-depth times (a few), not once per node.
+    # runs max-depth times (a few), not once per node. Each step marks mask[r, i, ancestor[r, i]] with one scatter
+    # (rows whose chain has ended mark their own, already True, diagonal).
     ancestor = parents.clone()
-    while bool((ancestor >= 0).any()):
+    step = 0
+    while (step < max_depth) if max_depth is not None else bool((ancestor >= 0).any()):
         found = ancestor >= 0  # [rows, M]
-        mask |= torch.nn.functional.one_hot(ancestor.clamp(min=0), m).bool() & found[..., None]
+        mask.scatter_(2, torch.where(found, ancestor, self_index)[..., None], True)
         depth += found.long()
         ancestor = torch.where(found, parents.gather(1, ancestor.clamp(min=0)), -1)
+        step += 1
     return depth, mask
 
 
-def tree_inputs(parents, lengths):
+def tree_inputs(parents, lengths, max_depth=None):
     """Positions, write slots and mask to score a token tree in one forward.
 
     Args:
         parents: `[rows, M]` parent index of each node (`-1` = child of the last committed token), topological order.
         lengths: `[rows]` committed cache lengths.
+        max_depth: optional bound on node depths (`tree_ancestry`: a fixed number of steps, no host read).
 
     Returns:
         `(input_pos, write_slots, attention_mask)`: node `i` has RoPE position `lengths + depth(i)`, is written at
@@ -270,7 +285,7 @@ def tree_inputs(parents, lengths):
     """
     parents = torch.as_tensor(parents).long()
     lengths = torch.as_tensor(lengths, dtype=torch.long, device=parents.device)
-    depth, mask = tree_ancestry(parents)
+    depth, mask = tree_ancestry(parents, max_depth)
     input_pos = lengths[:, None] + depth
     write_slots = lengths[:, None] + torch.arange(parents.shape[1], device=parents.device)[None, :]
     return input_pos, write_slots, mask

@@ -76,6 +76,7 @@ MAX_SEED = 2**63 - 1
 MAX_THREADS = 1024  # `--threads`: torch.set_num_threads far past any machine is a typo
 MAX_IMAGES = 10_000  # `mmspec generate`: images in one grid (each costs a full decode and grid memory)
 MAX_BATCH = 1024  # images per pipeline call (KV caches grow with it)
+SPEEDUP_REPEATS = 3  # `generate`: interleaved timed calls of each method behind `speedup_vs_plain`
 
 
 def _entry_point(spec):
@@ -232,6 +233,9 @@ def probability(text):
     return value
 
 
+SAMPLING_LIMITS_KEYS = ("top_k",)  # the keys of mmspec.methods.SAMPLING_LIMITS (no registry import at import time)
+
+
 def sampling_type(name, kind):
     """argparse `type` for a `mmspec.sampling.SamplingParams` field: parsed as `kind`, checked by SamplingParams
     itself (so the CLI accepts exactly what the pipeline does)."""
@@ -249,10 +253,50 @@ def sampling_type(name, kind):
             SamplingParams(**{name: value})
         except (TypeError, ValueError) as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+        if name in SAMPLING_LIMITS_KEYS:
+            from mmspec.methods import SAMPLING_LIMITS
+
+            if value > SAMPLING_LIMITS[name]:
+                raise argparse.ArgumentTypeError(
+                    f"{name} must be at most {SAMPLING_LIMITS[name]} (and the model's vocabulary), got {value}"
+                )
         return value
 
     parse.__name__ = name
     return parse
+
+
+def limited_float(name, low, high, low_open=False):
+    """argparse `type` factory: a finite number in [low, high] (`(low, high]` with `low_open`), for a knob whose
+    pipeline bounds it so (e.g. `mmspec.methods.CONTINUOUS_LIMITS`); the message names the knob and the range."""
+
+    def parse(text):
+        value = finite_float(text)
+        if not ((low < value) if low_open else (low <= value)) or value > high:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text!r}"
+            )
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def check_top_k_vocab(parser, top_k, vocab, where, flag="--top-k"):
+    """Usage error when `top_k` is more than the model's vocabulary `vocab` (read from its config.json, so before
+    any model loads; `where` names the config). Nothing to check when either is unknown / unset."""
+    if top_k is not None and isinstance(vocab, int) and top_k > vocab:
+        parser.error(f"argument {flag}: {top_k} is more than the vocabulary of {where} ({vocab} tokens)")
+
+
+def check_sampling_only(parser, acceptance, temperature, method=None, do_sample=True):
+    """Usage error (naming --temperature) when a sampling-only acceptance rule (`Acceptance.sampling_only` of the
+    registry: GSD) would run greedily (temperature 0 or no sampling): it is undefined there."""
+    from mmspec.methods import ACCEPTANCES
+
+    if ACCEPTANCES[acceptance].sampling_only and (temperature == 0 or not do_sample):
+        what = f"the sampling method {method}" if method else f"the sampling rule --acceptance {acceptance}"
+        parser.error(f"argument --temperature: 0 (greedy) does not work with {what}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -403,6 +447,7 @@ def check_output_file(parser, flag, out, extensions=None):
         parser.error(f"argument {flag}: {str(parent)!r} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         parser.error(f"argument {flag}: {str(out)!r} is not writable")
+    _probe_write(parser, flag, parent, out)
     if extensions == "image":
         from PIL import Image
 
@@ -435,9 +480,23 @@ def _check_out(parser, out):
     check_output_file(parser, "--out", out, "image")
 
 
+def _probe_write(parser, flag, folder, out):
+    """Usage error unless a file can really be created in `folder` (a temporary file, removed at once): permission
+    bits do not tell (root, read-only mounts, /proc and /sys accept `os.access` but refuse files)."""
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".mmspec-write-check-", dir=folder)
+    except OSError as err:
+        parser.error(f"argument {flag}: {str(out)!r} is not writable ({err.strerror or err})")
+    os.close(fd)
+    Path(tmp).unlink(missing_ok=True)
+
+
 def check_output_folder(parser, flag, path):
-    """Usage error unless `path` is a folder, or can be created as one: its nearest existing parent is a writable
-    folder (for outputs a command creates itself: run folders, files inside them)."""
+    """Usage error unless `path` is a writable folder; a missing folder (and its missing parents) is created here,
+    before any work (for outputs a command creates itself: run folders, files inside them), so that a folder
+    that cannot be made (an unwritable or system folder) is a usage error naming `flag` and the path."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         parser.error(f"argument {flag}: {str(path)!r} is not a folder")
@@ -448,22 +507,21 @@ def check_output_folder(parser, flag, path):
         parser.error(f"argument {flag}: {str(existing)!r} is not a folder, so {str(path)!r} cannot be created")
     if not os.access(existing, os.W_OK | os.X_OK):
         parser.error(f"argument {flag}: {str(existing)!r} is not writable")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"argument {flag}: cannot create the folder {str(path)!r} ({err.strerror or err})")
+    _probe_write(parser, flag, path, path)
 
 
 def check_device(parser, device, flag="--device"):
-    """Usage error unless `device` names a torch device that exists here."""
-    import torch
+    """Usage error unless `device` names a torch device that exists here (`mmspec.checks.check_device`)."""
+    from mmspec.checks import check_device as check
 
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as err:
-        parser.error(f"argument {flag}: {device!r} is not a torch device ({err})")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"argument {flag}: {device!r} but CUDA is not available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        parser.error(f"argument {flag}: {device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        parser.error(f"argument {flag}: {device!r} but MPS is not available")
+        check(device, name=flag)
+    except ValueError as err:
+        parser.error(f"argument {err}")
 
 
 def check_zoo_folders(parser, zoo, names, flag="--zoo"):
@@ -481,7 +539,7 @@ def check_generate_args(parser, args):
     classes, resolves the (acceptance, drafter) pair against the drafter folders the zoo has, and checks `--out`.
     Sets `args.labels` (the class id of every image) and `args.grid_columns`.
     """
-    from mmspec.methods import ACCEPTANCES, resolve_drafter
+    from mmspec.methods import resolve_drafter
     from mmspec.models import read_config, zoo_folders
 
     args.kind = "c2i" if args.prompt is None else "t2i"
@@ -506,9 +564,8 @@ def check_generate_args(parser, args):
     except ValueError as err:
         parser.error(f"argument --drafter: {err} (zoo: {args.zoo})")
     check_knobs_used(parser, knob_values(args), args.acceptance, drafter)
-    if ACCEPTANCES[args.acceptance].sampling_only and args.temperature == 0:
-        parser.error(f"argument --temperature: 0 (greedy) does not work with the sampling rule --acceptance "
-                     f"{args.acceptance}")  # fmt: skip
+    check_sampling_only(parser, args.acceptance, args.temperature)
+    check_top_k_vocab(parser, args.top_k, configs["transformer"].get("vocab_size"), f"the zoo's target ({args.zoo})")
     _check_out(parser, args.out)
     check_device(parser, args.device)
     if args.num_images is not None:
@@ -524,20 +581,29 @@ class ZooError(ValueError):
     """The zoo's models failed to load or do not fit together (a usage error of `--zoo`, found while loading)."""
 
 
-def _run_method(pipe, args, kw, bar):
-    """Generate every image of `args.labels` with the method keywords `kw`; returns (images, stats dict)."""
+def _call_batch(pipe, args, kw, i):
+    """One pipeline call: the batch of `args.labels` starting at image `i`, seed `args.seed + i` (synchronised on
+    an accelerator, so that wall-clock time is the call's)."""
     import torch
 
     device = pipe._execution_device
     common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k)
+    gen = torch.Generator(device=device).manual_seed(args.seed + i)
+    condition = args.labels[i : i + args.batch_size]
+    condition = dict(class_labels=condition) if args.prompt is None else dict(prompt=condition)
+    out = pipe(generator=gen, **condition, **common, **kw)
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+    return out
+
+
+def _run_method(pipe, args, kw, bar):
+    """Generate every image of `args.labels` with the method keywords `kw`; returns (images, stats dict)."""
     labels = args.labels
     images, forwards, compression, accepted, wall = [], 0, [], [], 0.0
     for i in range(0, len(labels), args.batch_size):
-        gen = torch.Generator(device=device).manual_seed(args.seed + i)
         start = time.perf_counter()
-        condition = labels[i : i + args.batch_size]
-        condition = dict(class_labels=condition) if args.prompt is None else dict(prompt=condition)
-        out = pipe(generator=gen, **condition, **common, **kw)
+        out = _call_batch(pipe, args, kw, i)
         wall += time.perf_counter() - start
         images += out.images
         forwards += out.stats.target_forwards
@@ -554,8 +620,10 @@ def generate(args):
     """Run `mmspec generate` on parsed, checked arguments (`check_generate_args`); prints and returns the report.
 
     Report keys: the requested method's run under `"speculative"` (`"plain"` when `--acceptance none`), plain AR
-    decoding of the same images and seeds under `"plain_baseline"`, and `"speedup_vs_plain"` = baseline wall time /
-    speculative wall time (both absent with `--no-baseline`).
+    decoding of the same images and seeds under `"plain_baseline"` (their `wall_s` include the first, cold calls),
+    and `"speedup_vs_plain"`: plain / speculative median wall time of the first batch over `SPEEDUP_REPEATS`
+    interleaved calls each, after the grid runs warmed both up (`mmspec.timing.fair_speedup`; `"speedup_timing"`
+    says so, and the same line goes to stderr). Both absent with `--no-baseline`.
     """
     import torch
     from tqdm.auto import tqdm
@@ -594,12 +662,26 @@ def generate(args):
             make_grid(images, args.grid_columns).save(args.out)
         report[name] = method | stats
     bar.close()
+    line = None
     if "plain_baseline" in report:
-        plain, spec = report["plain_baseline"]["wall_s"], report["speculative"]["wall_s"]
-        report["speedup_vs_plain"] = round(plain / spec, 3) if spec > 0 else None
+        # the grid runs above warmed both methods up (the first was also cold): the speedup is timed apart, the two
+        # methods interleaved on the first batch, median over repeats (mmspec.timing)
+        from mmspec.timing import fair_speedup, speedup_line
+
+        timing = fair_speedup(lambda: _call_batch(pipe, args, runs[1][1], 0),
+                              lambda: _call_batch(pipe, args, runs[0][1], 0), repeats=SPEEDUP_REPEATS, warmup=0)  # fmt: skip
+        batch = min(args.batch_size, len(labels))
+        what = f"the first batch ({batch} image{'s' * (batch > 1)})"
+        line = speedup_line(timing, what, torch.get_num_threads(), warmed_by="the full grid runs warmed both up")
+        report["speedup_vs_plain"] = None if timing["speedup"] is None else round(timing["speedup"], 3)
+        report["speedup_timing"] = dict(what=what, repeats=timing["repeats"],
+                                        plain_median_s=round(timing["a_median_s"], 4),
+                                        speculative_median_s=round(timing["b_median_s"], 4), note=line)  # fmt: skip
     for name, _ in runs:
         report[name]["wall_s"] = round(report[name]["wall_s"], 3)
     print(json.dumps(report, indent=2))
+    if line is not None:
+        print(line, file=sys.stderr)
     return report
 
 

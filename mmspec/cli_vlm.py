@@ -17,14 +17,15 @@ from pathlib import Path
 
 from mmspec.cli import (
     DEFAULT_ZOO,
+    MAX_THREADS,
+    SPEEDUP_REPEATS,
     HelpFormatter,
     check_device,
     check_output_file,
+    check_top_k_vocab,
     check_zoo_folders,
     int_in_range,
-    positive_float,
-    positive_int,
-    probability,
+    sampling_type,
 )
 from mmspec.methods import EAGLE_HEADS, VLM_LIMITS
 
@@ -49,9 +50,13 @@ def add_arguments(parser):
         help="tokens to generate at most (the prompt + these must fit the model's context)",
     )
     parser.add_argument("--do-sample", action="store_true", help="sample (default: greedy decoding)")
-    parser.add_argument("--temperature", type=positive_float, default=1.0)
-    parser.add_argument("--top-k", type=positive_int, default=None)
-    parser.add_argument("--top-p", type=probability, default=None)
+    # the pipeline's own rules (mmspec.sampling.SamplingParams; top-k also at most the vocabulary, see check_args)
+    parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0,
+                        help="sampling temperature (--do-sample; finite, >= 0, 0 = greedy)")  # fmt: skip
+    parser.add_argument("--top-k", type=sampling_type("top_k", int), default=None,
+                        help="keep the K most likely tokens (--do-sample; at most the vocabulary)")  # fmt: skip
+    parser.add_argument("--top-p", type=sampling_type("top_p", float), default=None,
+                        help="nucleus mass in (0, 1] (--do-sample)")  # fmt: skip
     parser.add_argument(
         "--num-draft-tokens",
         type=int_in_range(1, VLM_LIMITS["num_draft_tokens"]),
@@ -71,7 +76,7 @@ def add_arguments(parser):
     parser.add_argument("--save-image", default=None, help="write the canvas used here (PNG)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run")
     parser.add_argument(
-        "--threads", type=int_in_range(0, 4096), default=0, help="torch CPU threads (0: torch's default)"
+        "--threads", type=int_in_range(0, MAX_THREADS), default=0, help="torch CPU threads (0: torch's default)"
     )
     parser.add_argument("--device", default="cpu")
 
@@ -119,8 +124,7 @@ def check_args(parser, args):
             f"argument --max-new-tokens: {args.max_new_tokens} does not fit the model's context of {context} tokens "
             "(prompt included)"
         )
-    if isinstance(vocab, int) and args.top_k is not None and args.top_k > vocab:
-        parser.error(f"argument --top-k: {args.top_k} is more than the vocabulary ({vocab} tokens)")
+    check_top_k_vocab(parser, args.top_k, vocab, f"{args.zoo}/mnist-vlm")
     if args.acceptance == "greedy" and args.do_sample:
         parser.error("argument --do-sample: --acceptance greedy verifies greedy decoding (use --acceptance exact)")
     if args.acceptance == "none":
@@ -134,12 +138,17 @@ def check_args(parser, args):
 
 
 def run(args):
-    """Answer, stats and (unless `--no-baseline`) plain decoding's time on the same input; returns the report."""
+    """Answer, stats and (unless `--no-baseline`) plain decoding's time on the same input; returns the report.
+
+    `latency_s` of each run is its first call's (the first is cold); `speedup_vs_plain` is timed fairly after them:
+    `SPEEDUP_REPEATS` interleaved calls of each, medians (`mmspec.timing.fair_speedup`; `speedup_timing` says so, and
+    the same line goes to stderr)."""
     import torch
     from PIL import Image
 
     from mmspec.data.canvases import held_out_canvases
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+    from mmspec.timing import fair_speedup, speedup_line
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -164,9 +173,16 @@ def run(args):
     report = {"prompt": args.prompt, "image": args.image or f"held-out canvas (seed {args.seed})", **sampling}
     if args.acceptance != "none" and args.drafter == "eagle":
         report["eagle_head"] = getattr(args, "eagle_head", None) or "eagle"
-    for name, kw in runs:
+
+    def call(kw):
         generator = torch.Generator(args.device).manual_seed(args.seed)
         out = pipe(images=image, prompt=args.prompt, generator=generator, **sampling, **kw)
+        if torch.device(args.device).type == "cuda" and torch.cuda.is_available():
+            torch.cuda.synchronize(args.device)
+        return out
+
+    for name, kw in runs:
+        out = call(kw)
         stats = out.stats
         report[name] = {"text": out.text[0], "method": kw, "latency_s": round(stats.time_total_s, 3),
                         "prefill_s": round(stats.time_prefill_s, 3), "new_tokens": int((out.sequences >= 0).sum()),
@@ -175,10 +191,21 @@ def run(args):
         for key in ("draft_image_tokens", "gate_choice"):  # what the drafter read of the image
             if key in stats.extra:
                 report[name][key] = stats.extra[key]
+    line = None
     if "plain_baseline" in report:
-        report["speedup_vs_plain"] = round(report["plain_baseline"]["latency_s"] / report["answer"]["latency_s"], 3)
+        # the runs above are the warm-up of both (the first of them was cold): the speedup is timed apart, the two
+        # interleaved, median over repeats (mmspec.timing)
+        timing = fair_speedup(lambda: call(runs[1][1]), lambda: call(runs[0][1]), repeats=SPEEDUP_REPEATS, warmup=0)
+        what = "the same answer (same image, prompt and seed)"
+        line = speedup_line(timing, what, torch.get_num_threads(), warmed_by="one untimed run of each")
+        report["speedup_vs_plain"] = None if timing["speedup"] is None else round(timing["speedup"], 3)
+        report["speedup_timing"] = dict(what=what, repeats=timing["repeats"],
+                                        plain_median_s=round(timing["a_median_s"], 4),
+                                        speculative_median_s=round(timing["b_median_s"], 4), note=line)  # fmt: skip
         report["matches_plain"] = report["plain_baseline"]["text"] == report["answer"]["text"]
     print(json.dumps(report, indent=2))
+    if line is not None:
+        print(line, file=sys.stderr)
     return report
 
 

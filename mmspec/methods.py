@@ -10,6 +10,9 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
 * `VLM_LIMITS`: upper bounds of the VLM pipeline's size knobs (checked by the pipeline and by every CLI flag); the
   shared knobs (`num_draft_tokens`, `tree_depth`, `tree_top_k`) have the same bounds in `KNOBS`, `IMAGE_LIMITS`
   bound the image-only ones (`jacobi_window`, `relaxation_top_k`, `group_size`).
+* `SAMPLING_LIMITS`: the upper bound of the sampling knob `top_k` (the pipelines also refuse `top_k` above the
+  loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads).
+* `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`).
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
 """
 
@@ -29,7 +32,9 @@ __all__ = [
     "VISION_POLICIES",
     "KNOBS",
     "PRESETS",
+    "CONTINUOUS_LIMITS",
     "IMAGE_LIMITS",
+    "SAMPLING_LIMITS",
     "VLM_LIMITS",
     "Acceptance",
     "DrafterSpec",
@@ -129,6 +134,17 @@ IMAGE_LIMITS = {
     "jacobi_tree_width": 16,  # the SJD-PAC tree has width ** (depth - 1) nodes at its last branching level
     "jacobi_tree_depth": 8,
 }
+
+
+# `top_k` keeps the k most likely tokens: past the largest vocabulary in use (Gemma: 262k tokens) it is a typo; the
+# pipelines refuse a `top_k` above their model's vocabulary before the first forward, the CLI before loading.
+SAMPLING_LIMITS = {"top_k": 2**20}
+
+# Bounds of the continuous (MAR) pipeline's knobs, read by `pipelines.continuous` (as `LIMITS`) and by
+# `mmspec bench continuous`: guidance_scale and temperature scale the diffusion head's epsilon and noise; far past
+# any useful setting (MAR sweeps CFG 1-10 and temperature 0.9-1.2) a token is noise or overflows float32, so they
+# are refused up front rather than returned as NaN / garbage images. max_residual_tries bounds a loop.
+CONTINUOUS_LIMITS = {"guidance_scale": 100.0, "temperature": 10.0, "max_residual_tries": 10_000}
 
 
 # The branching part of an SJD-PAC tree (width + width**2 + ... + width**(depth-1) nodes) is bounded like the

@@ -45,6 +45,7 @@ from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.jacobi_pac import make_jacobi_drafter
 from mmspec.drafters.model import ModelDrafter
+from mmspec.memory import check_call_memory, kv_cache_bytes
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.llamagen.eagle import EagleHead
@@ -353,6 +354,25 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise ValueError(f"class_labels must be in [0, {n}), got range [{int(labels.min())}, {int(labels.max())}]")
         return labels.long().repeat_interleave(num_images_per_prompt)
 
+    def check_memory(self, batch, streams, acceptance, drafter, draft, knobs, num_images_per_prompt, device):
+        """Refuse a call whose estimated memory (KV caches, the widest forward's logits and masks, the method's
+        per-round tensors: `mmspec.memory`) exceeds the device's budget; before any target forward."""
+        rows, width = batch * streams, draft.max_width if draft is not None else 0
+        slots = self.transformer.config.cls_token_num + self.transformer.config.block_size + width + 2
+        models = [(self.transformer, self.transformer.config.n_layer)]
+        if drafter == "model":
+            models.append((self.draft_model, self.draft_model.config.n_layer))
+        if drafter == "eagle":
+            models.append((self.eagle_head, 1))
+        kv = sum(kv_cache_bytes(n_layer, rows, m.config.n_kv_head or m.config.n_head, slots, m.head_dim,
+                                next(m.parameters()).dtype) for m, n_layer in models)  # fmt: skip
+        return check_call_memory(
+            device=device, batch=batch, streams=streams, vocab=self.transformer.config.vocab_size, width=width,
+            cache_slots=slots, kv_bytes=kv, acceptance=acceptance, drafter=drafter, knobs=knobs,
+            prefill_tokens=self.transformer.config.cls_token_num, codebook_dim=self.vqvae.config.codebook_embed_dim,
+            num_images_per_prompt=num_images_per_prompt,
+        )  # fmt: skip
+
     def neighbours(self, k):
         """LANTERN latent-proximity neighbourhoods `[V, k]` of the VQ codebook (computed once per k; k is capped at
         V - 1, the whole codebook)."""
@@ -502,11 +522,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                                                  num_images_per_prompt, device)  # fmt: skip
         batch, n_tokens = cond.shape[0], self.transformer.config.block_size
         check_generator(generator, batch, device)
-        rule = self.make_rule(acceptance, knobs)
         target = LlamaGenTarget(self.transformer, guidance)
         cond_rows = guidance.condition_rows(cond, self.transformer.null_condition(batch))  # for a draft model
         mask_rows = None if cond_mask is None else guidance.condition_rows(cond_mask, cond_mask)
         draft = self.make_drafter(drafter, guidance, knobs, cond_rows, mask_rows)
+        self.check_memory(batch, guidance.streams, acceptance, drafter, draft, knobs, num_images_per_prompt, device)
+        rule = self.make_rule(acceptance, knobs)
         stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 
         # 3. prefill: the condition prefix of every row; the first token comes from the target alone

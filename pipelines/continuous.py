@@ -18,6 +18,7 @@ from diffusers.utils import BaseOutput
 
 from mmspec.decoding.masked import ImageNoise, cfg_schedule, decode_masked, mar_schedule
 from mmspec.decoding.trace import DecodeTrace
+from mmspec.methods import CONTINUOUS_LIMITS
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.mar.diffusion import GaussianDiffusion
 from mmspec.models.mar.kl_vae import AutoencoderKL
@@ -35,10 +36,9 @@ ACCEPTANCES = ("none", "continuous")
 VERIFY_MODES = ("block", "exact")
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 CFG_SCHEDULES = ("linear", "constant")
-# Upper bounds of the real-valued and count knobs. guidance_scale and temperature scale the head's epsilon and noise:
-# far past any useful setting (MAR sweeps CFG 1-10 and temperature 0.9-1.2) a token is noise or overflows float32,
-# so they are refused up front rather than returned as NaN / garbage images. max_residual_tries bounds a loop.
-LIMITS = {"guidance_scale": 100.0, "temperature": 10.0, "max_residual_tries": 10_000}
+# Upper bounds of the real-valued and count knobs: the registry's (`mmspec.methods.CONTINUOUS_LIMITS`, also read by
+# `mmspec bench continuous`'s flags).
+LIMITS = CONTINUOUS_LIMITS
 
 
 def _check_number(name, value, low, high, low_open=False):

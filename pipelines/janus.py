@@ -35,8 +35,10 @@ import torch
 import torch.nn.functional as F
 from diffusers import DiffusionPipeline
 
+from mmspec.checks import check_device, check_prompts
 from mmspec.decoding import Guidance, SequenceState, decode
 from mmspec.drafters import make_jacobi_drafter
+from mmspec.memory import check_hf_call_memory
 from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
 from mmspec.models.janus.target import JanusTarget, special_token_ids
 from mmspec.random import check_generator
@@ -53,6 +55,10 @@ __all__ = ["HUB_ALIASES", "SpeculativeJanusPipeline"]
 
 OUTPUT_TYPES = ("pil", "np", "pt", "tokens")
 MAX_IMAGES_PER_PROMPT = 4096  # one batch: memory grows linearly
+DEFAULT_DTYPE = (
+    torch.float32
+)  # `from_pretrained(torch_dtype=None)`, whatever the checkpoint stores (see its docstring)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # transformers 5 / older processor layouts
 
 # DeepSeek's own repositories hold the remote-code "multi_modality" format; transformers reads the conversions
 HUB_ALIASES = {
@@ -96,6 +102,7 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         if grid[0] * grid[1] != n:
             raise ValueError(f"model: vision_config.num_image_tokens={n} does not fill the VQ's {grid[0]}x{grid[1]} "
                              "token grid (vq_config.num_patches squared)")  # fmt: skip
+        special_token_ids(model, processor.tokenizer)  # present, and the generation config agrees with the tokenizer
         self.register_modules(model=model, processor=processor)
         self._neighbours = {}
 
@@ -116,18 +123,33 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         `HUB_ALIASES`; needs network access), a local transformers folder (`config.json` of `model_type`
         "janus", weights, processor files), or a folder written by `save_pretrained`. Never runs remote code.
 
+        Loading is strict: every weight the config asks for is present with its shape and none is left over (a
+        `num_hidden_layers` smaller or larger than the weights' is an error), the processor files are there
+        (`processor_config.json`), the processor has its chat template (`chat_template.jinja`), and the generation
+        config's BOS / begin-of-image / pad ids are the tokenizer's (they build the CFG null prompt).
+
         Args:
             pretrained_model_name_or_path: hub id or folder.
-            torch_dtype: weights dtype (e.g. `torch.bfloat16` on a GPU; distributions stay float32).
-            device: where the model goes.
-            kwargs: passed to transformers' `from_pretrained` (`revision`, `cache_dir`, `local_files_only`, ...).
+            torch_dtype: weights dtype. Default (None): float32, whatever the checkpoint stores (the zoo's
+                `mnist-janus` stores float16), said in an INFO log line. Float32 is what the pipeline's guarantees
+                are tested in: an image does not depend on the rest of its batch (ragged prompts, per-image
+                generators) and greedy decoding equals transformers' `generate(generation_mode="image")` token for
+                token. A reduced precision (`torch.float16`, `torch.bfloat16`; e.g. on a GPU for speed and memory)
+                gives up both: CFG amplifies rounding that depends on the padding layout of the batch, so images
+                change with what else is in the batch, and greedy tokens may differ from transformers' (which
+                guides in the model dtype; mmspec guides in float32). Distributions are float32 either way.
+            device: where the model goes (a torch device or its name; checked before anything loads).
+            kwargs: passed to transformers' `from_pretrained` (`revision`, `cache_dir`, `local_files_only`, ...);
+                for a `save_pretrained` folder also `model=` / `processor=` to use as given.
 
         Raises:
-            ValueError naming the path: a missing folder, a folder without a Janus config, missing or mis-shaped
-            weights, unreadable files.
+            ValueError naming the path (and the file): a missing folder, a folder without a Janus config, missing,
+            left-over or mis-shaped weights, a missing processor file or chat template, special ids on which the
+            generation config and the tokenizer disagree, unreadable files; ValueError naming `device`.
         """
         from mmspec.models.loading import import_index_modules
 
+        device = check_device(device)
         import_index_modules(pretrained_model_name_or_path)
         if kwargs.pop("trust_remote_code", False):
             raise ValueError("trust_remote_code=True is refused: Janus loads through transformers' own classes")
@@ -135,8 +157,18 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
             raise TypeError(f"torch_dtype must be a torch.dtype or None, got {torch_dtype!r}")
         name = str(pretrained_model_name_or_path)
         folder = Path(name).expanduser()
-        if (folder / "model_index.json").is_file():  # a pipeline folder of save_pretrained
-            pipe = super().from_pretrained(folder, torch_dtype=torch_dtype, **kwargs)
+        if torch_dtype is None:
+            torch_dtype = DEFAULT_DTYPE
+            logger.info("%s: torch_dtype not given, loading in float32 (batch-independent images and transformers' "
+                        "greedy tokens; a reduced precision gives both up)", name)  # fmt: skip
+        if (folder / "model_index.json").is_file():  # a pipeline folder of save_pretrained: its parts, strictly
+            model, processor = kwargs.pop("model", None), kwargs.pop("processor", None)
+            if model is None or processor is None:
+                loaded = cls._load_parts(str(folder / "model"), str(folder / "model"), torch_dtype, kwargs,
+                                         processor_source=str(folder / "processor"), local=True)  # fmt: skip
+                model = loaded[0] if model is None else model
+                processor = loaded[1] if processor is None else processor
+            pipe = cls(model, processor)
             return pipe.to(device) if device is not None else pipe
         local = folder.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1
         if local and not folder.is_dir():
@@ -146,15 +178,20 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         source = str(folder) if local else HUB_ALIASES.get(name, name)
         if source != name and not local:
             logger.info("%s is DeepSeek's remote-code format; loading its transformers conversion %s", name, source)
-        model, processor = cls._load_parts(name, source, torch_dtype, kwargs)
+        model, processor = cls._load_parts(name, source, torch_dtype, kwargs, local=local)
         pipe = cls(model, processor)
         return pipe.to(device) if device is not None else pipe
 
     @staticmethod
-    def _load_parts(name, source, torch_dtype, kwargs):
-        """`(model, processor)` from `source`; every failure a ValueError naming `name`."""
+    def _load_parts(name, source, torch_dtype, kwargs, processor_source=None, local=False):
+        """`(model, processor)` from `source` (the processor from `processor_source`, default `source`); every
+        failure a ValueError naming `name` (and the file at fault)."""
         from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
 
+        processor_source = source if processor_source is None else processor_source
+        if local and not any((Path(processor_source) / f).is_file() for f in PROCESSOR_FILES):
+            raise ValueError(f"{processor_source!r}: no {PROCESSOR_FILES[0]} (the JanusProcessor's image processor "
+                             "and num_image_tokens); write it with processor.save_pretrained(folder)")  # fmt: skip
         try:
             config = AutoConfig.from_pretrained(source, trust_remote_code=False, **kwargs)
         except Exception as err:  # unreadable / invalid JSON, unknown model types, network errors for hub ids
@@ -168,17 +205,22 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
             model, info = JanusForConditionalGeneration.from_pretrained(
                 source, config=config, dtype=torch_dtype, output_loading_info=True, trust_remote_code=False, **kwargs
             )
-            processor = JanusProcessor.from_pretrained(source, trust_remote_code=False, **kwargs)
+            processor = JanusProcessor.from_pretrained(processor_source, trust_remote_code=False, **kwargs)
         except Exception as err:  # truncated / corrupt files surface as many types (safetensors, json, OSError)
             raise ValueError(
                 f"{name!r}: cannot load the Janus model / processor ({type(err).__name__}: {err})"
             ) from err
-        bad = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
-        if bad:
-            detail = "; ".join(f"{k}: {sorted(map(str, v))[:5]}" for k, v in bad.items())
-            raise ValueError(f"{name!r}: the checkpoint does not fit its config ({detail})")
-        if info.get("unexpected_keys"):
-            logger.warning("%s: unused weights %s", name, sorted(info["unexpected_keys"])[:5])
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad:  # e.g. config.json's num_hidden_layers smaller (unexpected) or larger (missing) than the weights'
+            detail = "; ".join(f"{k}: {len(v)}, {sorted(map(str, v))[:5]}" for k, v in bad.items())
+            raise ValueError(f"{name!r}: the weights do not fit config.json ({detail})")
+        if not getattr(processor, "chat_template", None):
+            raise ValueError(f"{processor_source!r}: the processor has no chat template (chat_template.jinja): every "
+                             "prompt would be encoded without the chat turn the model was trained on")  # fmt: skip
+        try:
+            special_token_ids(model, processor.tokenizer)
+        except ValueError as err:
+            raise ValueError(f"{name!r}: generation_config.json and the tokenizer: {err}") from err
         return model.eval(), processor
 
     # ------------------------------------------------------------------ inputs
@@ -225,16 +267,14 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         if prompt is not None:
             if attention_mask is not None:
                 raise ValueError("attention_mask goes with input_ids, not with prompt")
-            prompts = [prompt] if isinstance(prompt, str) else prompt
-            if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
-                raise TypeError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
-            empty = [i for i, p in enumerate(prompts) if not p.strip()]
-            if empty:
-                raise ValueError(f"prompt must not be empty (prompt {empty[0]} is {prompts[empty[0]]!r})")
-            if getattr(self.processor, "chat_template", None):
-                prompts = [self.processor.apply_chat_template(
-                    [{"role": "user", "content": [{"type": "text", "text": p}]}], add_generation_prompt=True,
-                    tokenize=False) for p in prompts]  # fmt: skip
+            tokenizer = self.processor.tokenizer
+            prompts = check_prompts(prompt, reserved=getattr(tokenizer, "all_special_tokens", ()))
+            if not getattr(self.processor, "chat_template", None):
+                raise ValueError("prompt: the processor has no chat template, so prompts cannot be encoded as the "
+                                 "model expects (set processor.chat_template, or pass input_ids)")  # fmt: skip
+            prompts = [self.processor.apply_chat_template(
+                [{"role": "user", "content": [{"type": "text", "text": p}]}], add_generation_prompt=True,
+                tokenize=False) for p in prompts]  # fmt: skip
             enc = self.processor(text=list(prompts), generation_mode="image", padding=True, return_tensors="pt")
             input_ids, attention_mask = enc["input_ids"], enc.get("attention_mask")
         else:
@@ -262,7 +302,22 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
                 raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
             # shape and rows without a token: `right_align` (the target's prefill, before any forward)
             attention_mask = attention_mask.long()
+        if attention_mask is None or attention_mask.shape == input_ids.shape:
+            self.check_boi(input_ids, attention_mask)
         return input_ids.long(), attention_mask
+
+    def check_boi(self, input_ids, attention_mask):
+        """Every row's last token (the last one its mask keeps) must be the begin-of-image token, as the
+        processor's image mode ends a prompt: without it the model would not be asked for an image."""
+        boi = self.special_ids()["boi_token_id"]
+        keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        position = torch.arange(input_ids.shape[1], device=input_ids.device)
+        last = torch.where(keep, position, -1).amax(1)  # -1: a row without tokens (refused by `right_align`)
+        for row, index in enumerate(last.tolist()):
+            if index >= 0 and int(input_ids[row, index]) != boi:
+                raise ValueError(f"input_ids: row {row} ends with token {int(input_ids[row, index])}, not the "
+                                 f"begin-of-image token {boi}; make image-mode prompts with "
+                                 "processor(text=..., generation_mode='image'), which appends it")  # fmt: skip
 
     def check_context(self, attention_mask, scratch):
         """Refuse prompts that leave no room for the image in the model's context (`max_position_embeddings`): the
@@ -397,6 +452,10 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         draft = self.make_drafter(drafter, target.vocab_size, knobs)
         scratch = 1 + (draft.max_width if draft else 0)
         self.check_context(mask, scratch)
+        check_hf_call_memory(target, draft, batch=batch, prompt_tokens=ids.shape[1], num_tokens=n_tokens,
+                             acceptance=acceptance, drafter=drafter, knobs=knobs, device=device,
+                             num_images_per_prompt=num_images_per_prompt,
+                             codebook_dim=self.model.model.vqmodel.quantize.embedding.weight.shape[-1])  # fmt: skip
         rule = self.make_rule(acceptance, knobs)
         stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 

@@ -42,9 +42,11 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
+from mmspec.checks import check_prompts
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
+from mmspec.memory import check_hf_call_memory
 from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.hf.inputs import image_token_mask
@@ -266,12 +268,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise ValueError("pass exactly one of prompt and messages")
         images = self.check_images(images)
         if prompt is not None:
-            prompts = [prompt] if isinstance(prompt, str) else prompt
-            if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
-                raise TypeError(f"prompt must be a str or a non-empty list of str, got {prompt!r}")
-            empty = [i for i, p in enumerate(prompts) if not p.strip()]
-            if empty:
-                raise ValueError(f"prompt must not be empty (prompt {empty[0]} is {prompts[empty[0]]!r})")
+            prompts = check_prompts(prompt)  # shared with the Janus pipeline (mmspec.checks)
             if images is not None and len(images) != len(prompts):
                 raise ValueError(f"got {len(images)} images for {len(prompts)} prompts (one image per prompt)")
             has_image = images is not None
@@ -397,6 +394,10 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         target = HFTarget(self.model, guidance)
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
                                   draft_confidence)  # fmt: skip
+        check_hf_call_memory(target, draft, batch=batch, prompt_tokens=input_ids.shape[1], num_tokens=max_new_tokens,
+                             acceptance=rule_name, drafter=drafter, knobs=knobs, device=device,
+                             settings={"max_new_tokens": max_new_tokens},
+                             draft_model=self.draft_model if drafter == "model" else None)  # fmt: skip
         stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 
         # 3. prefill: prompt + image features of every row; the first token comes from the target alone

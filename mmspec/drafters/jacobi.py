@@ -15,7 +15,6 @@ coupled as in SCD) happens inside verification (`mmspec.verify.verify_jacobi`, a
 """
 
 import torch
-import torch.nn.functional as F
 
 from mmspec.decoding.drafter import Proposal
 from mmspec.random import rand
@@ -86,5 +85,6 @@ class JacobiDrafter:
             last_known = torch.where(num_carried > 0, self.drafts.gather(1, last_idx[:, None])[:, 0], state.pending)
             tokens = last_known[:, None].expand(b, k)
         self.drafts = torch.where(fresh, tokens, self.drafts)
-        one_hot = F.one_hot(self.drafts.clamp(min=0), self.vocab_size).to(self.q_draft.dtype)
-        self.q_draft = torch.where(fresh[:, :, None], one_hot, self.q_draft)
+        # point masses at the fresh drafts, written in place of q (no int64 [B, K, V] one-hot: half the memory)
+        point = torch.zeros_like(self.q_draft).scatter_(2, self.drafts.clamp(min=0)[..., None], 1.0)
+        self.q_draft = torch.where(fresh[:, :, None], point, self.q_draft)

@@ -45,6 +45,41 @@ def test_tree_inputs_match_brute_force(seed):
     assert torch.equal(pos - lengths[:, None], depth)
 
 
+def _old_tree_ancestry(parents):
+    """tree_ancestry as it was (an int64 one-hot [rows, M, M] per level): the reference for bit-identity."""
+    rows, m = parents.shape
+    mask = torch.eye(m, dtype=torch.bool).expand(rows, m, m).clone()
+    depth = torch.zeros(rows, m, dtype=torch.long)
+    ancestor = parents.clone()
+    while bool((ancestor >= 0).any()):
+        found = ancestor >= 0
+        mask |= torch.nn.functional.one_hot(ancestor.clamp(min=0), m).bool() & found[..., None]
+        depth += found.long()
+        ancestor = torch.where(found, parents.gather(1, ancestor.clamp(min=0)), -1)
+    return depth, mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_ancestry_bit_identical_to_one_hot_version(seed):
+    """The scatter version gives exactly the old depths and masks (random forests, a chain, a flat tree, an SJD-PAC
+    layout), with and without a fixed `max_depth` step count."""
+    from mmspec.drafters.jacobi_pac import tree_layout
+
+    gen = torch.Generator().manual_seed(seed)
+    cases = [_random_parents(4, 1 + 5 * seed, gen), torch.arange(-1, 7)[None].repeat(2, 1),
+             torch.full((3, 5), -1), torch.tensor(tree_layout(3, 3, 6)[0])[None].repeat(2, 1)]  # fmt: skip
+    for parents in cases:
+        want_depth, want_mask = _old_tree_ancestry(parents)
+        depth, mask = tree_ancestry(parents)
+        assert torch.equal(depth, want_depth) and torch.equal(mask, want_mask)
+        bound = int(want_depth.max()) if want_depth.numel() else 0  # the tightest step count
+        for max_depth in (bound, bound + 2):
+            depth, mask = tree_ancestry(parents, max_depth=max_depth)
+            assert torch.equal(depth, want_depth) and torch.equal(mask, want_mask)
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    assert tree_ancestry(empty)[1].shape == (2, 0, 0)
+
+
 def test_chain_is_the_linear_tree():
     lengths = torch.tensor([1, 4])
     parents = torch.tensor([[-1, 0, 1, 2]] * 2)

@@ -3,7 +3,7 @@ ones resolved) points to the same layer or a lower one, and no modules import ea
 
 Layers, bottom up (`docs/architecture.md`):
 
-    base         mmspec (the lazy facade), random, stats, cache, sampling, data
+    base         mmspec (the lazy facade), random, stats, cache, sampling, checks, memory, timing, data
     verify       mmspec.verify
     methods      mmspec.methods (the registry)
     decoding     mmspec.decoding (the engine, the Drafter protocol)
@@ -23,7 +23,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"mmspec": ROOT / "mmspec", "mmspec.pipelines": ROOT / "pipelines", "mmspec.eval": ROOT / "eval"}
 LAYERS = (
-    ("base", ("mmspec", "mmspec.random", "mmspec.stats", "mmspec.cache", "mmspec.sampling", "mmspec.data")),
+    (
+        "base",
+        (
+            "mmspec",
+            "mmspec.random",
+            "mmspec.stats",
+            "mmspec.cache",
+            "mmspec.sampling",
+            "mmspec.checks",
+            "mmspec.memory",
+            "mmspec.timing",
+            "mmspec.data",
+        ),
+    ),
     ("verify", ("mmspec.verify",)),
     ("methods", ("mmspec.methods",)),
     ("decoding", ("mmspec.decoding",)),

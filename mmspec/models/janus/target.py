@@ -29,7 +29,9 @@ __all__ = ["JanusTarget", "special_token_ids"]
 def special_token_ids(model, tokenizer=None) -> dict[str, int]:
     """BOS, BOI (begin of image) and pad ids of a Janus model, from its generation config as transformers reads
     them (`bos_token_id`, `generation_kwargs["boi_token_id"]`, `pad_token_id`); where the config lacks one, from
-    `tokenizer` (its `bos_token_id`, `boi_token`, `pad_token_id`). Still missing: a ValueError naming them."""
+    `tokenizer` (its `bos_token_id`, `boi_token`, `pad_token_id`). Still missing, or a config id that is not the
+    tokenizer's (the processor writes the tokenizer's tokens, the CFG null prompt keeps the config's): a ValueError
+    naming them."""
     g = model.generation_config
     ids = {"bos_token_id": g.bos_token_id, "boi_token_id": (getattr(g, "generation_kwargs", None) or {}).get("boi_token_id"),
            "pad_token_id": g.pad_token_id}  # fmt: skip
@@ -37,6 +39,12 @@ def special_token_ids(model, tokenizer=None) -> dict[str, int]:
         boi = getattr(tokenizer, "boi_token", None)
         known = {"bos_token_id": tokenizer.bos_token_id, "pad_token_id": tokenizer.pad_token_id,
                  "boi_token_id": None if boi is None else tokenizer.convert_tokens_to_ids(boi)}  # fmt: skip
+        differ = [f"{k}={v} (the tokenizer's: {known[k]})" for k, v in ids.items()
+                  if v is not None and known[k] is not None and v != known[k]]  # fmt: skip
+        if differ:
+            raise ValueError(f"{type(model).__name__}: the generation config's {', '.join(differ)} disagree with the "
+                             "tokenizer: prompts carry the tokenizer's tokens, the CFG null prompt keeps the config's "
+                             "(boi_token_id lives in generation_kwargs)")  # fmt: skip
         ids = {k: known[k] if v is None else v for k, v in ids.items()}
     missing = [name for name, value in ids.items() if not isinstance(value, int) or isinstance(value, bool)]
     if missing:

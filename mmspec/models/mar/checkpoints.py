@@ -47,6 +47,25 @@ def _where(path) -> str:
     return f"mar_ckpt={os.fspath(path)!r}"
 
 
+def check_file_argument(name: str, path) -> Path:
+    """`ValueError` naming the argument `name` unless `path` is an existing, readable file (run before building
+    any model: MAR-huge takes about 4 GB and 30 s to build)."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{name}={os.fspath(path)!r}: no such file")
+    if not path.is_file():
+        raise ValueError(f"{name}={os.fspath(path)!r}: is a {'folder' if path.is_dir() else 'not a regular file'}, "
+                         "expected a checkpoint file")  # fmt: skip
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{name}={os.fspath(path)!r}: not readable ({err.strerror or err})") from err
+    return path
+
+
 def build_official_mar(
     model: str = "mar_large",
     *,
@@ -216,6 +235,7 @@ def load_official_mar(
         ValueError: missing / unreadable / unsafe file, no ``model_ema`` (``model``) entry, unknown preset, missing /
             unexpected keys or wrong shapes (the message names the key, both shapes and the likely wrong argument).
     """
+    check_file_argument("mar_ckpt", path)  # before building the model (named as in the other messages)
     mar = build_official_mar(
         model,
         img_size=img_size,
@@ -263,6 +283,10 @@ def official_continuous_parts(
     """
     from mmspec.models.mar.kl_vae import load_official_kl
 
+    # every path before any model is built (MAR-huge: about 4 GB and 30 s)
+    for name, path in (("mar_ckpt", mar_ckpt), ("vae_ckpt", vae_ckpt), ("draft_ckpt", draft_ckpt)):
+        if path is not None or name != "draft_ckpt":
+            check_file_argument(name, path)
     transformer = load_official_mar(mar_ckpt, model, **kw)
     draft = None
     if draft_ckpt is not None:

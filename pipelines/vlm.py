@@ -50,6 +50,7 @@ from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.memory import check_hf_call_memory
 from mmspec.methods import KNOBS, VLM_LIMITS, check_knobs, resolve_drafter
 from mmspec.models import DEFAULT_ZOO
+from mmspec.models.compat import check_vlm_draft_model, check_vlm_eagle_head
 from mmspec.models.hf import HFTarget, right_align
 from mmspec.models.vlm_inputs import image_token_mask
 from mmspec.random import check_generator
@@ -104,14 +105,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
 
     def __init__(self, model, processor, draft_model=None, eagle_head=None):
         super().__init__()
-        vocab = model.get_output_embeddings().weight.shape[0]
-        if draft_model is not None and draft_model.get_output_embeddings().weight.shape[0] != vocab:
-            raise ValueError(
-                f"draft_model has a vocabulary of {draft_model.get_output_embeddings().weight.shape[0]} tokens, the "
-                f"target {vocab}: draft and target must share the tokenizer"
-            )
+        # drafters made for another model are refused here, naming their folder (`mmspec.models.compat`)
+        if draft_model is not None:
+            check_vlm_draft_model(draft_model, model)
         if eagle_head is not None:
-            eagle_head.check_target(model)
+            check_vlm_eagle_head(eagle_head, model)
         self.register_modules(model=model, processor=processor, draft_model=draft_model, eagle_head=eagle_head)
 
     @classmethod

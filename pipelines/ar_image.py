@@ -42,6 +42,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
+from mmspec.drafters.compat import check_image_draft_model, check_image_eagle_head
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.jacobi_pac import make_jacobi_drafter
 from mmspec.drafters.model import ModelDrafter
@@ -126,8 +127,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         tokenizer=None,
     ):
         super().__init__()
-        for name, value, kind in (("transformer", transformer, LlamaGenGPT), ("vqvae", vqvae, LlamaGenVQ),
-                                  ("draft_model", draft_model, LlamaGenGPT), ("eagle_head", eagle_head, EagleHead)):  # fmt: skip
+        for name, value, kind in (("transformer", transformer, LlamaGenGPT), ("vqvae", vqvae, LlamaGenVQ)):
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
         if transformer.config.model_type == "c2i" and (text_encoder is not None or tokenizer is not None):
@@ -151,10 +151,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                 f"token grid (sample_size={vqvae.config.sample_size}, downsampling {vqvae.downsample_factor}): "
                 f"block_size must be {grid * grid}"
             )
+        # drafters made for another model (c2i vs t2i, codebook, classes, width) are refused here, naming their
+        # folder (`mmspec.drafters.compat`)
         if draft_model is not None:
-            ModelDrafter.check_compatible(draft_model, transformer)
+            check_image_draft_model(draft_model, transformer)
         if eagle_head is not None:
-            eagle_head.check_target(transformer)
+            check_image_eagle_head(eagle_head, transformer)
         self.register_modules(transformer=transformer, vqvae=vqvae, draft_model=draft_model, eagle_head=eagle_head,
                               text_encoder=text_encoder, tokenizer=tokenizer)  # fmt: skip
         self._neighbours = {}

@@ -153,6 +153,14 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         import_index_modules(pretrained_model_name_or_path)
         if kwargs.pop("trust_remote_code", False):
             raise ValueError("trust_remote_code=True is refused: Janus loads through transformers' own classes")
+        for part in ("draft_model", "eagle_head"):  # else handed to transformers, which fails on the Janus folder
+            if part in kwargs:
+                from mmspec.drafters.compat import origin
+
+                value = kwargs[part]
+                where = f"{part}={str(value)!r}" if isinstance(value, (str, Path)) else origin(value, part)
+                raise ValueError(f"{where}: SpeculativeJanusPipeline takes no draft model or EAGLE head (none is "
+                                 "trained for Janus; its speculative methods draft with drafter='jacobi')")  # fmt: skip
         if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
             raise TypeError(f"torch_dtype must be a torch.dtype or None, got {torch_dtype!r}")
         name = str(pretrained_model_name_or_path)

@@ -44,6 +44,7 @@ from diffusers.utils import BaseOutput
 
 from mmspec.checks import check_prompts
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
+from mmspec.drafters.compat import check_vlm_draft_model, check_vlm_eagle_head
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.memory import check_hf_call_memory
@@ -103,14 +104,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
 
     def __init__(self, model, processor, draft_model=None, eagle_head=None):
         super().__init__()
-        vocab = model.get_output_embeddings().weight.shape[0]
-        if draft_model is not None and draft_model.get_output_embeddings().weight.shape[0] != vocab:
-            raise ValueError(
-                f"draft_model has a vocabulary of {draft_model.get_output_embeddings().weight.shape[0]} tokens, the "
-                f"target {vocab}: draft and target must share the tokenizer"
-            )
+        # drafters made for another model are refused here, naming their folder (`mmspec.drafters.compat`)
+        if draft_model is not None:
+            check_vlm_draft_model(draft_model, model)
         if eagle_head is not None:
-            eagle_head.check_target(model)
+            check_vlm_eagle_head(eagle_head, model)
         self.register_modules(model=model, processor=processor, draft_model=draft_model, eagle_head=eagle_head)
 
     @classmethod

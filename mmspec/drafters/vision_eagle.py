@@ -176,6 +176,16 @@ class VisionEagleHead(TextEagleHead):
         overrides.setdefault("tokens_per_image", image_tokens_per_image(target.config))
         return super().from_target(target, **overrides)
 
+    def check_target(self, target):
+        """`TextEagleHead.check_target`, and for a target that sees images (a `vision_config`) the number of image
+        tokens one image becomes in its prompt (`tokens_per_image`, which the vision policy is built for)."""
+        super().check_target(target)
+        if getattr(target.config, "vision_config", None) is not None:
+            want = image_tokens_per_image(target.config)
+            if self.config.tokens_per_image != want:
+                raise ValueError(f"target image tokens per image ({want}) do not match the head's tokens_per_image "
+                                 f"(expected tokens_per_image={want}, found {self.config.tokens_per_image})")  # fmt: skip
+
     def reset_vision(self):
         """ViSpec's `img_fc` = [identity | 0], so a head starts as the text EAGLE it was initialised from."""
         if hasattr(self, "img_fc"):

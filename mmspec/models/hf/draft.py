@@ -38,6 +38,7 @@ def truncated_draft(target, num_layers: int):
     finally:
         decoder_of(target).layers = layers
     draft.config.get_text_config().num_hidden_layers = num_layers
+    draft.config._name_or_path = ""  # not the target's folder (`load_vlm_draft` records the draft's own)
     if hasattr(draft.config.get_text_config(), "layer_types") and draft.config.get_text_config().layer_types:
         text = draft.config.get_text_config()
         text.layer_types = text.layer_types[:num_layers]
@@ -80,9 +81,15 @@ def load_vlm_draft(folder, target):
         raise ValueError(f"{folder / 'model.safetensors'}: tensors do not match draft.json's 'trained' list")
     with torch.no_grad():
         for name, value in weights.items():
-            if name not in params or params[name].shape != value.shape:
-                raise ValueError(f"{folder / 'model.safetensors'}: {name} {tuple(value.shape)} does not fit the draft")
+            if name not in params:
+                raise ValueError(f"{folder / 'model.safetensors'}: {name} is not a tensor of the draft ({num_layers} "
+                                 "of the target's layers)")  # fmt: skip
+            if params[name].shape != value.shape:
+                raise ValueError(f"{folder / 'model.safetensors'}: {name} {tuple(value.shape)} does not fit the draft "
+                                 f"of this target (expected {tuple(params[name].shape)}, found "
+                                 f"{tuple(value.shape)}): a draft made for another model?")  # fmt: skip
             if not value.is_floating_point() or not torch.isfinite(value).all():
                 raise ValueError(f"{folder / 'model.safetensors'}: {name} is not a finite floating-point tensor")
             params[name].copy_(value.to(params[name].dtype))
+    draft.config._name_or_path = str(folder)  # the pipeline's checks name it (`mmspec.drafters.compat`)
     return draft

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
+from huggingface_hub.errors import StrictDataclassError
 from transformers import LlamaConfig
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -73,11 +74,14 @@ class TextEagleHead(ModelMixin, ConfigMixin):
             raise ValueError(f"draft_vocab_size must be in [0, vocab_size={vocab_size}], got {draft_vocab_size}")
         self.register_buffer("draft_vocab", torch.arange(draft_vocab_size, dtype=torch.long))
         self._sub_weight = None  # (key, the target head's rows at draft_vocab as [dim, N]), refreshed on a new target
-        self.layer_config = LlamaConfig(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=1,
-            num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-            rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings,
-        )  # fmt: skip
+        try:
+            self.layer_config = LlamaConfig(
+                vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=1,
+                num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings,
+            )  # fmt: skip
+        except StrictDataclassError as err:  # transformers' config validation: a ValueError for `load` to name
+            raise ValueError(f"the decoder layer's config is invalid: {err}") from err
         self.layer_config._attn_implementation = "sdpa"
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=True)
         self.layer = LlamaDecoderLayer(self.layer_config, layer_idx=0)
@@ -102,13 +106,29 @@ class TextEagleHead(ModelMixin, ConfigMixin):
     init_weights = EagleHead.init_weights  # N(0, initializer_range) Linear weights, zero biases
 
     def check_target(self, target):
-        t = target.config.get_text_config()
+        """Raise unless this head was made for the transformers `target`: TypeError for another kind of target (e.g.
+        a LlamaGen image model), ValueError naming the field for another `hidden_size` or vocabulary (`vocab_size`:
+        the target's output head rows), or a `draft_vocab` id outside that vocabulary or repeated."""
+        config_of = getattr(getattr(target, "config", None), "get_text_config", None)
+        if not callable(config_of) or not callable(getattr(target, "get_output_embeddings", None)):
+            raise TypeError(f"this {type(self).__name__} drafts for a transformers VLM / causal LM, the target is a "
+                            f"{type(target).__name__}")  # fmt: skip
+        t = config_of()
         vocab = target.get_output_embeddings().weight.shape[0]
         for name, theirs in (("hidden_size", t.hidden_size), ("vocab_size", vocab)):
             if getattr(self.config, name) != theirs:
                 raise ValueError(
-                    f"target {name}={theirs} does not match the EAGLE head's {getattr(self.config, name)}"
+                    f"target {name}={theirs} does not match the EAGLE head's {getattr(self.config, name)} "
+                    f"(expected {name}={theirs}, found {getattr(self.config, name)})"
                 )
+        ids = self.draft_vocab
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = ids[(ids < 0) | (ids >= vocab)]
+            raise ValueError(f"draft_vocab holds {bad.numel()} token id(s) outside the target's vocabulary: expected "
+                             f"ids in [0, {vocab}), found {int(bad[0])}")  # fmt: skip
+        if ids.numel() and int(torch.unique(ids).numel()) != ids.numel():
+            raise ValueError(f"draft_vocab repeats token ids: expected {ids.numel()} distinct ids, found "
+                             f"{int(torch.unique(ids).numel())}")  # fmt: skip
 
     def setup_cache(self, rows, max_seq, dtype=None, device=None):
         """One-layer cache, slot == position, slot 0 invalid, lengths 1 (`max_seq`: prompt + new tokens + scratch)."""

@@ -25,7 +25,7 @@ from diffusers.configuration_utils import register_to_config
 
 from mmspec.cache import StaticKVCache, chain_inputs
 from mmspec.models.config_fields import check_fields
-from mmspec.models.llamagen.gpt import TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
+from mmspec.models.llamagen.gpt import LlamaGenGPT, TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
 
 
 logger = logging.getLogger(__name__)
@@ -107,10 +107,17 @@ class EagleHead(ModelMixin, ConfigMixin):
         return self.config.dim // self.config.n_head
 
     def check_target(self, target):
+        """Raise unless this head was made for the LlamaGen `target`: TypeError for another kind of target (e.g. a
+        transformers VLM), ValueError naming the field for another width (`dim`), vocabulary (`vocab_size`, the
+        codebook), condition prefix (`cls_token_num`: c2i 1, t2i the caption length) or token grid (`block_size`)."""
+        if not isinstance(target, LlamaGenGPT):
+            raise TypeError(f"this EagleHead drafts for a LlamaGenGPT image model, the target is a "
+                            f"{type(target).__name__}")  # fmt: skip
         c, t = self.config, target.config
         for name in ("dim", "vocab_size", "cls_token_num", "block_size"):
             if getattr(c, name) != getattr(t, name):
-                raise ValueError(f"target {name}={getattr(t, name)} does not match the head's {getattr(c, name)}")
+                raise ValueError(f"target {name}={getattr(t, name)} does not match the head's {getattr(c, name)} "
+                                 f"(expected {name}={getattr(t, name)}, found {getattr(c, name)})")  # fmt: skip
 
     def rope(self, input_pos):
         c = self.config

@@ -344,11 +344,11 @@ def run(args, pipe=None, canvases=None, heads=None):
         "draft-model-confident": dict(greedy, drafter="model", num_draft_tokens=args.confident_draft_tokens,
                                       draft_confidence=args.draft_confidence),
         "draft-model-tree": dict(greedy, drafter="model", tree_depth=args.model_tree_depth,
-                                 tree_top_k=args.model_tree_top_k, num_draft_tokens=args.model_tree_nodes),
+                                 tree_top_k=args.model_tree_top_k, tree_nodes=args.model_tree_nodes),
         "draft-model-frspec": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens,
                                    draft_vocab=getattr(pipe.eagle_head, "draft_vocab", None)),
         "eagle": dict(greedy, drafter="eagle", tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
-                      num_draft_tokens=args.tree_nodes),
+                      tree_nodes=args.tree_nodes),
     }  # fmt: skip
     for name in VISION_METHODS:  # the vision-aware heads: EAGLE's knobs
         ours[name] = dict(ours["eagle"])

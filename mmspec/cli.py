@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from mmspec.data.zoo import DEFAULT_ZOO as _DEFAULT_ZOO
+
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ COMMANDS = {
     ),
 }
 NUM_PER_CLASS = 2  # `mmspec generate` default
-DEFAULT_ZOO = str(Path(__file__).resolve().parent.parent / "assets")  # = mmspec.models.DEFAULT_ZOO (no torch import)
+DEFAULT_ZOO = str(_DEFAULT_ZOO)  # `mmspec.data.zoo` (no torch import), as a flag default
 # `torch.Generator.manual_seed` takes seeds below 2**64; commands add image / repeat offsets to `--seed`, so half of
 # that range keeps every derived seed valid
 MAX_SEED = 2**63 - 1
@@ -397,7 +399,7 @@ def _class_ids(text):
 
 
 def _generate_args(parser):
-    from mmspec.methods import ACCEPTANCES, DRAFTERS
+    from mmspec.methods import DRAFTERS, acceptance_names
 
     parser.add_argument("--zoo", default=DEFAULT_ZOO, help="folder holding the zoo (mnist-c2i, mnist-vq, drafters)")
     parser.add_argument("--classes", type=_class_ids, default="0,1,2,3,4,5,6,7,8,9", metavar="IDS",
@@ -413,7 +415,7 @@ def _generate_args(parser):
                             "--classes ids), so the grid has one column per class id")  # fmt: skip
     parser.add_argument("--batch-size", type=int_in_range(1, MAX_BATCH), default=1, metavar="N",
                         help="images per pipeline call (1 = the latency regime speculative decoding targets)")  # fmt: skip
-    parser.add_argument("--acceptance", default="jacobi", choices=list(ACCEPTANCES),
+    parser.add_argument("--acceptance", default="jacobi", choices=list(acceptance_names("image")),
                         help="acceptance rule (jacobi: SJD + SCD coupling, lossless)")  # fmt: skip
     parser.add_argument("--drafter", default=None, choices=list(DRAFTERS),
                         help="drafter (default: the acceptance's first drafter the zoo has)")  # fmt: skip

@@ -27,7 +27,7 @@ from mmspec.cli import (
     int_in_range,
     sampling_type,
 )
-from mmspec.methods import EAGLE_HEADS, VLM_LIMITS
+from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS
 
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,13 @@ def add_arguments(parser):
         "--num-draft-tokens",
         type=int_in_range(1, VLM_LIMITS["num_draft_tokens"]),
         default=None,
-        help="chain length / tree nodes",
+        help=KNOBS["num_draft_tokens"].help,
+    )
+    parser.add_argument(
+        "--tree-nodes",
+        type=int_in_range(1, VLM_LIMITS["tree_nodes"]),
+        default=None,
+        help=KNOBS["tree_nodes"].help + f" (default: {KNOBS['tree_nodes'].default})",
     )
     parser.add_argument(
         "--tree-depth",
@@ -129,6 +135,7 @@ def check_args(parser, args):
         parser.error("argument --do-sample: --acceptance greedy verifies greedy decoding (use --acceptance exact)")
     if args.acceptance == "none":
         for flag, value, default in (("--num-draft-tokens", args.num_draft_tokens, None),
+                                     ("--tree-nodes", args.tree_nodes, None),
                                      ("--tree-depth", args.tree_depth, None), ("--tree-top-k", args.tree_top_k, 1)):  # fmt: skip
             if value != default:
                 parser.error(f"argument {flag}: not used with --acceptance none")
@@ -164,6 +171,8 @@ def run(args):
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p)  # fmt: skip
     knobs = dict(num_draft_tokens=args.num_draft_tokens, tree_depth=args.tree_depth, tree_top_k=args.tree_top_k)
+    if args.tree_nodes is not None:
+        knobs["tree_nodes"] = args.tree_nodes
     method = dict(acceptance=args.acceptance)
     if args.acceptance != "none":
         method.update(drafter=args.drafter, **knobs)

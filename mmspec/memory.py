@@ -155,7 +155,7 @@ def _size_knobs(drafter, knobs):
     if drafter in ("eagle", "model"):
         tree = (knobs.get("tree_top_k") or 1) > 1
         if tree:
-            return ("num_draft_tokens", "tree_depth", "tree_top_k")
+            return ("tree_nodes", "tree_depth", "tree_top_k")
         return ("tree_depth",) if drafter == "eagle" else ("num_draft_tokens",)
     return ()
 

@@ -3,12 +3,16 @@
 Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choices, knob flags), the benchmarks
 (named presets) and the demo. A new rule or drafter is one entry here plus its own file.
 
-* `ACCEPTANCES`: name -> `Acceptance` (paper, lossless or not, which drafters it runs on, its default drafter order).
+* `ACCEPTANCES`: name -> `Acceptance` (paper, lossless or not, which drafters it runs on, its default drafter order,
+  which pipelines accept it: `PIPELINES`); `acceptance_names(pipeline)` lists one pipeline's.
 * `DRAFTERS`: name -> `DrafterSpec` (the pipeline component it needs, if any).
 * `KNOBS`: pipeline keyword -> `Knob` (type, default, range check, which methods read it). Rule knobs take their
-  defaults from the rule classes of `mmspec.verify` (the one place they are defined).
+  defaults from the rule classes of `mmspec.verify` (the one place they are defined); a knob whose default depends on
+  the method (`tree_depth`) holds it in `Knob.auto` / `Knob.auto_for`.
+* `MethodSettings`: one call's method (acceptance, drafter and every knob), checked and defaulted once by
+  `resolve_method`; the pipelines hand it to the drafter and the rule, which read it as it is.
 * `VLM_LIMITS`: upper bounds of the VLM pipeline's size knobs (checked by the pipeline and by every CLI flag); the
-  shared knobs (`num_draft_tokens`, `tree_depth`, `tree_top_k`) have the same bounds in `KNOBS`, `IMAGE_LIMITS`
+  shared knobs (`num_draft_tokens`, `tree_nodes`, `tree_depth`, `tree_top_k`) have the same bounds in `KNOBS`, `IMAGE_LIMITS`
   bound the image-only ones (`jacobi_window`, `relaxation_top_k`, `group_size`).
 * `SAMPLING_LIMITS`: the upper bound of the sampling knob `top_k` (the pipelines also refuse `top_k` above the
   loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads).
@@ -18,11 +22,11 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
 
 import math
 import numbers
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from mmspec.verify import RESAMPLES, RULE_CLASSES
+from mmspec.verify import RESAMPLES, RULE_CLASSES, Exact, Grouped, Lantern
 
 
 __all__ = [
@@ -31,7 +35,9 @@ __all__ = [
     "EAGLE_HEADS",
     "VISION_POLICIES",
     "KNOBS",
+    "PIPELINES",
     "PRESETS",
+    "TREE_DRAFTERS",
     "CONTINUOUS_LIMITS",
     "IMAGE_LIMITS",
     "SAMPLING_LIMITS",
@@ -39,9 +45,12 @@ __all__ = [
     "Acceptance",
     "DrafterSpec",
     "Knob",
+    "MethodSettings",
+    "acceptance_names",
     "check_knob",
     "check_knobs",
     "resolve_drafter",
+    "resolve_method",
 ]
 
 
@@ -54,6 +63,7 @@ class Acceptance:
     lossless: bool
     drafters: tuple[str, ...]  # drafters it can verify; the first loaded one is the default
     sampling_only: bool = False  # undefined under greedy decoding
+    pipelines: tuple[str, ...] = ("image",)  # the `PIPELINES` that accept it
 
 
 @dataclass(frozen=True)
@@ -65,29 +75,58 @@ class DrafterSpec:
     component: str | None
 
 
+# the pipeline kinds: "image" (the token-image pipelines: LlamaGen, Janus), "vlm", "continuous" (MAR)
+PIPELINES = ("image", "vlm", "continuous")
+
 ACCEPTANCES = {
     a.name: a
     for a in (
-        Acceptance("none", "plain AR sampling (the baseline)", True, ()),
+        Acceptance("none", "plain AR sampling (the baseline)", True, (), pipelines=PIPELINES),
         Acceptance(
-            "exact", "speculative sampling (Leviathan et al. 2023; EAGLE-2 trees)", True, ("eagle", "model", "jacobi")
+            Exact.name,
+            "speculative sampling (Leviathan et al. 2023; EAGLE-2 trees)",
+            True,
+            ("eagle", "model", "jacobi"),
+            pipelines=("image", "vlm"),
         ),  # fmt: skip
         Acceptance(
-            "relaxed",
+            Lantern.name,
             "LANTERN latent-proximity acceptance (Jang et al. 2024; LANTERN++)",
             False,
             ("eagle", "model", "jacobi"),
         ),  # fmt: skip
         Acceptance(
-            "grouped",
+            Grouped.name,
             "GSD grouped acceptance (So et al. 2025)",
             False,
             ("jacobi", "eagle", "model"),
             sampling_only=True,
         ),  # fmt: skip
         Acceptance("jacobi", "SJD (Teng et al. 2024), optional SCD coupling", True, ("jacobi",)),
+        Acceptance(
+            "greedy",
+            "argmax matching of greedy decoding (do_sample=False)",
+            True,
+            ("eagle", "model"),
+            pipelines=("vlm",),
+        ),  # fmt: skip
+        Acceptance(
+            "continuous",
+            "CSpD continuous speculative decoding (Wang et al. 2024)",
+            True,
+            (),
+            pipelines=("continuous",),
+        ),  # fmt: skip
     )
 }
+
+
+def acceptance_names(pipeline: str = "image") -> tuple[str, ...]:
+    """The `acceptance=` choices of one pipeline kind (`PIPELINES`), in registry order."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    return tuple(name for name, spec in ACCEPTANCES.items() if pipeline in spec.pipelines)
+
 
 DRAFTERS = {
     d.name: d
@@ -109,8 +148,10 @@ class Knob:
     help: str
     check: Callable[[Any], bool] | None = None  # range check on a well-typed value
     bound: str = ""  # the range, for messages
-    optional: bool = False  # None allowed
+    optional: bool = False  # None allowed: "auto", the value `resolve_method` gives it
     used_by: tuple[str, ...] = ()  # acceptances or drafters that read it (empty: all)
+    auto: Any = None  # an optional knob's value when unset (None: stays None)
+    auto_for: dict = field(default_factory=dict)  # acceptance -> its own `auto`
 
 
 # Upper bounds of the VLM pipeline's size knobs: each costs memory and time linearly (a tree's target forward scores
@@ -122,7 +163,11 @@ class Knob:
 VISION_POLICIES = ("vispec", "specvlm", "msd")
 EAGLE_HEADS = ("eagle", *VISION_POLICIES)
 
-VLM_LIMITS = {"num_draft_tokens": 256, "tree_depth": 32, "tree_top_k": 32, "max_new_tokens": 32768}
+VLM_LIMITS = {"num_draft_tokens": 256, "tree_nodes": 256, "tree_depth": 32, "tree_top_k": 32, "max_new_tokens": 32768}
+
+# the drafters that grow an EAGLE-2 tree (of `tree_nodes`) at `tree_top_k > 1`, per pipeline kind (the image
+# pipelines' draft model always drafts a chain)
+TREE_DRAFTERS = {"image": ("eagle",), "vlm": ("eagle", "model")}
 
 # Upper bounds of the image-side knobs that cost memory or time: the Jacobi window scores window x vocabulary
 # logits per forward (1024 = every token of a 512 px LlamaGen image), LANTERN's neighbourhood holds k neighbours of
@@ -169,10 +214,19 @@ def _knobs():
                 "num_draft_tokens",
                 int,
                 None,
-                "draft chain length K (model drafter, default 4) or EAGLE-2 tree nodes (default 24)",
+                "the draft model's chain length K: draft tokens per round (default 4)",
                 *_int_range(1, VLM_LIMITS["num_draft_tokens"]),
                 optional=True,
-                used_by=("model", "eagle"),
+                used_by=("model",),
+                auto=4,
+            ),
+            Knob(
+                "tree_nodes",
+                int,
+                24,
+                "EAGLE-2 tree (tree_top_k > 1): draft nodes kept per round",
+                *_int_range(1, VLM_LIMITS["tree_nodes"]),
+                used_by=("eagle",),
             ),
             Knob(
                 "tree_depth",
@@ -182,6 +236,8 @@ def _knobs():
                 *_int_range(1, VLM_LIMITS["tree_depth"]),
                 optional=True,
                 used_by=("eagle",),
+                auto=5,
+                auto_for={Lantern.name: 7, Grouped.name: 7},  # looser acceptance keeps longer chains
             ),
             Knob(
                 "tree_top_k",
@@ -287,7 +343,7 @@ PRESETS = {
     "plain": dict(acceptance="none"),
     "exact-draft": dict(acceptance="exact", drafter="model"),
     "exact-eagle": dict(acceptance="exact", drafter="eagle"),
-    "exact-eagle-tree": dict(acceptance="exact", drafter="eagle", num_draft_tokens=24, tree_depth=5, tree_top_k=4),
+    "exact-eagle-tree": dict(acceptance="exact", drafter="eagle", tree_nodes=24, tree_depth=5, tree_top_k=4),
     "relaxed": dict(acceptance="relaxed", drafter="eagle"),
     "grouped": dict(acceptance="grouped", drafter="jacobi"),
     "jacobi": dict(acceptance="jacobi"),
@@ -348,19 +404,21 @@ def check_knobs(**values):
     return checked
 
 
-def resolve_drafter(acceptance, drafter, available):
+def resolve_drafter(acceptance, drafter, available, pipeline="image"):
     """Check an (acceptance, drafter) pair against the registry and the loaded components.
 
     Args:
-        acceptance: an `ACCEPTANCES` key.
+        acceptance: an `ACCEPTANCES` key accepted by `pipeline`.
         drafter: a `DRAFTERS` key or None (the acceptance's first drafter whose component is loaded).
         available: names of the pipeline components that are loaded (e.g. `{"draft_model", "eagle_head"}`).
+        pipeline: the pipeline kind (`PIPELINES`).
 
     Returns:
         the drafter name (None for `acceptance="none"`).
     """
-    if not isinstance(acceptance, str) or acceptance not in ACCEPTANCES:
-        raise ValueError(f"acceptance must be one of {tuple(ACCEPTANCES)}, got {acceptance!r}")
+    names = acceptance_names(pipeline)
+    if not isinstance(acceptance, str) or acceptance not in names:
+        raise ValueError(f"acceptance must be one of {names}, got {acceptance!r}")
     if drafter is not None and (not isinstance(drafter, str) or drafter not in DRAFTERS):
         raise ValueError(f"drafter must be one of {tuple(DRAFTERS)} or None, got {drafter!r}")
     spec = ACCEPTANCES[acceptance]
@@ -378,3 +436,79 @@ def resolve_drafter(acceptance, drafter, available):
     if component is not None and component not in available:
         raise ValueError(f"drafter={drafter!r} needs a {component} component")
     return drafter
+
+
+@dataclass(frozen=True)
+class MethodSettings(Mapping):
+    """One call's method, resolved once (`resolve_method`): the acceptance, the drafter and every knob of `KNOBS`
+    checked and defaulted (no None left where the registry has an `auto` value). It travels to the drafter and the
+    rule, which read it as it is; it is also a read-only mapping knob name -> value (`settings["jacobi_window"]`,
+    `dict(settings)`: the knobs only)."""
+
+    acceptance: str
+    drafter: str | None
+    num_draft_tokens: int
+    tree_nodes: int
+    tree_depth: int
+    tree_top_k: int
+    relaxation_top_k: int
+    relaxation_delta: float
+    relaxation_lambda: float | None
+    group_size: int
+    group_prob_threshold: float
+    group_dist_threshold: float
+    jacobi_window: int
+    jacobi_init: str
+    coupling: bool
+    jacobi_tree_width: int
+    jacobi_tree_depth: int
+    resample: str
+
+    def __getitem__(self, name):
+        if name not in KNOBS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self):
+        return iter(KNOBS)
+
+    def __len__(self):
+        return len(KNOBS)
+
+    @property
+    def tree(self) -> bool:
+        """An EAGLE-2 tree of `tree_nodes` (else a chain)."""
+        return self.tree_top_k > 1
+
+
+def _tree_drafter(pipeline, drafter):
+    return drafter in TREE_DRAFTERS.get(pipeline, ())
+
+
+def resolve_method(acceptance, drafter, available, pipeline="image", **knobs) -> MethodSettings:
+    """A call's method, checked and defaulted once: `resolve_drafter`, then `check_knobs` on the knobs given (the
+    others at their `KNOBS` defaults), then each unset optional knob at its registry `auto` value (per acceptance
+    where `auto_for` says so).
+
+    `num_draft_tokens` is the draft model's chain length only: given together with an EAGLE-2 tree (a tree drafter
+    of `TREE_DRAFTERS` at `tree_top_k > 1`), where it once meant the tree's node count, it is refused naming
+    `tree_nodes`.
+
+    `available`: the loaded components (`resolve_drafter`); None when `drafter` is already the resolved one.
+    """
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise TypeError(f"unknown method knob(s) {unknown}; the registry has {sorted(KNOBS)}")
+    if available is not None:
+        drafter = resolve_drafter(acceptance, drafter, available, pipeline)
+    values = check_knobs(**{name: knobs.get(name, knob.default) for name, knob in KNOBS.items()})
+    if values["num_draft_tokens"] is not None and values["tree_top_k"] > 1 and _tree_drafter(pipeline, drafter):
+        raise ValueError(
+            f"num_draft_tokens is the draft model's chain length; drafter={drafter!r} with tree_top_k="
+            f"{values['tree_top_k']} grows an EAGLE-2 tree whose node count is tree_nodes (got num_draft_tokens="
+            f"{values['num_draft_tokens']}: pass tree_nodes={values['num_draft_tokens']} instead)"
+        )
+    for name, knob in KNOBS.items():
+        if values[name] is None and knob.auto is not None:
+            values[name] = knob.auto_for.get(acceptance, knob.auto)
+    return MethodSettings(acceptance=acceptance, drafter=drafter, **values)

@@ -21,7 +21,7 @@ to `m * delta`; 2.8 delta measured with 4 siblings).
 
 Drafters: `"model"` (a small `LlamaGenGPT` drafts a chain of `num_draft_tokens`), `"eagle"` (an `EagleHead` drafts
 a chain of `tree_depth` tokens sampled from its `q_draft` when `tree_top_k=1`, the default, or an EAGLE-2 dynamic
-tree of `num_draft_tokens` nodes, `tree_depth` levels and `tree_top_k` deterministic children per node),
+tree of `tree_nodes` nodes, `tree_depth` levels and `tree_top_k` deterministic children per node),
 `"jacobi"` (the target drafts for itself: a window of `jacobi_window` tokens from its previous iteration).
 
 Classifier-free guidance: with `guidance_scale != 1` every forward scores both streams (rows `[cond; uncond]`, same
@@ -47,7 +47,7 @@ from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.jacobi_pac import make_jacobi_drafter
 from mmspec.drafters.model import ModelDrafter
 from mmspec.memory import check_call_memory, kv_cache_bytes
-from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
+from mmspec.methods import ACCEPTANCES, KNOBS, resolve_drafter, resolve_method
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.models.llamagen.gpt import LlamaGenGPT
@@ -399,10 +399,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         """The engine drafter object for this call (`mmspec.drafters`), or None for plain decoding; `cond` /
         `cond_mask` are the model rows' conditions (for a draft model)."""
         if drafter == "model":
-            return ModelDrafter(self.draft_model, guidance, knobs["num_draft_tokens"] or 4, cond, cond_mask)
+            return ModelDrafter(self.draft_model, guidance, knobs.num_draft_tokens, cond, cond_mask)
         if drafter == "eagle":
-            return EagleDrafter(self.eagle_head, self.transformer, guidance, knobs["tree_depth"], knobs["tree_top_k"],
-                                knobs["num_draft_tokens"] or 24)  # fmt: skip
+            return EagleDrafter(self.eagle_head, self.transformer, guidance, knobs.tree_depth, knobs.tree_top_k,
+                                knobs.tree_nodes)  # fmt: skip
         if drafter == "jacobi":
             return make_jacobi_drafter(self.transformer.config.vocab_size, knobs)
         return None
@@ -424,6 +424,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         acceptance: str = "exact",
         drafter: str | None = None,
         num_draft_tokens: int | None = KNOBS["num_draft_tokens"].default,
+        tree_nodes: int = KNOBS["tree_nodes"].default,
         tree_depth: int | None = KNOBS["tree_depth"].default,
         tree_top_k: int = KNOBS["tree_top_k"].default,
         relaxation_top_k: int = KNOBS["relaxation_top_k"].default,
@@ -461,12 +462,13 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             acceptance: `"none"` | `"exact"` | `"relaxed"` | `"grouped"` | `"jacobi"` (module docstring).
             drafter: `"model"` | `"eagle"` | `"jacobi"`; default: the acceptance's first drafter that is loaded
                 (`mmspec.methods.ACCEPTANCES`: eagle, model, jacobi for exact/relaxed; jacobi for grouped/jacobi).
-            num_draft_tokens: chain length K (`"model"`, default 4) or tree nodes (`"eagle"` trees, default 24).
+            num_draft_tokens: the draft model's chain length K (`"model"`; None: the registry's 4).
+            tree_nodes: the nodes an EAGLE-2 tree keeps (`"eagle"` with `tree_top_k > 1`; default 24).
             tree_depth, tree_top_k: EAGLE drafting (`tree_depth` default: 5, or 7 for `"relaxed"` / `"grouped"`,
                 whose looser acceptance keeps longer chains). `tree_top_k=1` (default): a chain of `tree_depth`
                 tokens, each sampled from the head's processed distribution (accepted with probability
                 `sum min(p, q)`; on a CPU the cheapest EAGLE mode). `tree_top_k > 1`: the EAGLE-2 dynamic tree
-                (`tree_depth` levels, `tree_top_k` top-k children per node, best `num_draft_tokens` nodes kept),
+                (`tree_depth` levels, `tree_top_k` top-k children per node, best `tree_nodes` nodes kept),
                 verified node by node (deterministic drafts: a child is accepted with probability `p(x)` of the
                 current residual).
             relaxation_top_k, relaxation_delta, relaxation_lambda: LANTERN neighbourhood size k, additive TV budget
@@ -501,15 +503,14 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         # 1. check inputs, resolve the method
         drafter = self.check_inputs(acceptance, drafter, output_type, num_images_per_prompt, do_sample,
                                     callback_on_step_end, callback_on_step_end_tensor_inputs)  # fmt: skip
-        knobs = check_knobs(num_draft_tokens=num_draft_tokens, tree_depth=tree_depth, tree_top_k=tree_top_k,
+        knobs = resolve_method(acceptance, drafter, None, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
+                            tree_depth=tree_depth, tree_top_k=tree_top_k,
                             relaxation_top_k=relaxation_top_k, relaxation_delta=relaxation_delta,
                             relaxation_lambda=relaxation_lambda, group_size=group_size,
                             group_prob_threshold=group_prob_threshold, group_dist_threshold=group_dist_threshold,
                             jacobi_window=jacobi_window, jacobi_init=jacobi_init, coupling=coupling,
                             jacobi_tree_width=jacobi_tree_width, jacobi_tree_depth=jacobi_tree_depth,
                             resample=resample)  # fmt: skip
-        if knobs["tree_depth"] is None:
-            knobs["tree_depth"] = 7 if acceptance in ("relaxed", "grouped") else 5
         sampling = SamplingParams(guidance_scale, temperature, top_k, top_p, do_sample)
         if sampling.greedy and ACCEPTANCES[acceptance].sampling_only:
             raise ValueError(f"acceptance={acceptance!r} is a sampling rule; use do_sample=True and temperature > 0")

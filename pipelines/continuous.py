@@ -18,7 +18,7 @@ from diffusers.utils import BaseOutput
 
 from mmspec.decoding.masked import ImageNoise, cfg_schedule, decode_masked, mar_schedule
 from mmspec.decoding.trace import DecodeTrace
-from mmspec.methods import CONTINUOUS_LIMITS
+from mmspec.methods import CONTINUOUS_LIMITS, acceptance_names
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.mar.diffusion import GaussianDiffusion
 from mmspec.models.mar.kl_vae import AutoencoderKL
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LIMITS", "SpeculativeContinuousARPipeline", "SpeculativeContinuousOutput"]
 
-ACCEPTANCES = ("none", "continuous")
+ACCEPTANCES = acceptance_names("continuous")  # ("none", "continuous"): the registry's entries for MAR
 VERIFY_MODES = ("block", "exact")
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 CFG_SCHEDULES = ("linear", "constant")

@@ -39,7 +39,7 @@ from mmspec.checks import check_device, check_prompts
 from mmspec.decoding import Guidance, SequenceState, decode
 from mmspec.drafters import make_jacobi_drafter
 from mmspec.memory import check_hf_call_memory
-from mmspec.methods import ACCEPTANCES, KNOBS, check_knobs, resolve_drafter
+from mmspec.methods import ACCEPTANCES, KNOBS, resolve_drafter, resolve_method
 from mmspec.models.janus.target import JanusTarget, special_token_ids
 from mmspec.random import check_generator
 from mmspec.sampling import SamplingParams, sample
@@ -383,6 +383,7 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         acceptance: str = "jacobi",
         drafter: str | None = None,
         num_draft_tokens: int | None = KNOBS["num_draft_tokens"].default,
+        tree_nodes: int = KNOBS["tree_nodes"].default,
         tree_depth: int | None = KNOBS["tree_depth"].default,
         tree_top_k: int = KNOBS["tree_top_k"].default,
         relaxation_top_k: int = KNOBS["relaxation_top_k"].default,
@@ -416,7 +417,8 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
             acceptance: `"none"` | `"exact"` | `"relaxed"` | `"grouped"` | `"jacobi"` (module docstring).
             drafter: `"jacobi"` (the default for every speculative acceptance); `"model"` / `"eagle"` need trained
                 components that Janus has not got yet.
-            num_draft_tokens, tree_depth, tree_top_k: draft-model / EAGLE knobs (checked; unused by Jacobi).
+            num_draft_tokens, tree_nodes, tree_depth, tree_top_k: draft-model / EAGLE knobs (checked; unused by
+                Jacobi).
             relaxation_top_k, relaxation_delta, relaxation_lambda: LANTERN (neighbourhoods of the L2-normalised
                 VQ codebook).
             group_size, group_prob_threshold, group_dist_threshold: GSD.
@@ -438,7 +440,8 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         # 1. check inputs, resolve the method
         drafter = self.check_inputs(acceptance, drafter, output_type, num_images_per_prompt, do_sample, return_dict,
                                     time_phases, callback_on_step_end, callback_on_step_end_tensor_inputs)  # fmt: skip
-        knobs = check_knobs(num_draft_tokens=num_draft_tokens, tree_depth=tree_depth, tree_top_k=tree_top_k,
+        knobs = resolve_method(acceptance, drafter, None, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
+                            tree_depth=tree_depth, tree_top_k=tree_top_k,
                             relaxation_top_k=relaxation_top_k, relaxation_delta=relaxation_delta,
                             relaxation_lambda=relaxation_lambda, group_size=group_size,
                             group_prob_threshold=group_prob_threshold, group_dist_threshold=group_dist_threshold,

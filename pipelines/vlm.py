@@ -12,7 +12,7 @@ static KV cache through `mmspec.models.hf.target.HFTarget` (vision tower + proje
 
 Drafters: `"model"` (a small causal LM / LLaVA sharing the tokenizer drafts a chain of `num_draft_tokens`, or with
 `tree_top_k > 1` an EAGLE-2 dynamic tree; `mmspec.drafters.text_model`) and `"eagle"` (an EAGLE head: a sampled chain
-of `tree_depth` tokens with `tree_top_k=1`, or an EAGLE-2 dynamic tree of `num_draft_tokens` nodes;
+of `tree_depth` tokens with `tree_top_k=1`, or an EAGLE-2 dynamic tree of `tree_nodes` nodes;
 `mmspec.drafters.eagle`). The `eagle_head` is one of:
 
 | `eagle_head`                          | zoo folder (`from_zoo(eagle=...)`) | what the head reads at the image                     | draft-side image tokens |
@@ -48,7 +48,7 @@ from mmspec.drafters.compat import check_vlm_draft_model, check_vlm_eagle_head
 from mmspec.drafters.eagle import EagleDrafter
 from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.memory import check_hf_call_memory
-from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS, check_knobs, resolve_drafter
+from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS, acceptance_names, resolve_drafter, resolve_method
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.hf.inputs import image_token_mask
 from mmspec.models.hf.target import HFTarget, right_align
@@ -60,7 +60,7 @@ from mmspec.verify import Exact
 
 logger = logging.getLogger(__name__)
 
-ACCEPTANCES = ("none", "exact", "greedy")
+ACCEPTANCES = acceptance_names("vlm")  # ("none", "exact", "greedy"): the registry's entries for the VLM
 OUTPUT_TYPES = ("text", "ids")
 
 
@@ -186,7 +186,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if drafter == "jacobi":
             raise ValueError('drafter="jacobi" is for image models; the VLM pipeline runs "model" or "eagle"')
         rule = "none" if acceptance == "none" else "exact"
-        drafter = resolve_drafter(rule, drafter, loaded)
+        drafter = resolve_drafter(acceptance, drafter, loaded, "vlm")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
             raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r} ({type(max_new_tokens).__name__})")
         if not 1 <= max_new_tokens <= VLM_LIMITS["max_new_tokens"]:
@@ -200,11 +200,13 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         return rule, drafter
 
     @staticmethod
-    def check_draft_knobs(num_draft_tokens, tree_depth, tree_top_k, draft_vocab, draft_confidence, return_dict):
-        """The drafting knobs: types, `>= 1` and the upper bounds of `mmspec.methods.VLM_LIMITS` (each costs memory
-        and time linearly); `draft_vocab` integer ids, `draft_confidence` a number in (0, 1)."""
-        # the registry's ranges: the size knobs are bounded by mmspec.methods.VLM_LIMITS there
-        knobs = check_knobs(num_draft_tokens=num_draft_tokens, tree_depth=tree_depth, tree_top_k=tree_top_k)
+    def check_draft_knobs(acceptance, drafter, num_draft_tokens, tree_nodes, tree_depth, tree_top_k, draft_vocab,
+                          draft_confidence, return_dict):  # fmt: skip
+        """The drafting knobs, resolved once by the registry (`mmspec.methods.resolve_method`: types, `>= 1`, the
+        upper bounds of `VLM_LIMITS`, each costing memory and time linearly, and the defaults); `draft_vocab`
+        integer ids, `draft_confidence` a number in (0, 1). Returns the `MethodSettings`."""
+        knobs = resolve_method(acceptance, drafter, None, "vlm", num_draft_tokens=num_draft_tokens,
+                               tree_nodes=tree_nodes, tree_depth=tree_depth, tree_top_k=tree_top_k)  # fmt: skip
         if draft_vocab is not None and (
             not isinstance(draft_vocab, (torch.Tensor, list, tuple, np.ndarray))
             or torch.as_tensor(draft_vocab).is_floating_point()
@@ -221,7 +223,6 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise ValueError(f"draft_confidence must be a number in (0, 1) or None, got {draft_confidence!r}")
         if not isinstance(return_dict, bool):
             raise TypeError(f"return_dict must be a bool, got {return_dict!r}")
-        knobs["tree_depth"] = knobs["tree_depth"] or 5
         return knobs
 
     def check_context(self, lengths, max_new_tokens):
@@ -322,8 +323,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         top_p: float | None = None,
         acceptance: str = "exact",
         drafter: str | None = None,
-        num_draft_tokens: int | None = None,
-        tree_depth: int | None = None,
+        num_draft_tokens: int | None = KNOBS["num_draft_tokens"].default,
+        tree_nodes: int = KNOBS["tree_nodes"].default,
+        tree_depth: int | None = KNOBS["tree_depth"].default,
         tree_top_k: int = KNOBS["tree_top_k"].default,
         draft_vocab: torch.Tensor | None = None,
         draft_confidence: float | None = None,
@@ -344,10 +346,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                 distributions (`do_sample=False`, the default, is greedy decoding).
             acceptance: `"none"` | `"exact"` | `"greedy"` (module docstring).
             drafter: `"model"` | `"eagle"`; default: the EAGLE head if loaded, else the draft model.
-            num_draft_tokens: chain length K (`"model"` chains, default 4) or tree nodes (trees, default 24).
+            num_draft_tokens: the draft model's chain length K (`"model"` chains; None: the registry's 4).
+            tree_nodes: the nodes of an EAGLE-2 tree (`tree_top_k > 1`, either drafter; default 24).
             tree_depth, tree_top_k: `tree_top_k > 1`: an EAGLE-2 dynamic tree (`tree_depth` levels, `tree_top_k`
-                children per node) for either drafter; `tree_top_k=1`: the draft model drafts a chain of
-                `num_draft_tokens`, the EAGLE head a chain of `tree_depth` tokens; `tree_depth` default 5.
+                children per node, best `tree_nodes` kept) for either drafter; `tree_top_k=1`: the draft model drafts
+                a chain of `num_draft_tokens`, the EAGLE head a chain of `tree_depth` tokens; `tree_depth` default 5.
             draft_vocab: `drafter="model"` only, optional 1-D ids: the draft LM scores only these tokens (FR-Spec;
                 e.g. `pipe.eagle_head.draft_vocab`, the 2,048 most frequent answer tokens): at batch 1 its output
                 head is most of a draft step's weight traffic. Verification is unchanged (lossless).
@@ -369,9 +372,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         # 1. check inputs, resolve the method
         rule_name, drafter = self.check_inputs(acceptance, drafter, max_new_tokens, do_sample, output_type,
                                                callback_on_step_end)  # fmt: skip
-        knobs = self.check_draft_knobs(
-            num_draft_tokens, tree_depth, tree_top_k, draft_vocab, draft_confidence, return_dict
-        )
+        knobs = self.check_draft_knobs(acceptance, drafter, num_draft_tokens, tree_nodes, tree_depth, tree_top_k,
+                                       draft_vocab, draft_confidence, return_dict)  # fmt: skip
         if not isinstance(time_phases, bool):
             raise TypeError(f"time_phases must be a bool, got {time_phases!r}")
         guidance = Guidance(SamplingParams(1.0, temperature, top_k, top_p, do_sample))
@@ -463,9 +465,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if drafter == "model":
             draft = HFTarget(self.draft_model, guidance, source="draft", vocab=draft_vocab)
             vision = model_inputs if hasattr(self.draft_model.model, "vision_tower") else {}
-            top_k = knobs["tree_top_k"]
-            return TextModelDrafter(draft, knobs["num_draft_tokens"] or (4 if top_k == 1 else 24), input_ids, lengths,
-                                    top_k=top_k, depth=knobs["tree_depth"], confidence=draft_confidence,
-                                    **vision)  # fmt: skip
-        return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs["tree_depth"], top_k=knobs["tree_top_k"],
-                            total=knobs["num_draft_tokens"] or 24)  # fmt: skip
+            size = knobs.tree_nodes if knobs.tree else knobs.num_draft_tokens  # tree nodes / chain length
+            return TextModelDrafter(draft, size, input_ids, lengths, top_k=knobs.tree_top_k, depth=knobs.tree_depth,
+                                    confidence=draft_confidence, **vision)  # fmt: skip
+        return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs.tree_depth, top_k=knobs.tree_top_k,
+                            total=knobs.tree_nodes)  # fmt: skip

@@ -16,7 +16,7 @@ from mmspec.demo.acceptance_map import origin_legend_html, origin_map, round_leg
 from mmspec.demo.answer import answer_html
 from mmspec.demo.inputs import load_image, parse_int, parse_knobs, parse_seed
 from mmspec.demo.plots import accepted_per_round, histogram_figure
-from mmspec.methods import ACCEPTANCES, DRAFTERS, KNOBS, PRESETS
+from mmspec.methods import ACCEPTANCES, DRAFTERS, KNOBS, PRESETS, acceptance_names
 
 
 logger = logging.getLogger(__name__)
@@ -36,8 +36,12 @@ __all__ = [
 ]
 
 AUTO_DRAFTER = "auto"  # drafter=None: the acceptance's first loaded drafter
-IMAGE_ACCEPTANCES = [name for name in ACCEPTANCES if name != "none"]  # plain always runs as the baseline
-VLM_ACCEPTANCES = ["greedy", "exact"]  # SpeculativeVLMPipeline's speculative rules (greedy: greedy decoding)
+# the registry's speculative rules of each pipeline (plain always runs as the baseline)
+IMAGE_ACCEPTANCES = [name for name in acceptance_names("image") if name != "none"]
+VLM_ACCEPTANCES = [
+    "greedy",
+    "exact",
+]  # SpeculativeVLMPipeline's speculative rules (greedy: greedy decoding), in this order
 VLM_DRAFTERS = [AUTO_DRAFTER] + [name for name, spec in DRAFTERS.items() if spec.component is not None]
 IMAGE_SIZE = 256  # samples and maps are shown upscaled to this many pixels
 

@@ -17,6 +17,7 @@ coupled as in SCD) happens inside verification (`mmspec.verify.verify_jacobi`, a
 import torch
 
 from mmspec.decoding.drafter import Proposal
+from mmspec.methods import KNOBS, check_knobs
 from mmspec.random import rand
 
 
@@ -34,15 +35,12 @@ class JacobiDrafter:
         coupling: re-draft with SCD maximal coupling (True) or independently as SJD (False).
     """
 
-    INITS = ("repeat", "random")
+    INITS = KNOBS["jacobi_init"].kind  # ("repeat", "random")
     needs_hidden = False
     draft_forwards = 0
 
     def __init__(self, vocab_size, window, init="repeat", coupling=True):
-        if init not in self.INITS:
-            raise ValueError(f"jacobi_init must be one of {self.INITS}, got {init!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"jacobi_window must be an int >= 1 (draft tokens), got {window!r}")
+        check_knobs(jacobi_window=window, jacobi_init=init)  # the registry's bounds
         self.vocab_size, self.window, self.init, self.coupling = vocab_size, int(window), init, bool(coupling)
         self.max_width = self.window
         self.drafts = None  # [B, K]

@@ -22,14 +22,11 @@ import torch
 
 from mmspec.decoding.drafter import Proposal
 from mmspec.drafters.jacobi import JacobiDrafter
+from mmspec.methods import KNOBS, MethodSettings, check_knobs
 from mmspec.random import rand
 
 
 __all__ = ["ProactiveJacobiDrafter", "make_jacobi_drafter", "tree_layout"]
-
-# the knob ranges (mmspec.methods repeats them for the CLI / pipeline checks)
-MAX_TREE_WIDTH = 16
-MAX_TREE_DEPTH = 8
 
 
 def tree_layout(width: int, depth: int, window: int) -> tuple[list[int], list[int], list[int]]:
@@ -76,15 +73,13 @@ class ProactiveJacobiDrafter(JacobiDrafter):
 
     def __init__(self, vocab_size, window, width=3, depth=3, init="repeat", coupling=True):
         super().__init__(vocab_size, window, init, coupling)
-        if isinstance(width, bool) or not isinstance(width, int) or not 2 <= width <= MAX_TREE_WIDTH:
-            raise ValueError(f"jacobi_tree_width must be an int in [2, {MAX_TREE_WIDTH}] for a tree, got {width!r}")
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 2 <= depth <= MAX_TREE_DEPTH:
-            raise ValueError(f"jacobi_tree_depth must be an int in [2, {MAX_TREE_DEPTH}], got {depth!r}")
-        if depth - 1 > self.window:
+        # the registry's bounds (`mmspec.methods.check_knobs`: ranges, tree within the window, node count)
+        check_knobs(jacobi_window=self.window, jacobi_tree_width=width, jacobi_tree_depth=depth)
+        if width < 2:
             raise ValueError(
-                f"jacobi_tree_depth={depth} needs jacobi_window >= {depth - 1} (the tree's positions), got {self.window}"
+                f"jacobi_tree_width must be >= 2 for a tree (1 = the SJD chain: JacobiDrafter), got {width}"
             )
-        self.width, self.depth = width, depth
+        self.width, self.depth = int(width), int(depth)
         self.max_width = len(tree_layout(width, depth, self.window)[0])
         self._layouts = {}
 
@@ -158,15 +153,16 @@ class ProactiveJacobiDrafter(JacobiDrafter):
         )
 
 
-def make_jacobi_drafter(vocab_size, knobs):
-    """The Jacobi drafter for ``knobs`` (a mapping with ``jacobi_window``, ``jacobi_init``, ``coupling`` and
-    optionally ``jacobi_tree_width`` / ``jacobi_tree_depth``): `JacobiDrafter` (SJD / SCD chain) at tree width 1,
-    else `ProactiveJacobiDrafter` (SJD-PAC)."""
-    width = knobs.get("jacobi_tree_width", 1)
-    depth = knobs.get("jacobi_tree_depth", 3)
-    window, init, coupling = knobs["jacobi_window"], knobs["jacobi_init"], knobs["coupling"]
-    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_TREE_WIDTH:
-        raise ValueError(f"jacobi_tree_width must be an int in [1, {MAX_TREE_WIDTH}] (1 = chain), got {width!r}")
+def make_jacobi_drafter(vocab_size, settings):
+    """The Jacobi drafter of a call's method: `JacobiDrafter` (SJD / SCD chain) at `jacobi_tree_width` 1, else
+    `ProactiveJacobiDrafter` (SJD-PAC). `settings`: a `mmspec.methods.MethodSettings` (checked and defaulted
+    once, read as it is), or a mapping with `jacobi_window`, `jacobi_init`, `coupling` and optionally
+    `jacobi_tree_width` / `jacobi_tree_depth` (checked here by the registry, the rest at their defaults)."""
+    if not isinstance(settings, MethodSettings):
+        names = ("jacobi_window", "jacobi_init", "coupling", "jacobi_tree_width", "jacobi_tree_depth")
+        settings = check_knobs(**{name: settings.get(name, KNOBS[name].default) for name in names})
+    window, init, coupling = settings["jacobi_window"], settings["jacobi_init"], settings["coupling"]
+    width = settings["jacobi_tree_width"]
     if width == 1:
         return JacobiDrafter(vocab_size, window, init, coupling)
-    return ProactiveJacobiDrafter(vocab_size, window, width, depth, init, coupling)
+    return ProactiveJacobiDrafter(vocab_size, window, width, settings["jacobi_tree_depth"], init, coupling)

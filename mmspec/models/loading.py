@@ -17,6 +17,8 @@ import json
 import logging
 from pathlib import Path
 
+from mmspec.data.zoo import DEFAULT_ZOO  # the shipped zoo: the default root of every `from_zoo`
+
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +105,6 @@ def _load_transformers(folder, path, dtype):
         raise ValueError(f"path={str(path)!r}: weights do not match the {type(model).__name__} config: {problems}")
     return model
 
-
-# the shipped zoo (the repo's assets/): the default root of every `from_zoo` and every command's `--zoo`,
-# wherever the caller runs from
-DEFAULT_ZOO = Path(__file__).resolve().parents[2] / "assets"
 
 # the zoo layout `<root>/<prefix>-<suffix>`: pipeline component -> folder suffix (drafters optional)
 ZOO_PARTS = {"transformer": "c2i", "vqvae": "vq", "draft_model": "c2i-draft", "eagle_head": "c2i-eagle"}

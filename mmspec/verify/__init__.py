@@ -86,14 +86,18 @@ __all__ = [
 ]
 
 
+# the entry points by name: `verify_<name>` (the acceptance names of the rules are the rule classes' `name`s)
 RULES: dict[str, Callable[..., VerifyResult]] = {
-    "exact": verify_exact,
-    "greedy": verify_greedy,
-    "tree": verify_tree,
-    "relaxed": verify_relaxed,
-    "grouped": verify_grouped,
-    "jacobi": verify_jacobi,
-    "continuous": verify_continuous,
+    fn.__name__.removeprefix("verify_"): fn
+    for fn in (
+        verify_exact,
+        verify_greedy,
+        verify_tree,
+        verify_relaxed,
+        verify_grouped,
+        verify_jacobi,
+        verify_continuous,
+    )
 }
 
 

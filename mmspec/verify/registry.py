@@ -11,7 +11,8 @@ from mmspec.verify.rules import AcceptanceRule, Exact
 
 __all__ = ["RULE_CLASSES", "acceptance_probs", "make_rule", "rejection_step", "resolve_rule"]
 
-RULE_CLASSES: dict[str, type[AcceptanceRule]] = {"exact": Exact, "relaxed": Lantern, "grouped": Grouped}
+# keyed by each class's `name` (the `acceptance=` string, spelled once on the class)
+RULE_CLASSES: dict[str, type[AcceptanceRule]] = {cls.name: cls for cls in (Exact, Lantern, Grouped)}
 
 
 def make_rule(name: str, **knobs) -> AcceptanceRule:

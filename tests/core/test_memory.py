@@ -93,7 +93,7 @@ def test_sjd_pac_5x5_at_batch_64_with_cfg_is_tens_of_gib_and_refused():
         ("relaxed", "jacobi", dict(relaxation_top_k=4096), "LANTERN", "relaxation_top_k"),
         ("grouped", "jacobi", dict(group_size=1024), "GSD", "group_size"),
         ("jacobi", "jacobi", dict(jacobi_window=1024), "Jacobi window", "jacobi_window"),
-        ("exact", "eagle", dict(num_draft_tokens=256, tree_depth=32, tree_top_k=32), "tree ancestry", "tree_top_k"),
+        ("exact", "eagle", dict(tree_nodes=256, tree_depth=32, tree_top_k=32), "tree ancestry", "tree_top_k"),
     ],
 )
 def test_estimate_covers_each_growth_class(acceptance, drafter, knobs, term, knob):

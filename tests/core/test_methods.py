@@ -65,4 +65,56 @@ def test_resolve_drafter():
         resolve_drafter("exact", "eagle", set())
     with pytest.raises(ValueError, match="drafter"):
         resolve_drafter("jacobi", "model", {"draft_model"})
-    assert set(ACCEPTANCES) == {"none", "exact", "relaxed", "grouped", "jacobi"}
+    assert set(ACCEPTANCES) == {"none", "exact", "relaxed", "grouped", "jacobi", "greedy", "continuous"}
+
+
+def test_acceptances_name_the_pipelines_that_accept_them():
+    """One table for every pipeline: the VLM's and the MAR pipeline's acceptances are registry entries too."""
+    from mmspec.methods import acceptance_names
+    from mmspec.pipelines import continuous, vlm
+
+    assert acceptance_names("image") == ("none", "exact", "relaxed", "grouped", "jacobi")
+    assert vlm.ACCEPTANCES == acceptance_names("vlm") == ("none", "exact", "greedy")
+    assert continuous.ACCEPTANCES == acceptance_names("continuous") == ("none", "continuous")
+    for name, pipeline in (("greedy", "image"), ("continuous", "image"), ("relaxed", "vlm"), ("jacobi", "vlm")):
+        with pytest.raises(ValueError, match="acceptance must be one of"):
+            resolve_drafter(name, None, {"draft_model", "eagle_head"}, pipeline)
+    with pytest.raises(ValueError, match="pipeline"):
+        acceptance_names("audio")
+
+
+def test_resolve_method_defaults_once_and_names_tree_nodes():
+    """`resolve_method` applies the registry's defaults (no `or 4` / `or 24` / `7 if relaxed` in the pipelines) and
+    refuses `num_draft_tokens` where it used to mean an EAGLE-2 tree's node count, naming `tree_nodes`."""
+    from mmspec.methods import MethodSettings, resolve_method
+
+    chain = resolve_method("exact", "model", {"draft_model"})
+    assert isinstance(chain, MethodSettings) and chain.drafter == "model"
+    assert (chain.num_draft_tokens, chain.tree_nodes, chain.tree_depth) == (4, 24, 5)
+    assert resolve_method("relaxed", "eagle", {"eagle_head"}).tree_depth == 7
+    assert resolve_method("grouped", "eagle", {"eagle_head"}).tree_depth == 7
+    assert resolve_method("exact", "eagle", {"eagle_head"}, tree_depth=3).tree_depth == 3
+    assert dict(chain)["jacobi_window"] == KNOBS["jacobi_window"].default and set(dict(chain)) == set(KNOBS)
+    tree = resolve_method("exact", "eagle", {"eagle_head"}, tree_top_k=3, tree_nodes=8)
+    assert tree.tree and tree.tree_nodes == 8
+    with pytest.raises(ValueError, match="tree_nodes"):
+        resolve_method("exact", "eagle", {"eagle_head"}, tree_top_k=3, num_draft_tokens=8)
+    with pytest.raises(ValueError, match="tree_nodes"):
+        resolve_method("exact", "model", None, "vlm", tree_top_k=2, num_draft_tokens=8)
+    # unambiguous: the image pipelines' draft model always drafts a chain of num_draft_tokens
+    assert resolve_method("exact", "model", {"draft_model"}, tree_top_k=3, num_draft_tokens=6).num_draft_tokens == 6
+    with pytest.raises(ValueError, match="tree_nodes"):
+        resolve_method("exact", "eagle", {"eagle_head"}, tree_top_k=2, tree_nodes=0)
+    with pytest.raises(TypeError, match="unknown method knob"):
+        resolve_method("exact", "eagle", {"eagle_head"}, tree_node=8)
+
+
+def test_one_definition_of_the_bounds_and_the_zoo():
+    """The SJD-PAC bounds live in the registry only, and the zoo folder has one definition (torch-free)."""
+    import mmspec.cli
+    import mmspec.drafters.jacobi_pac as pac
+    from mmspec.data.zoo import DEFAULT_ZOO
+    from mmspec.models import DEFAULT_ZOO as models_zoo
+
+    assert not hasattr(pac, "MAX_TREE_WIDTH") and not hasattr(pac, "MAX_TREE_DEPTH")
+    assert models_zoo is DEFAULT_ZOO and mmspec.cli.DEFAULT_ZOO == str(DEFAULT_ZOO)

@@ -157,7 +157,7 @@ def test_a_saved_pipeline_folder_serves_its_tab(cache, tmp_path):
 
 def test_method_widgets_come_from_the_registry():
     assert handlers.image_knob_names() == list(KNOBS)
-    assert set(handlers.vlm_knob_names()) == {"num_draft_tokens", "tree_depth", "tree_top_k"}
+    assert set(handlers.vlm_knob_names()) == {"num_draft_tokens", "tree_nodes", "tree_depth", "tree_top_k"}
     acceptance, drafter, values = handlers.preset_values("exact-eagle-tree", list(KNOBS))
     assert (acceptance, drafter) == ("exact", "eagle")
     assert values["tree_top_k"] == PRESETS["exact-eagle-tree"]["tree_top_k"] and values["jacobi_window"] == 16

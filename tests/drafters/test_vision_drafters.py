@@ -20,7 +20,7 @@ from mmspec.models.hf.inputs import capture_decoder_inputs
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 
-KNOBS = [{"tree_depth": 4}, {"tree_depth": 3, "tree_top_k": 3, "num_draft_tokens": 8}]  # chain, EAGLE-2 tree
+KNOBS = [{"tree_depth": 4}, {"tree_depth": 3, "tree_top_k": 3, "tree_nodes": 8}]  # chain, EAGLE-2 tree
 NUM_QUERIES = 3  # ViSpec: 2 tokens + 1 global vector per image; SpecVLM's resampler expert: 2 tokens
 
 

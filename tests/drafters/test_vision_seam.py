@@ -74,7 +74,7 @@ def stride_pipe(llava_pipe):
     return pipe
 
 
-KNOBS = [{"tree_depth": 4}, {"tree_depth": 3, "tree_top_k": 3, "num_draft_tokens": 8}]  # chain, EAGLE-2 tree
+KNOBS = [{"tree_depth": 4}, {"tree_depth": 3, "tree_top_k": 3, "tree_nodes": 8}]  # chain, EAGLE-2 tree
 
 
 @pytest.mark.parametrize("knobs", KNOBS)

@@ -35,5 +35,5 @@ def test_real_lm_greedy_equals_transformers_generate(pipe):
         assert [t for t in batch.sequences[r].tolist() if t >= 0] == ref
     assert batch.text[0].startswith("The capital of France is Paris")
     one = pipe(prompt=QUESTIONS[:1], max_new_tokens=24, acceptance="greedy", drafter="eagle", tree_depth=3,
-               tree_top_k=2, num_draft_tokens=6)  # fmt: skip
+               tree_top_k=2, tree_nodes=6)  # fmt: skip
     assert [t for t in one.sequences[0].tolist() if t >= 0] == refs[0]

@@ -71,7 +71,7 @@ def test_target_draws_the_requested_digits(pipe, classifier):
     [
         dict(acceptance="exact", drafter="model"),
         dict(acceptance="exact", drafter="eagle"),
-        dict(acceptance="exact", drafter="eagle", tree_top_k=4, num_draft_tokens=24),
+        dict(acceptance="exact", drafter="eagle", tree_top_k=4, tree_nodes=24),
         dict(acceptance="jacobi"),
     ],
     ids=["draft", "eagle-chain", "eagle-tree", "jacobi"],

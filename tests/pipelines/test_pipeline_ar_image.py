@@ -52,7 +52,7 @@ def run(pipe, seed=0, **kw):
 LOSSLESS = [
     dict(acceptance="exact", drafter="model"),
     dict(acceptance="exact", drafter="eagle"),
-    dict(acceptance="exact", drafter="eagle", num_draft_tokens=6, tree_depth=3, tree_top_k=2),
+    dict(acceptance="exact", drafter="eagle", tree_nodes=6, tree_depth=3, tree_top_k=2),
     dict(acceptance="exact", drafter="eagle", tree_depth=4, tree_top_k=1),
     dict(acceptance="exact", drafter="jacobi", jacobi_window=5),
     dict(acceptance="jacobi", jacobi_window=16, coupling=False),
@@ -81,7 +81,7 @@ def _marginals(images, positions):
 
 SAMPLED = [
     dict(acceptance="exact", drafter="model", num_draft_tokens=3),
-    dict(acceptance="exact", drafter="eagle", num_draft_tokens=8, tree_depth=3, tree_top_k=3),
+    dict(acceptance="exact", drafter="eagle", tree_nodes=8, tree_depth=3, tree_top_k=3),
     dict(acceptance="exact", drafter="eagle", tree_depth=3, tree_top_k=1),
     dict(acceptance="jacobi", jacobi_window=6, coupling=False),
     dict(acceptance="jacobi", jacobi_window=6, coupling=True, jacobi_init="random"),

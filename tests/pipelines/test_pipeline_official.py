@@ -76,7 +76,7 @@ def _condition(kind, batch=3):
 LOSSLESS = [
     dict(acceptance="exact", drafter="model", num_draft_tokens=3),
     dict(acceptance="exact", drafter="eagle", tree_depth=3),
-    dict(acceptance="exact", drafter="eagle", num_draft_tokens=6, tree_depth=3, tree_top_k=2),
+    dict(acceptance="exact", drafter="eagle", tree_nodes=6, tree_depth=3, tree_top_k=2),
     dict(acceptance="exact", drafter="jacobi", jacobi_window=4),
     dict(acceptance="jacobi", jacobi_window=5, coupling=False),
     dict(acceptance="jacobi", jacobi_window=5, coupling=True),

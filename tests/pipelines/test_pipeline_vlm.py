@@ -27,9 +27,9 @@ from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 DRAFTERS = [  # (drafter, knobs)
     ("model", {"num_draft_tokens": 3}),
     ("model", {"num_draft_tokens": 5, "draft_confidence": 0.5}),  # chains stopped at unsure draft tokens
-    ("model", {"tree_depth": 3, "tree_top_k": 3, "num_draft_tokens": 8}),  # draft-LM EAGLE-2 tree
+    ("model", {"tree_depth": 3, "tree_top_k": 3, "tree_nodes": 8}),  # draft-LM EAGLE-2 tree
     ("eagle", {"tree_depth": 4}),  # sampled / argmax chain
-    ("eagle", {"tree_depth": 3, "tree_top_k": 3, "num_draft_tokens": 8}),  # EAGLE-2 tree
+    ("eagle", {"tree_depth": 3, "tree_top_k": 3, "tree_nodes": 8}),  # EAGLE-2 tree
 ]
 
 
@@ -231,7 +231,7 @@ def test_nan_logits_raise():
         p(prompt=prompts(1), max_new_tokens=4, acceptance="none")
 
 
-@pytest.mark.parametrize("knobs", [{"num_draft_tokens": 3}, {"tree_top_k": 2, "tree_depth": 3, "num_draft_tokens": 4}])
+@pytest.mark.parametrize("knobs", [{"num_draft_tokens": 3}, {"tree_top_k": 2, "tree_depth": 3, "tree_nodes": 4}])
 def test_nan_draft_logits_name_the_draft_model(knobs):
     target = tiny_lm(2, seed=1)
     draft = truncated_draft(target, 1)
@@ -330,7 +330,8 @@ def test_draft_confidence_stops_chains_early(lm_pipe):
     assert sum(early.stats.drafted_tokens) < sum(full.stats.drafted_tokens)
     for bad, match in (
         (dict(draft_confidence=1.5), "draft_confidence"),
-        (dict(draft_confidence=0.5, tree_top_k=2), "draft_confidence"),
+        (dict(draft_confidence=0.5, tree_top_k=2, num_draft_tokens=None), "draft_confidence"),  # a tree: tree_nodes
+        (dict(tree_top_k=2), "tree_nodes"),  # num_draft_tokens is a chain length, not a tree's node count
     ):
         with pytest.raises(ValueError, match=match):
             lm_pipe(**kw | bad)

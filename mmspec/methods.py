@@ -178,6 +178,7 @@ IMAGE_LIMITS = {
     "group_size": 1024,
     "jacobi_tree_width": 16,  # the SJD-PAC tree has width ** (depth - 1) nodes at its last branching level
     "jacobi_tree_depth": 8,
+    "num_images_per_prompt": 4096,  # Janus: one batch, memory grows linearly
 }
 
 

@@ -32,68 +32,36 @@ row is compacted out of the target/draft caches and later forwards (the call ret
 """
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import DiffusionPipeline
-from diffusers.utils import BaseOutput
 
-from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.compat import check_image_draft_model, check_image_eagle_head
 from mmspec.drafters.eagle import EagleDrafter
-from mmspec.drafters.jacobi_pac import make_jacobi_drafter
 from mmspec.drafters.model import ModelDrafter
 from mmspec.memory import check_call_memory, kv_cache_bytes
-from mmspec.methods import ACCEPTANCES, KNOBS, resolve_drafter, resolve_method
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.models.llamagen.gpt import LlamaGenGPT
 from mmspec.models.llamagen.target import LlamaGenTarget
 from mmspec.models.llamagen.vq import LlamaGenVQ
-from mmspec.random import check_generator
-from mmspec.sampling import SamplingParams, sample
-from mmspec.stats import SpecStats
-from mmspec.verify import Exact, Grouped, Lantern, codebook_neighbours
+
+from .token_image import OUTPUT_TYPES, Condition, SpeculativeImageOutput, TokenImagePipeline, with_knob_parameters
 
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_TYPES = ("pil", "np", "pt", "tokens")
+__all__ = ["OUTPUT_TYPES", "SpeculativeARImagePipeline", "SpeculativeImageOutput", "to_pil"]
 
 
-@dataclass
-class SpeculativeImageOutput(BaseOutput):
-    """Output of the speculative image pipelines.
-
-    Attributes:
-        images: PIL images, a float NHWC array in [0, 1] (`"np"`), a float NCHW tensor in [0, 1] (`"pt"`) or the
-            token grids `[B, N]` (`"tokens"`).
-        stats: `mmspec.stats.SpecStats` of the call (always filled, so `out[1]` is stable).
-        trace: `mmspec.decoding.DecodeTrace`: per token, the round it was emitted in and its origin (prefill,
-            accepted draft, resampled correction, bonus); `trace.acceptance_map()` is the acceptance map.
-    """
-
-    images: list | np.ndarray | torch.Tensor
-    stats: SpecStats
-    trace: DecodeTrace | None = None
-
-
-def _check_type(name, value, kind, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise TypeError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
-
-
-class SpeculativeARImagePipeline(DiffusionPipeline):
+class SpeculativeARImagePipeline(TokenImagePipeline):
     """Speculative sampling for LlamaGen-family image models, class- (c2i) or text-conditional (t2i) (see the module
     docstring).
 
-    This model inherits from [`DiffusionPipeline`]: `save_pretrained` / `from_pretrained` round-trip to a folder
+    This model inherits from [`DiffusionPipeline`] (through `TokenImagePipeline`, the call it shares with Janus):
+    `save_pretrained` / `from_pretrained` round-trip to a folder
     with `model_index.json`.
 
     Args:
@@ -115,7 +83,6 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
     model_cpu_offload_seq = "text_encoder->transformer->vqvae"
     _optional_components = ["draft_model", "eagle_head", "text_encoder", "tokenizer"]
     _exclude_from_cpu_offload = ["draft_model", "eagle_head"]
-    _callback_tensor_inputs = ["tokens", "trace"]
 
     def __init__(
         self,
@@ -261,25 +228,25 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     # ------------------------------------------------------------------ inputs
-    def check_inputs(self, acceptance, drafter, output_type, num_images_per_prompt, do_sample, callback_on_step_end,
-                     callback_on_step_end_tensor_inputs):  # fmt: skip
-        """Validate the call's method and I/O arguments; returns the resolved drafter name."""
-        loaded = {name for name in ("draft_model", "eagle_head") if getattr(self, name, None) is not None}
-        drafter = resolve_drafter(acceptance, drafter, loaded)
-        _check_type("num_images_per_prompt", num_images_per_prompt, int)
-        if num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt must be >= 1, got {num_images_per_prompt}")
-        _check_type("do_sample", do_sample, bool)
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
-        if callback_on_step_end is not None and not callable(callback_on_step_end):
-            raise TypeError(
-                f"callback_on_step_end must be callable or None, got {type(callback_on_step_end).__name__}"
-            )
-        bad = set(callback_on_step_end_tensor_inputs or []) - set(self._callback_tensor_inputs)
-        if bad:
-            raise ValueError(f"callback_on_step_end_tensor_inputs {sorted(bad)} not in {self._callback_tensor_inputs}")
-        return drafter
+    @property
+    def num_tokens(self) -> int:
+        return self.transformer.config.block_size
+
+    def loaded_drafters(self):
+        return {name for name in ("draft_model", "eagle_head") if getattr(self, name, None) is not None}
+
+    def codebook(self):
+        """The VQ codebook `[V, D]` (float32) LANTERN's neighbourhoods and GSD's distances are measured in."""
+        return self.vqvae.codebook.detach().float()
+
+    def check_guidance(self, guidance):
+        if (guidance.streams == 2 and self.transformer.config.model_type == "c2i"
+                and self.transformer.cls_embedding.embedding_table.num_embeddings <= self.transformer.config.num_classes):  # fmt: skip
+            raise ValueError("guidance_scale != 1 needs a null class, but the transformer has no null-class embedding")
+
+    def prepare(self, condition, num_images_per_prompt, device):
+        return Condition(*self.prepare_condition(**condition, num_images_per_prompt=num_images_per_prompt,
+                                                 device=device))  # fmt: skip
 
     def encode_prompt(self, prompt, device):
         """Prompts -> (caption features `[B, cls_token_num, caption_dim]`, bool mask `[B, cls_token_num]`), left-padded
@@ -356,9 +323,16 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise ValueError(f"class_labels must be in [0, {n}), got range [{int(labels.min())}, {int(labels.max())}]")
         return labels.long().repeat_interleave(num_images_per_prompt)
 
-    def check_memory(self, batch, streams, acceptance, drafter, draft, knobs, num_images_per_prompt, device):
+    def check_call(self, target, cond, method, guidance, draft, scratch, num_images_per_prompt, device):
         """Refuse a call whose estimated memory (KV caches, the widest forward's logits and masks, the method's
         per-round tensors: `mmspec.memory`) exceeds the device's budget; before any target forward."""
+        batch, streams, acceptance, drafter, knobs = (
+            cond.batch,
+            guidance.streams,
+            method.acceptance,
+            method.drafter,
+            method,
+        )
         rows, width = batch * streams, draft.max_width if draft is not None else 0
         slots = self.transformer.config.cls_token_num + self.transformer.config.block_size + width + 2
         models = [(self.transformer, self.transformer.config.n_layer)]
@@ -375,40 +349,28 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             num_images_per_prompt=num_images_per_prompt,
         )  # fmt: skip
 
-    def neighbours(self, k):
-        """LANTERN latent-proximity neighbourhoods `[V, k]` of the VQ codebook (computed once per k; k is capped at
-        V - 1, the whole codebook)."""
-        k = min(int(k), self.vqvae.config.codebook_size - 1)
-        if k not in self._neighbours:
-            self._neighbours[k] = codebook_neighbours(self.vqvae.codebook.detach().float(), k)
-        return self._neighbours[k]
+    def make_target(self, guidance):
+        return LlamaGenTarget(self.transformer, guidance)
 
-    def make_rule(self, acceptance, knobs):
-        """The `mmspec.verify` acceptance rule object of `acceptance` with the call's knobs."""
-        if acceptance == "relaxed":
-            lam = knobs["relaxation_lambda"]
-            return Lantern(neighbours=self.neighbours(knobs["relaxation_top_k"]), lam=lam,
-                           delta=None if lam is not None else knobs["relaxation_delta"], resample=knobs["resample"])  # fmt: skip
-        if acceptance == "grouped":
-            return Grouped(embeddings=self.vqvae.codebook.detach().float(), group_size=knobs["group_size"],
-                           prob_threshold=knobs["group_prob_threshold"], dist_threshold=knobs["group_dist_threshold"],
-                           resample=knobs["resample"])  # fmt: skip
-        return Exact()
+    def make_drafter(self, method, guidance, target, cond):
+        """The engine drafter object for this call (`mmspec.drafters`), or None for plain decoding; a draft model
+        reads the model rows' conditions (CFG rows `[cond; null]`)."""
+        if method.drafter == "model":
+            cond_rows = guidance.condition_rows(cond.inputs, self.transformer.null_condition(cond.batch))
+            mask_rows = None if cond.mask is None else guidance.condition_rows(cond.mask, cond.mask)
+            return ModelDrafter(self.draft_model, guidance, method.num_draft_tokens, cond_rows, mask_rows)
+        if method.drafter == "eagle":
+            return EagleDrafter(self.eagle_head, self.transformer, guidance, method.tree_depth, method.tree_top_k,
+                                method.tree_nodes)  # fmt: skip
+        return super().make_drafter(method, guidance, target, cond)
 
-    def make_drafter(self, drafter, guidance, knobs, cond, cond_mask=None):
-        """The engine drafter object for this call (`mmspec.drafters`), or None for plain decoding; `cond` /
-        `cond_mask` are the model rows' conditions (for a draft model)."""
-        if drafter == "model":
-            return ModelDrafter(self.draft_model, guidance, knobs.num_draft_tokens, cond, cond_mask)
-        if drafter == "eagle":
-            return EagleDrafter(self.eagle_head, self.transformer, guidance, knobs.tree_depth, knobs.tree_top_k,
-                                knobs.tree_nodes)  # fmt: skip
-        if drafter == "jacobi":
-            return make_jacobi_drafter(self.transformer.config.vocab_size, knobs)
-        return None
+    def prefill(self, target, cond, scratch, draft):
+        return target.prefill(cond.inputs, self.num_tokens, scratch=scratch, cond_mask=cond.mask,
+                              return_hidden=draft is not None and draft.needs_hidden)  # fmt: skip
 
     # ------------------------------------------------------------------ call
     @torch.no_grad()
+    @with_knob_parameters
     def __call__(
         self,
         class_labels=None,
@@ -423,28 +385,13 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         num_images_per_prompt: int = 1,
         acceptance: str = "exact",
         drafter: str | None = None,
-        num_draft_tokens: int | None = KNOBS["num_draft_tokens"].default,
-        tree_nodes: int = KNOBS["tree_nodes"].default,
-        tree_depth: int | None = KNOBS["tree_depth"].default,
-        tree_top_k: int = KNOBS["tree_top_k"].default,
-        relaxation_top_k: int = KNOBS["relaxation_top_k"].default,
-        relaxation_delta: float = KNOBS["relaxation_delta"].default,
-        relaxation_lambda: float | None = KNOBS["relaxation_lambda"].default,
-        group_size: int = KNOBS["group_size"].default,
-        group_prob_threshold: float = KNOBS["group_prob_threshold"].default,
-        group_dist_threshold: float = KNOBS["group_dist_threshold"].default,
-        jacobi_window: int = KNOBS["jacobi_window"].default,
-        jacobi_init: str = KNOBS["jacobi_init"].default,
-        coupling: bool = KNOBS["coupling"].default,
-        jacobi_tree_width: int = KNOBS["jacobi_tree_width"].default,
-        jacobi_tree_depth: int = KNOBS["jacobi_tree_depth"].default,
-        resample: str = KNOBS["resample"].default,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
         callback_on_step_end=None,
         callback_on_step_end_tensor_inputs=("tokens",),
         time_phases: bool = False,
+        **knobs,
     ):
         """Generate images for `class_labels` (c2i) or `prompt` / `prompt_embeds` (t2i).
 
@@ -500,77 +447,15 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         Returns:
             `SpeculativeImageOutput(images, stats, trace)` or `(images, stats)`.
         """
-        # 1. check inputs, resolve the method
-        drafter = self.check_inputs(acceptance, drafter, output_type, num_images_per_prompt, do_sample,
-                                    callback_on_step_end, callback_on_step_end_tensor_inputs)  # fmt: skip
-        knobs = resolve_method(acceptance, drafter, None, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
-                            tree_depth=tree_depth, tree_top_k=tree_top_k,
-                            relaxation_top_k=relaxation_top_k, relaxation_delta=relaxation_delta,
-                            relaxation_lambda=relaxation_lambda, group_size=group_size,
-                            group_prob_threshold=group_prob_threshold, group_dist_threshold=group_dist_threshold,
-                            jacobi_window=jacobi_window, jacobi_init=jacobi_init, coupling=coupling,
-                            jacobi_tree_width=jacobi_tree_width, jacobi_tree_depth=jacobi_tree_depth,
-                            resample=resample)  # fmt: skip
-        sampling = SamplingParams(guidance_scale, temperature, top_k, top_p, do_sample)
-        if sampling.greedy and ACCEPTANCES[acceptance].sampling_only:
-            raise ValueError(f"acceptance={acceptance!r} is a sampling rule; use do_sample=True and temperature > 0")
-        guidance = Guidance(sampling)
-        if (guidance.streams == 2 and self.transformer.config.model_type == "c2i"
-                and self.transformer.cls_embedding.embedding_table.num_embeddings <= self.transformer.config.num_classes):  # fmt: skip
-            raise ValueError("guidance_scale != 1 needs a null class, but the transformer has no null-class embedding")
-
-        # 2. prepare conditions, generators, the rule and the drafter
-        device = self._execution_device
-        cond, cond_mask = self.prepare_condition(class_labels, prompt, prompt_embeds, prompt_attention_mask,
-                                                 num_images_per_prompt, device)  # fmt: skip
-        batch, n_tokens = cond.shape[0], self.transformer.config.block_size
-        check_generator(generator, batch, device)
-        target = LlamaGenTarget(self.transformer, guidance)
-        cond_rows = guidance.condition_rows(cond, self.transformer.null_condition(batch))  # for a draft model
-        mask_rows = None if cond_mask is None else guidance.condition_rows(cond_mask, cond_mask)
-        draft = self.make_drafter(drafter, guidance, knobs, cond_rows, mask_rows)
-        self.check_memory(batch, guidance.streams, acceptance, drafter, draft, knobs, num_images_per_prompt, device)
-        rule = self.make_rule(acceptance, knobs)
-        stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
-
-        # 3. prefill: the condition prefix of every row; the first token comes from the target alone
-        with stats.timer("total", device), stats.timer("prefill", device):
-            first = target.prefill(cond, n_tokens, scratch=1 + (draft.max_width if draft else 0), cond_mask=cond_mask,
-                                   return_hidden=draft is not None and draft.needs_hidden)  # fmt: skip
-            state = SequenceState(sample(first.p_target[:, 0], generator), n_tokens, generator=generator)
-            if draft is not None:
-                draft.prefill(state, first)
-        stats.record_prefill(1)
-
-        # 4. decode: draft -> verify -> commit rounds until every image is complete
-        callback = None
-        if callback_on_step_end is not None:
-            callback = self._callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
-        with stats.timer("total", device), self.progress_bar(total=batch * n_tokens) as progress:
-            decode(target, draft, rule, state, guidance, stats, progress=progress, callback=callback)
-        stats.draft_forwards = getattr(draft, "draft_forwards", 0)
-
-        # 5. tokens -> images
-        with stats.timer("total", device), stats.timer("decode", device):
-            images = self.postprocess(state.full(), output_type)
-        stats.finalize()
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return images, stats
-        return SpeculativeImageOutput(images=images, stats=stats, trace=state.full_trace())
-
-    def _callback(self, fn, names):
-        """Wrap the user's `callback_on_step_end` as the loop's `callback(state, round)`."""
-
-        def callback(state, round_index):
-            tensors = {}
-            for name in names:
-                tensors[name] = state.full() if name == "tokens" else state.full_trace()
-            out = fn(self, round_index, int(state.num_generated().sum()), tensors)
-            if out and "tokens" in out and not torch.equal(out["tokens"], state.full()):
-                raise ValueError("callback_on_step_end may not change tokens: committed tokens live in the KV caches")
-
-        return callback
+        condition = dict(class_labels=class_labels, prompt=prompt, prompt_embeds=prompt_embeds,
+                         prompt_attention_mask=prompt_attention_mask)  # fmt: skip
+        return self.generate(
+            condition, guidance_scale=guidance_scale, temperature=temperature, top_k=top_k, top_p=top_p,
+            do_sample=do_sample, num_images_per_prompt=num_images_per_prompt, acceptance=acceptance, drafter=drafter,
+            knobs=knobs, generator=generator, output_type=output_type, return_dict=return_dict,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, time_phases=time_phases,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ output
     def postprocess(self, tokens, output_type):

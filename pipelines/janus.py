@@ -26,35 +26,24 @@ config; here `top_k=None` means no top-k.
 """
 
 import logging
-import numbers
 from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import torch
 import torch.nn.functional as F
-from diffusers import DiffusionPipeline
 
 from mmspec.checks import check_device, check_prompts
-from mmspec.decoding import Guidance, SequenceState, decode
-from mmspec.drafters import make_jacobi_drafter
 from mmspec.memory import check_hf_call_memory
-from mmspec.methods import ACCEPTANCES, KNOBS, resolve_drafter, resolve_method
+from mmspec.methods import IMAGE_LIMITS
 from mmspec.models.janus.target import JanusTarget, special_token_ids
-from mmspec.random import check_generator
-from mmspec.sampling import SamplingParams, sample
-from mmspec.stats import SpecStats
-from mmspec.verify import Exact, Grouped, Lantern, codebook_neighbours
 
-from .ar_image import SpeculativeImageOutput
+from .token_image import OUTPUT_TYPES, Condition, TokenImagePipeline, with_knob_parameters
 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HUB_ALIASES", "SpeculativeJanusPipeline"]
-
-OUTPUT_TYPES = ("pil", "np", "pt", "tokens")
-MAX_IMAGES_PER_PROMPT = 4096  # one batch: memory grows linearly
+__all__ = ["HUB_ALIASES", "OUTPUT_TYPES", "SpeculativeJanusPipeline"]  # OUTPUT_TYPES: `pipelines.token_image`'s
 DEFAULT_DTYPE = (
     torch.float32
 )  # `from_pretrained(torch_dtype=None)`, whatever the checkpoint stores (see its docstring)
@@ -68,12 +57,7 @@ HUB_ALIASES = {
 }
 
 
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-
-
-class SpeculativeJanusPipeline(DiffusionPipeline):
+class SpeculativeJanusPipeline(TokenImagePipeline):
     """Speculative image generation for Janus / Janus-Pro (see the module docstring).
 
     Args:
@@ -87,7 +71,7 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         >>> out.images[0].save("fox.png"); print(out.stats.step_compression)
     """
 
-    _callback_tensor_inputs = ["tokens", "trace"]
+    max_images_per_prompt = IMAGE_LIMITS["num_images_per_prompt"]
 
     def __init__(self, model, processor):
         super().__init__()
@@ -236,35 +220,17 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
     def num_image_tokens(self) -> int:
         return int(self.model.model.vision_model.config.num_image_tokens)
 
+    num_tokens = num_image_tokens
+
+    def call_device(self):
+        return self.model.device
+
     def special_ids(self) -> dict[str, int]:
         """BOS / BOI / pad ids: the generation config's (as transformers), else the processor's tokenizer's."""
         return special_token_ids(self.model, self.processor.tokenizer)
 
-    def check_inputs(self, acceptance, drafter, output_type, num_images_per_prompt, do_sample, return_dict,
-                     time_phases, callback_on_step_end, callback_on_step_end_tensor_inputs):  # fmt: skip
-        """Validate the call's method and I/O arguments; returns the resolved drafter name."""
-        drafter = resolve_drafter(acceptance, drafter, set())  # no draft model / EAGLE head for Janus yet
-        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, numbers.Integral):
-            raise TypeError(f"num_images_per_prompt must be an int, got {num_images_per_prompt!r}")
-        if not 1 <= num_images_per_prompt <= MAX_IMAGES_PER_PROMPT:
-            raise ValueError(
-                f"num_images_per_prompt must be in [1, {MAX_IMAGES_PER_PROMPT}], got {num_images_per_prompt}"
-            )
-        for name, value in (("do_sample", do_sample), ("return_dict", return_dict), ("time_phases", time_phases)):
-            _check_bool(name, value)
-        if not isinstance(output_type, str) or output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type must be one of {OUTPUT_TYPES}, got {output_type!r}")
-        if callback_on_step_end is not None and not callable(callback_on_step_end):
-            raise TypeError(
-                f"callback_on_step_end must be callable or None, got {type(callback_on_step_end).__name__}"
-            )
-        names = callback_on_step_end_tensor_inputs
-        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-            raise TypeError(f"callback_on_step_end_tensor_inputs must be a list of names, got {names!r}")
-        bad = set(names) - set(self._callback_tensor_inputs)
-        if bad:
-            raise ValueError(f"callback_on_step_end_tensor_inputs {sorted(bad)} not in {self._callback_tensor_inputs}")
-        return drafter
+    def prepare(self, condition, num_images_per_prompt, device):
+        return Condition(*self.encode_prompt(**condition, num_images_per_prompt=num_images_per_prompt))
 
     def encode_prompt(self, prompt, input_ids, attention_mask, num_images_per_prompt):
         """`(input_ids [B, L], attention_mask [B, L])` of the call (each prompt repeated `num_images_per_prompt`
@@ -341,34 +307,23 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         """The VQ codebook `[V, D]`, L2-normalised as the VQ decodes it (float32)."""
         return F.normalize(self.model.model.vqmodel.quantize.embedding.weight.detach().float(), dim=-1)
 
-    def neighbours(self, k):
-        """LANTERN neighbourhoods `[V, k]` of the codebook (once per k; k capped at V - 1)."""
-        k = min(int(k), self.model.model.vqmodel.quantize.num_embeddings - 1)
-        if k not in self._neighbours:
-            self._neighbours[k] = codebook_neighbours(self.codebook(), k)
-        return self._neighbours[k]
+    def make_target(self, guidance):
+        return JanusTarget(self.model, guidance, self.special_ids())
 
-    def make_rule(self, acceptance, knobs):
-        """The `mmspec.verify` acceptance rule object of `acceptance` with the call's knobs."""
-        if acceptance == "relaxed":
-            lam = knobs["relaxation_lambda"]
-            return Lantern(neighbours=self.neighbours(knobs["relaxation_top_k"]), lam=lam,
-                           delta=None if lam is not None else knobs["relaxation_delta"], resample=knobs["resample"])  # fmt: skip
-        if acceptance == "grouped":
-            return Grouped(embeddings=self.codebook(), group_size=knobs["group_size"],
-                           prob_threshold=knobs["group_prob_threshold"], dist_threshold=knobs["group_dist_threshold"],
-                           resample=knobs["resample"])  # fmt: skip
-        return Exact()
+    def check_call(self, target, cond, method, guidance, draft, scratch, num_images_per_prompt, device):
+        """The prompts fit the context (`check_context`) and the call the memory budget (`mmspec.memory`)."""
+        self.check_context(cond.mask, scratch)
+        check_hf_call_memory(target, draft, batch=cond.batch, prompt_tokens=cond.inputs.shape[1],
+                             num_tokens=self.num_tokens, acceptance=method.acceptance, drafter=method.drafter,
+                             knobs=method, device=device, num_images_per_prompt=num_images_per_prompt,
+                             codebook_dim=self.model.model.vqmodel.quantize.embedding.weight.shape[-1])  # fmt: skip
 
-    def make_drafter(self, drafter, vocab_size, knobs):
-        """The engine drafter of this call, or None for plain decoding (Jacobi self-drafting: SJD / SCD, or SJD-PAC
-        at `jacobi_tree_width > 1`; no trained drafter for Janus yet)."""
-        if drafter == "jacobi":
-            return make_jacobi_drafter(vocab_size, knobs)
-        return None
+    def prefill(self, target, cond, scratch, draft):
+        return target.prefill(cond.inputs, cond.mask, self.num_tokens, scratch=scratch)
 
     # ------------------------------------------------------------------ call
     @torch.no_grad()
+    @with_knob_parameters
     def __call__(
         self,
         prompt: str | list[str] | None = None,
@@ -382,28 +337,13 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         num_images_per_prompt: int = 1,
         acceptance: str = "jacobi",
         drafter: str | None = None,
-        num_draft_tokens: int | None = KNOBS["num_draft_tokens"].default,
-        tree_nodes: int = KNOBS["tree_nodes"].default,
-        tree_depth: int | None = KNOBS["tree_depth"].default,
-        tree_top_k: int = KNOBS["tree_top_k"].default,
-        relaxation_top_k: int = KNOBS["relaxation_top_k"].default,
-        relaxation_delta: float = KNOBS["relaxation_delta"].default,
-        relaxation_lambda: float | None = KNOBS["relaxation_lambda"].default,
-        group_size: int = KNOBS["group_size"].default,
-        group_prob_threshold: float = KNOBS["group_prob_threshold"].default,
-        group_dist_threshold: float = KNOBS["group_dist_threshold"].default,
-        jacobi_window: int = KNOBS["jacobi_window"].default,
-        jacobi_init: str = KNOBS["jacobi_init"].default,
-        coupling: bool = KNOBS["coupling"].default,
-        jacobi_tree_width: int = KNOBS["jacobi_tree_width"].default,
-        jacobi_tree_depth: int = KNOBS["jacobi_tree_depth"].default,
-        resample: str = KNOBS["resample"].default,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
         callback_on_step_end=None,
         callback_on_step_end_tensor_inputs=("tokens",),
         time_phases: bool = False,
+        **knobs,
     ):
         """Generate images for `prompt` (or ready `input_ids`).
 
@@ -437,74 +377,14 @@ class SpeculativeJanusPipeline(DiffusionPipeline):
         Returns:
             `SpeculativeImageOutput(images, stats, trace)` or `(images, stats)`.
         """
-        # 1. check inputs, resolve the method
-        drafter = self.check_inputs(acceptance, drafter, output_type, num_images_per_prompt, do_sample, return_dict,
-                                    time_phases, callback_on_step_end, callback_on_step_end_tensor_inputs)  # fmt: skip
-        knobs = resolve_method(acceptance, drafter, None, num_draft_tokens=num_draft_tokens, tree_nodes=tree_nodes,
-                            tree_depth=tree_depth, tree_top_k=tree_top_k,
-                            relaxation_top_k=relaxation_top_k, relaxation_delta=relaxation_delta,
-                            relaxation_lambda=relaxation_lambda, group_size=group_size,
-                            group_prob_threshold=group_prob_threshold, group_dist_threshold=group_dist_threshold,
-                            jacobi_window=jacobi_window, jacobi_init=jacobi_init, coupling=coupling,
-                            jacobi_tree_width=jacobi_tree_width, jacobi_tree_depth=jacobi_tree_depth,
-                            resample=resample)  # fmt: skip
-        sampling = SamplingParams(guidance_scale, temperature, top_k, top_p, do_sample)
-        if sampling.greedy and ACCEPTANCES[acceptance].sampling_only:
-            raise ValueError(f"acceptance={acceptance!r} is a sampling rule; use do_sample=True and temperature > 0")
-        guidance = Guidance(sampling)
-        special = self.special_ids()
-
-        # 2. prepare prompts, generators, the rule and the drafter
-        device = self.model.device
-        ids, mask = self.encode_prompt(prompt, input_ids, attention_mask, num_images_per_prompt)
-        batch, n_tokens = ids.shape[0], self.num_image_tokens
-        check_generator(generator, batch, device)
-        target = JanusTarget(self.model, guidance, special)
-        draft = self.make_drafter(drafter, target.vocab_size, knobs)
-        scratch = 1 + (draft.max_width if draft else 0)
-        self.check_context(mask, scratch)
-        check_hf_call_memory(target, draft, batch=batch, prompt_tokens=ids.shape[1], num_tokens=n_tokens,
-                             acceptance=acceptance, drafter=drafter, knobs=knobs, device=device,
-                             num_images_per_prompt=num_images_per_prompt,
-                             codebook_dim=self.model.model.vqmodel.quantize.embedding.weight.shape[-1])  # fmt: skip
-        rule = self.make_rule(acceptance, knobs)
-        stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
-
-        # 3. prefill: every row's prompt (and its unconditional twin); the first token comes from the target alone
-        with stats.timer("total", device), stats.timer("prefill", device):
-            first = target.prefill(ids, mask, n_tokens, scratch=scratch)
-            state = SequenceState(sample(first.p_target[:, 0], generator), n_tokens, generator=generator)
-            if draft is not None:
-                draft.prefill(state, first)
-        stats.record_prefill(1)
-
-        # 4. decode: draft -> verify -> commit rounds until every image is complete
-        callback = None
-        if callback_on_step_end is not None:
-            callback = self._callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
-        with stats.timer("total", device), self.progress_bar(total=batch * n_tokens) as progress:
-            decode(target, draft, rule, state, guidance, stats, progress=progress, callback=callback)
-        stats.draft_forwards = getattr(draft, "draft_forwards", 0)
-
-        # 5. tokens -> images
-        with stats.timer("total", device), stats.timer("decode", device):
-            images = self.postprocess(state.full(), output_type)
-        stats.finalize()
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return images, stats
-        return SpeculativeImageOutput(images=images, stats=stats, trace=state.full_trace())
-
-    def _callback(self, fn, names):
-        """Wrap the user's `callback_on_step_end` as the loop's `callback(state, round)`."""
-
-        def callback(state, round_index):
-            tensors = {name: state.full() if name == "tokens" else state.full_trace() for name in names}
-            out = fn(self, round_index, int(state.num_generated().sum()), tensors)
-            if out and "tokens" in out and not torch.equal(out["tokens"], state.full()):
-                raise ValueError("callback_on_step_end may not change tokens: committed tokens live in the KV caches")
-
-        return callback
+        return self.generate(
+            dict(prompt=prompt, input_ids=input_ids, attention_mask=attention_mask), guidance_scale=guidance_scale,
+            temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
+            num_images_per_prompt=num_images_per_prompt, acceptance=acceptance, drafter=drafter, knobs=knobs,
+            generator=generator, output_type=output_type, return_dict=return_dict,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, time_phases=time_phases,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ output
     def postprocess(self, tokens, output_type):

@@ -131,6 +131,38 @@ def test_upload_that_is_not_an_image(cache, tmp_path):
         handlers.answer_vlm(cache, str(path), 0, "hi", "greedy", "auto", {})
 
 
+def test_unreadable_images_get_one_message_that_names_no_path(tmp_path):
+    """A folder, a missing file and a non-image are answered alike (nothing tells them apart), by base name."""
+    from mmspec.demo.inputs import load_image
+
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / "folder.png").mkdir()
+    messages = []
+    for name in ("notes.txt", "folder.png", "missing.png"):
+        with pytest.raises(ValueError) as err:
+            load_image(str(tmp_path / name))
+        messages.append(str(err.value))
+        assert str(tmp_path) not in messages[-1] and "/" not in messages[-1] and "Error" not in messages[-1]
+    assert messages == [
+        f"image upload: {n!r} is not an image file" for n in ("notes.txt", "folder.png", "missing.png")
+    ]
+
+
+def test_page_messages_mask_paths():
+    from mmspec.demo.inputs import page_message
+
+    assert page_message("the 'vlm' tab is not served from '/srv/my zoo/x' (available: [])") == (
+        "the 'vlm' tab is not served from '<path>' (available: [])"
+    )
+    assert (
+        page_message("[Errno 2] No such file or directory: /etc/passwd")
+        == "[Errno 2] No such file or directory: <path>"
+    )
+    assert page_message("see ../../etc/passwd or ~/.ssh/id") == "see <path> or <path>"
+    kept = "tree_depth must be in [1, 32], got 0; tokens/s; 1/2"
+    assert page_message(kept) == kept
+
+
 def test_models_load_once_per_process(cache):
     first = cache.get("c2i")
     loads = cache.loads
@@ -196,6 +228,19 @@ def test_cli_defaults():
     cli.check_args(parser, args)
     assert (args.host, args.port, args.share, args.zoo) == ("127.0.0.1", 7860, False, str(DEFAULT_ZOO))
     assert args.tabs == ["c2i", "t2i", "continuous", "vlm"]
+
+
+def test_cli_serves_loopback_without_gradio_error_texts(monkeypatch):
+    """`mmspec demo` binds 127.0.0.1 by default and launches with show_error=False (Gradio's own exception texts,
+    which name server paths, never reach a client)."""
+    gradio = pytest.importorskip("gradio")
+    from mmspec.demo import __main__ as cli
+
+    launched = {}
+    monkeypatch.setattr(gradio.Blocks, "launch", lambda self, **kwargs: launched.update(kwargs))
+    monkeypatch.setattr(PipelineCache, "_load", lambda *a, **k: pytest.fail("a model loaded at start-up"))
+    assert cli.main([]) == 0
+    assert launched["server_name"] == "127.0.0.1" and launched["show_error"] is False and not launched["share"]
 
 
 def test_the_cli_table_line_dispatches_to_the_demo(capsys):

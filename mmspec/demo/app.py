@@ -16,6 +16,7 @@ import gradio as gr
 
 from mmspec.demo import handlers
 from mmspec.demo.answer import answer_legend_html
+from mmspec.demo.inputs import page_message, upload_refusal
 from mmspec.methods import ACCEPTANCES, KNOBS, PRESETS
 
 
@@ -29,19 +30,21 @@ CSS = ".mmspec-legend{font-size:0.85em;margin:4px 0} .tok{border-radius:3px}"
 
 def _guarded(fn, num_inputs):
     """`fn(*values)` as a Gradio event function of `num_inputs` inputs plus a tracked `gr.Progress`; handler errors
-    become `gr.Error` messages (no stack trace reaches the page)."""
+    become `gr.Error` messages (no stack trace reaches the page, and no server path: `page_message` masks any)."""
 
     def run(*args):
         values = args[:num_inputs]
         try:
             return fn(*values)
         except (ValueError, TypeError) as err:
-            raise gr.Error(str(err), print_exception=False) from None
+            raise gr.Error(page_message(str(err)), print_exception=False) from None
         except gr.Error:
             raise
         except Exception as err:  # noqa: BLE001 -- shown as a message; the server keeps serving
             logger.exception("demo handler %s failed", getattr(fn, "__name__", fn))
-            raise gr.Error(f"generation failed: {type(err).__name__}: {err}", print_exception=False) from None
+            raise gr.Error(
+                f"generation failed ({type(err).__name__}); the server's log has the details", print_exception=False
+            ) from None
 
     params = [inspect.Parameter(f"value_{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for i in range(num_inputs)]
     params.append(inspect.Parameter("progress", inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -52,20 +55,25 @@ def _guarded(fn, num_inputs):
 
 
 def _image_upload(**kwargs):
-    """A `gr.Image` whose upload, if it is not an image, is answered with a message naming the file (a plain
-    `gr.Image` fails with a generic error before the handler runs). The instance's `preprocess` is wrapped: a
-    subclass of a Gradio component would make Gradio write a `.pyi` stub next to this module."""
-    component = gr.Image(**kwargs)
+    """A `gr.Image(type="pil")` upload: the handler gets pixels, never a path.
+
+    A client can send a hand-made `FileData` naming any server path instead of uploading a file. Gradio refuses a
+    path outside its upload folder before this component sees it (over the wire: a generic error that names no
+    path, as long as `launch(show_error=False)`, the demo's setting). A path inside the upload folder that PIL
+    cannot open (the folder itself, a missing file, a file that is not an image) gets one message naming only the
+    client's own file name, never the path nor the exception: the same answer for every case, so nothing tells a
+    client which server files exist. The instance's `preprocess` is wrapped: a subclass of a Gradio component
+    would make Gradio write a `.pyi` stub next to this module."""
+    component = gr.Image(type="pil", **kwargs)
     preprocess = component.preprocess
 
     def checked(payload):
         try:
             return preprocess(payload)
-        except (OSError, ValueError) as err:  # PIL.UnidentifiedImageError is an OSError
-            name = getattr(payload, "orig_name", None) or getattr(payload, "path", "the upload")
-            raise gr.Error(
-                f"image upload: {name!r} is not an image ({type(err).__name__})", print_exception=False
-            ) from None
+        except gr.Error:
+            raise
+        except Exception:  # noqa: BLE001 -- OSError, PIL's errors, DecompressionBombError: one answer for all
+            raise gr.Error(upload_refusal(getattr(payload, "orig_name", None)), print_exception=False) from None
 
     component.preprocess = checked
     return component
@@ -186,8 +194,8 @@ def _vlm_tab(cache):
     names = handlers.vlm_knob_names()
     with gr.Row():
         with gr.Column():
-            upload = _image_upload(label="upload an image (empty: the held-out canvas)", type="filepath",
-                              sources=["upload"], elem_id=f"{tab}-upload")  # fmt: skip
+            upload = _image_upload(label="upload an image (empty: the held-out canvas)", sources=["upload"],
+                                   elem_id=f"{tab}-upload")  # fmt: skip
             canvas = gr.Number(value=0, label="held-out canvas (MNIST test digits) number", elem_id=f"{tab}-canvas")
         with gr.Column():
             prompt = gr.Textbox(value="Describe the image.", label="question", elem_id=f"{tab}-prompt")

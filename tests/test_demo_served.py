@@ -138,6 +138,10 @@ def test_hand_made_file_paths_are_refused_without_naming_a_path(served, tmp_path
             for leak in ("/", "\\", "passwd", "environ", "no-such-upload", "outside", "Error:", "IsADirectory",
                          "FileNotFound"):  # fmt: skip
                 assert leak not in message, f"{case}: the message names {leak!r}: {message}"
+    import httpx
+
+    for path in (str(outside), "/etc/passwd", "/proc/self/environ"):  # nor does Gradio's file route serve them
+        assert httpx.get(f"{url}gradio_api/file={path}").status_code == 403, path
     answer = upload_client.predict(gradio_client.handle_file(str(outside)), 0, "How many digits are there?", "greedy",
                                    "auto", 4, "0", False, 1.0, None, None, 1, api_name="/ask_vlm")  # fmt: skip
     assert _is_image(answer[0]) and answer[2]  # an uploaded file is served as before

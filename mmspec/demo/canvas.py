@@ -1,6 +1,6 @@
 """Is an uploaded image like the zoo VLM's training canvases? A cheap, honest out-of-distribution warning.
 
-The zoo VLM (`mnist-vlm`) was trained only on `mmspec.train.vlm_data` canvases: square, 64 x 64, grey, white MNIST
+The zoo VLM (`mnist-vlm`) was trained only on `mmspec.data.canvases` canvases: square, 64 x 64, grey, white MNIST
 digits on black, one digit at most per cell of a 2 x 2 grid, each digit inside its 32 x 32 cell. On anything else it
 still answers, confidently and usually wrongly. `canvas_warning` flags what it can measure cheaply:
 
@@ -16,7 +16,7 @@ It can miss (a wrong image that passes every check) but does not cry wolf on a c
 
 import numpy as np
 
-from mmspec.train.vlm_data import CANVAS, CELL
+from mmspec.data.canvases import CANVAS, CELL
 
 
 __all__ = ["BORDER_INK_PIXELS", "canvas_warning"]

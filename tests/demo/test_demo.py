@@ -105,9 +105,8 @@ def test_an_image_unlike_the_zoo_canvases_gets_a_warning(cache, tmp_path):
     """A lone MNIST digit (the issue's upload) gets a warning next to the answer; the zoo's canvases never do."""
     from PIL import Image
 
+    from mmspec.data.canvases import held_out_canvases, mnist_digits
     from mmspec.demo.canvas import canvas_warning
-    from mmspec.eval.bench_vlm import held_out_canvases
-    from mmspec.train.vlm_data import mnist_digits
 
     images, _ = mnist_digits("test")
     lone = [Image.fromarray((images[i].numpy() * 255).round().astype(np.uint8), "L") for i in range(200)]

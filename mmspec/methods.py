@@ -10,8 +10,9 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
 * `VLM_LIMITS`: upper bounds of the VLM pipeline's size knobs (checked by the pipeline and by every CLI flag); the
   shared knobs (`num_draft_tokens`, `tree_depth`, `tree_top_k`) have the same bounds in `KNOBS`, `IMAGE_LIMITS`
   bound the image-only ones (`jacobi_window`, `relaxation_top_k`, `group_size`).
-* `SAMPLING_LIMITS`: the upper bound of the sampling knob `top_k` (the pipelines also refuse `top_k` above the
-  loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads).
+* `SAMPLING_LIMITS`: the bounds of the sampling knobs: `top_k`'s upper bound (the pipelines also refuse `top_k` above the
+  loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads), the
+  temperature range (0 = greedy) and the largest guidance scale (defined with the rules, in `mmspec.sampling`).
 * `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`).
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
 """
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mmspec.sampling import GUIDANCE_MAX, TEMPERATURE_RANGE
 from mmspec.verify import RESAMPLES, RULE_CLASSES
 
 
@@ -138,7 +140,7 @@ IMAGE_LIMITS = {
 
 # `top_k` keeps the k most likely tokens: past the largest vocabulary in use (Gemma: 262k tokens) it is a typo; the
 # pipelines refuse a `top_k` above their model's vocabulary before the first forward, the CLI before loading.
-SAMPLING_LIMITS = {"top_k": 2**20}
+SAMPLING_LIMITS = {"top_k": 2**20, "temperature": TEMPERATURE_RANGE, "guidance_scale": GUIDANCE_MAX}
 
 # Bounds of the continuous (MAR) pipeline's knobs, read by `pipelines.continuous` (as `LIMITS`) and by
 # `mmspec bench continuous`: guidance_scale and temperature scale the diffusion head's epsilon and noise; far past

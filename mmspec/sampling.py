@@ -275,9 +275,9 @@ class SamplingParams:
     """Sampling knobs, applied identically to target and draft logits (checked as in the module docstring).
 
     Attributes:
-        guidance_scale: CFG scale ``s``, finite and >= 0 (1.0 = no guidance: the uncond logits are then ignored;
+        guidance_scale: CFG scale ``s``, in [0, GUIDANCE_MAX] (1.0 = no guidance: the uncond logits are then ignored;
             0.0 = the unconditional logits).
-        temperature: softmax temperature, finite and >= 0; 0 = greedy.
+        temperature: softmax temperature, 0 (greedy) or in TEMPERATURE_RANGE.
         top_k: keep the k most likely tokens, ``None`` = off.
         top_p: nucleus mass in (0, 1], ``None`` = off.
         do_sample: False = greedy (one-hot at the argmax).

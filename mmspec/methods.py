@@ -12,7 +12,8 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
   bound the image-only ones (`jacobi_window`, `relaxation_top_k`, `group_size`).
 * `SAMPLING_LIMITS`: the upper bound of the sampling knob `top_k` (the pipelines also refuse `top_k` above the
   loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads).
-* `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`).
+* `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`);
+  `CONTINUOUS_DEFAULTS`: the defaults of its knobs.
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "VISION_POLICIES",
     "KNOBS",
     "PRESETS",
+    "CONTINUOUS_DEFAULTS",
     "CONTINUOUS_LIMITS",
     "IMAGE_LIMITS",
     "SAMPLING_LIMITS",
@@ -145,6 +147,19 @@ SAMPLING_LIMITS = {"top_k": 2**20}
 # any useful setting (MAR sweeps CFG 1-10 and temperature 0.9-1.2) a token is noise or overflows float32, so they
 # are refused up front rather than returned as NaN / garbage images. max_residual_tries bounds a loop.
 CONTINUOUS_LIMITS = {"guidance_scale": 100.0, "temperature": 10.0, "max_residual_tries": 10_000}
+# Defaults of the continuous (MAR) pipeline's knobs, read by `pipelines.continuous` (its `__call__` keywords and
+# `mmspec.decoding.masked_params.MaskedParams`) and by `mmspec bench continuous`'s flags.
+CONTINUOUS_DEFAULTS = {
+    "guidance_scale": 3.0,
+    "temperature": 1.0,
+    "num_ar_steps": 64,
+    "num_draft_tokens": 4,  # CSpD block: AR steps per draft round (the release's num_draft)
+    "prefill_ratio": 0.15,
+    "trajectory_alignment": True,
+    "verify_mode": "block",
+    "cfg_schedule_type": "linear",
+    "max_residual_tries": 100,
+}
 
 
 # The branching part of an SJD-PAC tree (width + width**2 + ... + width**(depth-1) nodes) is bounded like the

@@ -12,9 +12,9 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
   bound the image-only ones (`jacobi_window`, `relaxation_top_k`, `group_size`).
 * `SAMPLING_LIMITS`: the upper bound of the sampling knob `top_k` (the pipelines also refuse `top_k` above the
   loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads).
-* `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`);
-  `CONTINUOUS_DEFAULTS`: the defaults of its knobs.
+* `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`).
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
+* `CONTINUOUS_DEFAULTS`: the defaults of the MAR pipeline's knobs (`pipelines.continuous.DEFAULTS`).
 """
 
 import math

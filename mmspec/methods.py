@@ -15,6 +15,7 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
   temperature range (0 = greedy) and the largest guidance scale (defined with the rules, in `mmspec.sampling`).
 * `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`).
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
+* `CONTINUOUS_DEFAULTS`: the defaults of the MAR pipeline's knobs (`pipelines.continuous.DEFAULTS`).
 """
 
 import math
@@ -34,6 +35,7 @@ __all__ = [
     "VISION_POLICIES",
     "KNOBS",
     "PRESETS",
+    "CONTINUOUS_DEFAULTS",
     "CONTINUOUS_LIMITS",
     "IMAGE_LIMITS",
     "SAMPLING_LIMITS",
@@ -147,6 +149,19 @@ SAMPLING_LIMITS = {"top_k": 2**20, "temperature": TEMPERATURE_RANGE, "guidance_s
 # any useful setting (MAR sweeps CFG 1-10 and temperature 0.9-1.2) a token is noise or overflows float32, so they
 # are refused up front rather than returned as NaN / garbage images. max_residual_tries bounds a loop.
 CONTINUOUS_LIMITS = {"guidance_scale": 100.0, "temperature": 10.0, "max_residual_tries": 10_000}
+# Defaults of the continuous (MAR) pipeline's knobs, read by `pipelines.continuous` (its `__call__` keywords and
+# `mmspec.decoding.masked_params.MaskedParams`) and by `mmspec bench continuous`'s flags.
+CONTINUOUS_DEFAULTS = {
+    "guidance_scale": 3.0,
+    "temperature": 1.0,
+    "num_ar_steps": 64,
+    "num_draft_tokens": 4,  # CSpD block: AR steps per draft round (the release's num_draft)
+    "prefill_ratio": 0.15,
+    "trajectory_alignment": True,
+    "verify_mode": "block",
+    "cfg_schedule_type": "linear",
+    "max_residual_tries": 100,
+}
 
 
 # The branching part of an SJD-PAC tree (width + width**2 + ... + width**(depth-1) nodes) is bounded like the

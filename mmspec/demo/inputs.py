@@ -5,12 +5,11 @@ the field (the app shows it as it is). Knob values go through the registry's own
 import math
 from pathlib import Path
 
+from mmspec.cli.args import MAX_SEED
 from mmspec.methods import KNOBS, check_knob
 
 
 __all__ = ["MAX_SEED", "load_image", "parse_int", "parse_knobs", "parse_seed"]
-
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
 
 
 def parse_int(name, value, low=None, high=None):

@@ -16,9 +16,11 @@ import os
 import pytest
 
 import mmspec.cli as cli
-import mmspec.cli_vlm as cli_vlm
+import mmspec.cli.generate as cli_generate
+import mmspec.cli.vlm as cli_vlm
 import mmspec.models
 import mmspec.pipelines
+from mmspec.cli.checks import check_output_folder
 from mmspec.eval import bench, bench_ar_image, bench_continuous, bench_t2i, bench_verify, bench_vlm, fid, sweep
 from mmspec.methods import CONTINUOUS_LIMITS, SAMPLING_LIMITS
 
@@ -31,7 +33,7 @@ def _refuse(*args, **kwargs):
 def no_loading(monkeypatch, tmp_path):
     """Fail the test if a command gets past its argument checks; run in a temporary folder (default outputs)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "generate", _refuse)
+    monkeypatch.setattr(cli_generate, "run", _refuse)
     monkeypatch.setattr(cli_vlm, "run", _refuse)
     for module in (bench_ar_image, bench_continuous, bench_t2i, bench_verify, bench_vlm, fid, sweep):
         monkeypatch.setattr(module, "run", _refuse)
@@ -50,7 +52,7 @@ def _bench_parser(name):
 
 # argv prefix -> the function that adds the command's arguments to a parser
 COMMANDS = {
-    ("generate",): cli._generate_args,
+    ("generate",): cli_generate.add_arguments,
     ("vlm",): cli_vlm.add_arguments,
     **{("bench", name): _bench_parser(name) for name in bench.SUBCOMMANDS},
     ("eval", "fid"): fid.add_arguments,
@@ -173,7 +175,7 @@ def test_good_values_still_pass(tmp_path, monkeypatch, capsys, no_loading):
 
     monkeypatch.setattr(bench_continuous, "run", reached)
     monkeypatch.setattr(cli_vlm, "run", reached)
-    monkeypatch.setattr(cli, "generate", reached)
+    monkeypatch.setattr(cli_generate, "run", reached)
     monkeypatch.setattr(fid, "run", reached)
     top = str(CONTINUOUS_LIMITS["temperature"])
     for argv in (["bench", "continuous", "--temperature", top, "--num-images", "0", "--timing-batches", "1"],
@@ -189,11 +191,11 @@ def test_good_values_still_pass(tmp_path, monkeypatch, capsys, no_loading):
 def test_output_folder_probe_names_the_flag_and_path(tmp_path):
     """`check_output_folder` creates a missing folder, and refuses one that cannot be created."""
     parser = argparse.ArgumentParser(prog="x")
-    cli.check_output_folder(parser, "--out", tmp_path / "a" / "b")
+    check_output_folder(parser, "--out", tmp_path / "a" / "b")
     assert (tmp_path / "a" / "b").is_dir()
     if os.path.isdir("/proc/self"):
         with pytest.raises(SystemExit):
-            cli.check_output_folder(parser, "--work-dir", UNWRITABLE)
+            check_output_folder(parser, "--work-dir", UNWRITABLE)
 
 
 def test_top_k_bound_is_finite():

@@ -271,14 +271,35 @@ def test_generate_help_shows_defaults(capsys):
 
 
 def test_cli_import_is_light():
-    """`import mmspec` and `mmspec --help` import neither torch nor diffusers / transformers."""
+    """`import mmspec`, the shared argparse helpers (`mmspec.cli.args`, `mmspec.cli.checks`) and `mmspec --help`
+    import neither torch nor diffusers / transformers."""
     code = (
-        "import sys, mmspec, mmspec.cli\n"
+        "import sys, mmspec, mmspec.cli, mmspec.cli.args, mmspec.cli.checks\n"
         "try:\n    mmspec.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'diffusers', 'transformers', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_applications_import_helpers_from_their_modules():
+    """Every module outside `mmspec/cli/` takes the command-line helpers from `mmspec.cli.args` / `mmspec.cli.checks`
+    (or a command's own module), never from `mmspec.cli`'s `__init__`, which holds only `main` and `COMMANDS`."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    cli_modules = {"args", "checks", "generate", "vlm"}
+    bad = []
+    for folder in ("mmspec", "eval", "pipelines"):
+        for file in sorted((root / folder).rglob("*.py")):
+            if file.parent == root / "mmspec" / "cli":
+                continue
+            for node in ast.walk(ast.parse(file.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "mmspec.cli":
+                    names = {alias.name for alias in node.names} - cli_modules - {"main", "COMMANDS"}
+                    bad += [f"{file.relative_to(root)}:{node.lineno}: {name}" for name in sorted(names)]
+    assert bad == []
+    assert set(cli.__all__) == {"COMMANDS", "main"}
 
 
 # ----------------------------------------------------------------------------------------------------------------

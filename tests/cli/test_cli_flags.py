@@ -20,7 +20,7 @@ import mmspec.cli.generate as cli_generate
 import mmspec.cli.vlm as cli_vlm
 import mmspec.models
 import mmspec.pipelines
-from mmspec.cli.checks import check_output_folder
+from mmspec.cli.checks import check_output_file, check_output_folder
 from mmspec.eval import bench, bench_ar_image, bench_continuous, bench_t2i, bench_verify, bench_vlm, fid, sweep
 from mmspec.methods import CONTINUOUS_LIMITS, SAMPLING_LIMITS
 
@@ -196,6 +196,20 @@ def test_output_folder_probe_names_the_flag_and_path(tmp_path):
     if os.path.isdir("/proc/self"):
         with pytest.raises(SystemExit):
             check_output_folder(parser, "--work-dir", UNWRITABLE)
+
+
+def test_output_file_in_a_new_folder(tmp_path):
+    """`check_output_file(create_folder=True)` (the eval scripts' result files) creates the missing folder, but not
+    for a file name it refuses (a wrong extension)."""
+    parser = argparse.ArgumentParser(prog="x")
+    with pytest.raises(SystemExit):
+        check_output_file(parser, "--table", tmp_path / "new" / "rows.csv", (".jsonl",), create_folder=True)
+    assert not (tmp_path / "new").exists()
+    check_output_file(parser, "--table", tmp_path / "new" / "rows.jsonl", (".jsonl",), create_folder=True)
+    assert (tmp_path / "new").is_dir() and not list((tmp_path / "new").iterdir())
+    with pytest.raises(SystemExit):  # without create_folder a missing folder stays a usage error
+        check_output_file(parser, "--json", tmp_path / "other" / "r.json", (".json",))
+    assert not (tmp_path / "other").exists()
 
 
 def test_top_k_bound_is_finite():

@@ -26,13 +26,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import (
+from mmspec.cli.args import (
     DEFAULT_ZOO,
     MAX_BATCH,
     MAX_THREADS,
-    check_device,
-    check_output_file,
-    check_zoo_folders,
     int_in_range,
     int_list_in_range,
     limited_float,
@@ -41,6 +38,7 @@ from mmspec.cli import (
     probability,
     seed_int,
 )
+from mmspec.cli.checks import check_device, check_output_file, check_zoo_folders
 from mmspec.decoding.masked_params import VERIFY_MODES
 from mmspec.methods import CONTINUOUS_DEFAULTS as DEFAULTS
 from mmspec.methods import CONTINUOUS_LIMITS as LIMITS

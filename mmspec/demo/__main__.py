@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from mmspec.cli import DEFAULT_ZOO, HelpFormatter, check_device, int_in_range, non_negative_int
+from mmspec.cli.args import DEFAULT_ZOO, HelpFormatter, int_in_range, non_negative_int
+from mmspec.cli.checks import check_device
 
 
 logger = logging.getLogger(__name__)

@@ -6,12 +6,11 @@ import math
 import re
 from pathlib import Path
 
+from mmspec.cli.args import MAX_SEED
 from mmspec.methods import KNOBS, check_knob
 
 
 __all__ = ["MAX_SEED", "load_image", "page_message", "parse_int", "parse_knobs", "parse_seed", "upload_refusal"]
-
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
 
 
 def parse_int(name, value, low=None, high=None):

@@ -10,7 +10,7 @@ Layers, bottom up (`docs/architecture.md`):
     models       mmspec.models (one folder per family)
     drafters     mmspec.drafters, mmspec.compressors
     pipelines    mmspec.pipelines
-    applications mmspec.cli*, mmspec.train, mmspec.eval, mmspec.demo
+    applications mmspec.cli, mmspec.train, mmspec.eval, mmspec.demo
 
 No allow-list: a module that needs something from above takes it as an argument or a protocol."""
 

@@ -351,7 +351,7 @@ def test_cli_serves_loopback_without_gradio_error_texts(monkeypatch):
 
 def test_the_cli_table_line_dispatches_to_the_demo(capsys):
     """The line the merger adds to `mmspec.cli.COMMANDS` reaches `mmspec.demo.__main__.main`."""
-    from mmspec.cli import dispatch
+    from mmspec.cli.args import dispatch
 
     line = {"demo": ("mmspec.demo.__main__:main", "serve the Gradio demo")}
     with pytest.raises(SystemExit) as exit_info:

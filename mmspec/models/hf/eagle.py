@@ -25,10 +25,9 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from huggingface_hub.errors import StrictDataclassError
 from transformers import LlamaConfig
-from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.cache import ConcatKV, StaticKVCache, chain_inputs
 from mmspec.models.hf.target import StaticCache, attention_window, window_view
 from mmspec.models.llamagen.eagle import EagleHead
 
@@ -36,19 +35,6 @@ from mmspec.models.llamagen.eagle import EagleHead
 logger = logging.getLogger(__name__)
 
 __all__ = ["TextEagleHead"]
-
-
-class _ConcatCache(Cache):
-    """Training-time stand-in: `update` appends keys/values out of place (autograd flows through every step)."""
-
-    def __init__(self):
-        super().__init__(layers=[])
-        self.k = self.v = None
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.k = key_states if self.k is None else torch.cat([self.k, key_states], dim=2)
-        self.v = value_states if self.v is None else torch.cat([self.v, value_states], dim=2)
-        return self.k, self.v
 
 
 class TextEagleHead(ModelMixin, ConfigMixin):
@@ -202,7 +188,7 @@ class TextEagleHead(ModelMixin, ConfigMixin):
         and to its own chain `i - j + 1 .. i` of the later steps. Returns the `steps` outputs `[B, N, dim]`."""
         b, n = positions.shape
         i = torch.arange(n, device=positions.device)
-        cache = _ConcatCache()
+        cache = StaticCache(ConcatKV())  # keys appended out of place: autograd flows through every step
         outputs = []
         for j in range(steps):
             blocks = [i[None, :] <= i[:, None] - j] + [i[None, :] == i[:, None] - j + s for s in range(1, j + 1)]

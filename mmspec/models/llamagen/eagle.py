@@ -23,7 +23,7 @@ import torch.nn as nn
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.cache import ConcatKV, StaticKVCache, chain_inputs
 from mmspec.models.config_fields import check_fields
 from mmspec.models.llamagen.gpt import LlamaGenGPT, TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
 
@@ -241,7 +241,7 @@ class EagleHead(ModelMixin, ConfigMixin):
         pos = self.config.cls_token_num + torch.arange(n, device=device)[None]
         rope = self.rope(pos)
         i = torch.arange(n, device=device)
-        kv = _ConcatKV()
+        kv = ConcatKV()
         outputs, feats = [], hidden
         for j in range(steps):
             x = self._inputs(feats, input_ids, target)
@@ -257,16 +257,3 @@ class EagleHead(ModelMixin, ConfigMixin):
     def compute_logits(target, features):
         """Draft logits `[..., V]` (float32) from head features, through the target's output head."""
         return target.output(features.to(target.output.weight.dtype)).float()
-
-
-class _ConcatKV:
-    """Stand-in for `StaticKVCache` in `forward_unrolled`: `update` appends the new keys/values out of place (so
-    autograd can flow through every step) and returns all of them."""
-
-    def __init__(self):
-        self.k, self.v = None, None
-
-    def update(self, layer, write_slots, k_new, v_new):
-        self.k = k_new if self.k is None else torch.cat([self.k, k_new], dim=2)
-        self.v = v_new if self.v is None else torch.cat([self.v, v_new], dim=2)
-        return self.k, self.v

@@ -40,6 +40,8 @@ __all__ = ["TextEagleHead"]
 class TextEagleHead(ModelMixin, ConfigMixin):
     """One-layer EAGLE head for a transformers text target (see module docstring)."""
 
+    cache_class = StaticKVCache  # the head cache `setup_cache` makes (a subclass may keep per-row state in it)
+
     @register_to_config
     def __init__(
         self,
@@ -117,10 +119,11 @@ class TextEagleHead(ModelMixin, ConfigMixin):
                              f"{int(torch.unique(ids).numel())}")  # fmt: skip
 
     def setup_cache(self, rows, max_seq, dtype=None, device=None):
-        """One-layer cache, slot == position, slot 0 invalid, lengths 1 (`max_seq`: prompt + new tokens + scratch)."""
+        """One-layer cache (a `cache_class`), slot == position, slot 0 invalid, lengths 1 (`max_seq`: prompt + new
+        tokens + scratch)."""
         c, p = self.config, next(self.parameters())
-        cache = StaticKVCache(1, rows, c.num_key_value_heads, int(max_seq) + 1, c.head_dim,
-                              dtype=dtype or p.dtype, device=device or p.device)  # fmt: skip
+        cache = self.cache_class(1, rows, c.num_key_value_heads, int(max_seq) + 1, c.head_dim,
+                                 dtype=dtype or p.dtype, device=device or p.device)  # fmt: skip
         cache.key_valid[:, 0] = False
         cache.lengths = torch.ones(rows, dtype=torch.long, device=cache.device)
         return cache

@@ -31,6 +31,16 @@ from mmspec.models.llamagen.gpt import LlamaGenGPT, TransformerBlock, ffn_hidden
 logger = logging.getLogger(__name__)
 
 
+def init_linears(modules, std, generator=None):
+    """EAGLE heads' init: every `nn.Linear` of `modules` (in order; meta ones skipped) gets N(0, `std`) weights drawn
+    from `generator` and zero biases."""
+    for module in modules:
+        if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+
 class EagleHead(ModelMixin, ConfigMixin):
     """One-layer EAGLE head for a `LlamaGenGPT` target (see module docstring)."""
 
@@ -95,11 +105,7 @@ class EagleHead(ModelMixin, ConfigMixin):
 
     def init_weights(self, generator=None):
         """N(0, initializer_range) for the Linear weights, zero biases (optional `torch.Generator`)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
-                nn.init.normal_(module.weight, 0.0, self.config.initializer_range, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        init_linears(self.modules(), self.config.initializer_range, generator)
         return self
 
     @property

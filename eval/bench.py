@@ -22,7 +22,8 @@ import platform
 import sys
 from pathlib import Path
 
-from mmspec.cli import HelpFormatter, check_output_file, write_json
+from mmspec.cli.args import HelpFormatter
+from mmspec.cli.checks import check_output_file, write_json
 
 
 logger = logging.getLogger(__name__)

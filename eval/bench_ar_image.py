@@ -27,13 +27,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import (
+from mmspec.cli.args import (
     DEFAULT_ZOO,
     MAX_BATCH,
     add_knob_arguments,
-    check_device,
-    check_knob_combination,
-    check_zoo_folders,
     int_in_range,
     knob_values,
     names_of,
@@ -41,6 +38,7 @@ from mmspec.cli import (
     seed_int,
     threads_int,
 )
+from mmspec.cli.checks import check_device, check_knob_combination, check_zoo_folders
 from mmspec.methods import PRESETS
 
 
@@ -82,7 +80,7 @@ def add_arguments(parser):
 def check_args(parser, args):
     """Before any model loads: the zoo has the target, VQ, classifier and every drafter the methods need; the
     methods accept the sampling settings; the batch size divides the images; the device exists."""
-    from mmspec.cli import check_sampling_only, check_top_k_vocab
+    from mmspec.cli.checks import check_sampling_only, check_top_k_vocab
     from mmspec.methods import resolve_drafter
     from mmspec.models import read_config, zoo_folders
 

@@ -26,13 +26,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import (
+from mmspec.cli.args import (
     DEFAULT_ZOO,
     MAX_BATCH,
     MAX_THREADS,
-    check_device,
-    check_output_file,
-    check_zoo_folders,
     int_in_range,
     int_list_in_range,
     limited_float,
@@ -41,6 +38,9 @@ from mmspec.cli import (
     probability,
     seed_int,
 )
+from mmspec.cli.checks import check_device, check_output_file, check_zoo_folders
+from mmspec.decoding.masked_params import VERIFY_MODES
+from mmspec.methods import CONTINUOUS_DEFAULTS as DEFAULTS
 from mmspec.methods import CONTINUOUS_LIMITS as LIMITS
 
 
@@ -49,9 +49,9 @@ logger = logging.getLogger(__name__)
 
 def _modes(text):
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = sorted(set(modes) - {"block", "exact"})
+    bad = sorted(set(modes) - set(VERIFY_MODES))
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown verify modes {bad}; known: block,exact")
+        raise argparse.ArgumentTypeError(f"unknown verify modes {bad}; known: {','.join(VERIFY_MODES)}")
     return modes
 
 
@@ -75,21 +75,24 @@ def add_arguments(parser):
     parser.add_argument("--quality-batch-size", type=int_in_range(1, MAX_BATCH), default=100)
     parser.add_argument("--skip-quality", default="", help="comma list of methods timed but not scored (e.g. "
                         "cspd-exact: lossless, so its expected FID is plain's, and slow on a CPU)")  # fmt: skip
-    parser.add_argument("--num-ar-steps", type=positive_int, default=64, help="AR steps, in [1, the zoo's tokens]")
+    parser.add_argument("--num-ar-steps", type=positive_int, default=DEFAULTS["num_ar_steps"],
+                        help="AR steps, in [1, the zoo's tokens]")  # fmt: skip
     parser.add_argument(
         "--fewer-steps", type=positive_int_list, default=[32, 16], help="AR steps of the fewer-steps runs"
     )
     parser.add_argument("--verify-modes", type=_modes, default=["block", "exact"])
-    parser.add_argument("--num-draft-tokens", type=positive_int, default=4,
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=DEFAULTS["num_draft_tokens"],
                         help="AR steps per CSpD block (at most --num-ar-steps)")  # fmt: skip
-    parser.add_argument("--prefill-ratio", type=probability, default=0.15)
+    parser.add_argument("--prefill-ratio", type=probability, default=DEFAULTS["prefill_ratio"])
     parser.add_argument("--num-inference-steps", type=int_in_range(2, MAX_INFERENCE_STEPS), default=None,
                         help="head steps (config default)")  # fmt: skip
     # the pipeline's bounds (mmspec.methods.CONTINUOUS_LIMITS = pipelines.continuous.LIMITS)
     parser.add_argument("--guidance-scale", type=limited_float("guidance_scale", 1.0, LIMITS["guidance_scale"]),
-                        default=3.0, help=f"CFG scale (in [1, {LIMITS['guidance_scale']:g}]; 1 = off)")  # fmt: skip
+                        default=DEFAULTS["guidance_scale"],
+                        help=f"CFG scale (in [1, {LIMITS['guidance_scale']:g}]; 1 = off)")  # fmt: skip
     parser.add_argument("--temperature", type=limited_float("temperature", 0.0, LIMITS["temperature"], low_open=True),
-                        default=1.0, help=f"the head's noise temperature (in (0, {LIMITS['temperature']:g}])")  # fmt: skip
+                        default=DEFAULTS["temperature"],
+                        help=f"the head's noise temperature (in (0, {LIMITS['temperature']:g}])")  # fmt: skip
     parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=0,
                         help="torch CPU threads (0: default)")  # fmt: skip

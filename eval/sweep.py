@@ -343,7 +343,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def add_arguments(parser):
-    from mmspec.cli import DEFAULT_ZOO, int_in_range, sampling_type
+    from mmspec.cli.args import DEFAULT_ZOO, MAX_THREADS, int_in_range, sampling_type
     from mmspec.eval import cli_checks as checks
 
     parser.add_argument(
@@ -371,7 +371,7 @@ def add_arguments(parser):
     parser.add_argument("--plot", type=Path, default=None, help="Pareto plot PNG (default <out>/sweep.png)")
     parser.add_argument("--overwrite", action="store_true",
                         help="recompute the rows and shards made by other weights or settings (else refused)")  # fmt: skip
-    parser.add_argument("--threads", type=int_in_range(1, checks.MAX_THREADS), default=None,
+    parser.add_argument("--threads", type=int_in_range(1, MAX_THREADS), default=None,
                         help="torch.set_num_threads")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -379,7 +379,14 @@ def add_arguments(parser):
 
 def check_arguments(args, parser):
     """Usage errors (exit 2, one line naming the flag) before any model loads: every path, count, file and device."""
-    from mmspec.cli import check_device, check_sampling_only, check_zoo_folders
+    from mmspec.cli.checks import (
+        check_device,
+        check_mnist,
+        check_output_file,
+        check_output_folder,
+        check_sampling_only,
+        check_zoo_folders,
+    )
     from mmspec.eval import cli_checks as checks
 
     try:
@@ -394,15 +401,15 @@ def check_arguments(args, parser):
     drafters = {p.call_kwargs().get("drafter") for p in args.points}
     check_zoo_folders(parser, args.zoo, ["mnist-c2i", "mnist-vq", "mnist-classifier"]
                       + sorted(checks.DRAFTER_FOLDERS[d] for d in drafters if d in checks.DRAFTER_FOLDERS))  # fmt: skip
-    checks.check_mnist(parser, "--metrics", "in-domain")
+    check_mnist(parser, "--metrics", "in-domain")
     if "inception" in args.metrics:
         checks.check_inception(parser, "--metrics")
-    checks.check_output_folder(parser, "--out", args.out)
+    check_output_folder(parser, "--out", args.out)
     args.table = args.table or args.out / "sweep.jsonl"
     args.markdown = args.markdown or args.out / "sweep.md"
     args.plot = args.plot or args.out / "sweep.png"
     for flag, extensions in (("table", (".jsonl",)), ("markdown", (".md",)), ("plot", (".png", ".pdf", ".svg"))):
-        checks.check_output_path(parser, f"--{flag}", getattr(args, flag), extensions)
+        check_output_file(parser, f"--{flag}", getattr(args, flag), extensions, create_folder=True)
     try:
         rows = read_rows(args.table)
     except ValueError as err:

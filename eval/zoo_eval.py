@@ -14,17 +14,8 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import (
-    DEFAULT_ZOO,
-    MAX_BATCH,
-    check_device,
-    check_output_file,
-    check_zoo_folders,
-    int_in_range,
-    sampling_type,
-    seed_int,
-    write_json,
-)
+from mmspec.cli.args import DEFAULT_ZOO, MAX_BATCH, int_in_range, sampling_type, seed_int
+from mmspec.cli.checks import check_device, check_output_file, check_zoo_folders, write_json
 from mmspec.methods import ACCEPTANCES, resolve_drafter
 
 

@@ -6,8 +6,8 @@ The verifier core lives in `mmspec.verify` (pure, batched acceptance rules as ob
 Models are in `mmspec.models`, drafters in `mmspec.drafters`, Diffusers-style pipelines in `mmspec.pipelines` and
 evaluation in `mmspec.eval`.
 
-`import mmspec` is cheap (no torch): the names below load their module on first use (PEP 562), so the command line
-(`mmspec --help`) starts without importing torch.
+`import mmspec` is cheap (no torch): the names below (the four pipelines, `load`, the verifier's functions) load their
+module on first use (PEP 562), so the command line (`mmspec --help`) starts without importing torch.
 """
 
 import importlib
@@ -17,6 +17,16 @@ __version__ = "0.1.0"
 
 # public name -> defining module, imported on first access
 _LAZY = {
+    **dict.fromkeys(
+        [
+            "SpeculativeARImagePipeline",
+            "SpeculativeContinuousARPipeline",
+            "SpeculativeJanusPipeline",
+            "SpeculativeVLMPipeline",
+        ],
+        "mmspec.pipelines",
+    ),
+    "load": "mmspec.models",
     "SamplingParams": "mmspec.sampling",
     "SpecStats": "mmspec.stats",
     **dict.fromkeys(

@@ -205,6 +205,22 @@ class StaticKVCache:
         return self
 
 
+class ConcatKV:
+    """Training-time stand-in for a one-layer `StaticKVCache` (the EAGLE heads' `forward_unrolled` /
+    `unrolled_steps`): `update` appends the new keys/values along the slot axis out of place, so autograd flows
+    through every step, and returns all of them; there are no slots (`write_slots` is ignored), lengths or masks.
+    A transformers layer takes it wrapped in `mmspec.models.hf.target.StaticCache`."""
+
+    def __init__(self):
+        self.k, self.v = None, None
+
+    def update(self, layer, write_slots, k_new, v_new):
+        """Append `k_new` / `v_new [rows, n_kv_head, M, head_dim]`; returns every key and value so far."""
+        self.k = k_new if self.k is None else torch.cat([self.k, k_new], dim=2)
+        self.v = v_new if self.v is None else torch.cat([self.v, v_new], dim=2)
+        return self.k, self.v
+
+
 def contiguous_run(write_slots):
     """`s` if every row of `write_slots [rows, M]` is `s, s + 1, ..., s + M - 1` (the same slots in every row), else
     None. Decided only where reading the slots on the host is free (CPU tensors, not while compiling): elsewhere

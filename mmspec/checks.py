@@ -1,7 +1,7 @@
 """Argument checks shared by the pipelines (and the CLI): text prompts and devices, each error naming the argument.
 
 One copy of each check: `pipelines/janus.py` and `pipelines/vlm.py` read prompts through `check_prompts`;
-`SpeculativeJanusPipeline.from_pretrained` and the CLI's `--device` (`mmspec.cli.check_device`) go through
+`SpeculativeJanusPipeline.from_pretrained` and the CLI's `--device` (`mmspec.cli.checks.check_device`) go through
 `check_device`.
 """
 

@@ -14,10 +14,12 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
 * `VLM_LIMITS`: upper bounds of the VLM pipeline's size knobs (checked by the pipeline and by every CLI flag); the
   shared knobs (`num_draft_tokens`, `tree_nodes`, `tree_depth`, `tree_top_k`) have the same bounds in `KNOBS`, `IMAGE_LIMITS`
   bound the image-only ones (`jacobi_window`, `relaxation_top_k`, `group_size`).
-* `SAMPLING_LIMITS`: the upper bound of the sampling knob `top_k` (the pipelines also refuse `top_k` above the
-  loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads).
+* `SAMPLING_LIMITS`: the bounds of the sampling knobs: `top_k`'s upper bound (the pipelines also refuse `top_k` above the
+  loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads), the
+  temperature range (0 = greedy) and the largest guidance scale (defined with the rules, in `mmspec.sampling`).
 * `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`).
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
+* `CONTINUOUS_DEFAULTS`: the defaults of the MAR pipeline's knobs (`pipelines.continuous.DEFAULTS`).
 """
 
 import math
@@ -26,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmspec.sampling import GUIDANCE_MAX, TEMPERATURE_RANGE
 from mmspec.verify import RESAMPLES, RULE_CLASSES, Exact, Grouped, Lantern
 
 
@@ -38,6 +41,7 @@ __all__ = [
     "PIPELINES",
     "PRESETS",
     "TREE_DRAFTERS",
+    "CONTINUOUS_DEFAULTS",
     "CONTINUOUS_LIMITS",
     "IMAGE_LIMITS",
     "SAMPLING_LIMITS",
@@ -184,13 +188,26 @@ IMAGE_LIMITS = {
 
 # `top_k` keeps the k most likely tokens: past the largest vocabulary in use (Gemma: 262k tokens) it is a typo; the
 # pipelines refuse a `top_k` above their model's vocabulary before the first forward, the CLI before loading.
-SAMPLING_LIMITS = {"top_k": 2**20}
+SAMPLING_LIMITS = {"top_k": 2**20, "temperature": TEMPERATURE_RANGE, "guidance_scale": GUIDANCE_MAX}
 
 # Bounds of the continuous (MAR) pipeline's knobs, read by `pipelines.continuous` (as `LIMITS`) and by
 # `mmspec bench continuous`: guidance_scale and temperature scale the diffusion head's epsilon and noise; far past
 # any useful setting (MAR sweeps CFG 1-10 and temperature 0.9-1.2) a token is noise or overflows float32, so they
 # are refused up front rather than returned as NaN / garbage images. max_residual_tries bounds a loop.
 CONTINUOUS_LIMITS = {"guidance_scale": 100.0, "temperature": 10.0, "max_residual_tries": 10_000}
+# Defaults of the continuous (MAR) pipeline's knobs, read by `pipelines.continuous` (its `__call__` keywords and
+# `mmspec.decoding.masked_params.MaskedParams`) and by `mmspec bench continuous`'s flags.
+CONTINUOUS_DEFAULTS = {
+    "guidance_scale": 3.0,
+    "temperature": 1.0,
+    "num_ar_steps": 64,
+    "num_draft_tokens": 4,  # CSpD block: AR steps per draft round (the release's num_draft)
+    "prefill_ratio": 0.15,
+    "trajectory_alignment": True,
+    "verify_mode": "block",
+    "cfg_schedule_type": "linear",
+    "max_residual_tries": 100,
+}
 
 
 # The branching part of an SJD-PAC tree (width + width**2 + ... + width**(depth-1) nodes) is bounded like the

@@ -18,13 +18,15 @@ Conventions
 Knobs (`SamplingParams`, `logits_to_probs`): a knob of the wrong type is a ``TypeError`` naming it (bools are not
 numbers, ``top_k`` must be an int), a value out of range a ``ValueError`` naming it:
 
-* ``guidance_scale``: finite and >= 0. 1 = no guidance (conditional logits), 0 = the unconditional logits exactly,
-  > 1 the usual CFG; negative scales (anti-guidance) are rejected.
-* ``temperature``: finite and >= 0 (``inf`` is rejected rather than read as "uniform"); 0 = greedy.
+* ``guidance_scale``: in [0, ``GUIDANCE_MAX``]. 1 = no guidance (conditional logits), 0 = the unconditional logits
+  exactly, > 1 the usual CFG; negative scales (anti-guidance) are rejected.
+* ``temperature``: 0 (greedy) or in ``TEMPERATURE_RANGE`` (``inf`` is rejected rather than read as "uniform").
 * ``top_k``: None or an int >= 1; ``top_p``: None or a number in (0, 1]; ``do_sample``: a bool.
 
-Finite knobs can still overflow float32 (``guidance_scale=1e30`` with large logit gaps, ``temperature=1e-40``), which
-would silently turn every probability into NaN. ``logits_to_probs(..., validate=True)`` therefore checks its *output*
+The bounds keep the knobs where float32 holds ordinary logits (a temperature of 1e-40 or a guidance scale of 1e30 turn
+them into inf; far inside the bounds, real samplers use temperatures of 0.1-2 and guidance scales of 1-10): the CLI
+checks them by these same rules before any model loads. Extreme logits can still overflow, which would silently turn
+every probability into NaN. ``logits_to_probs(..., validate=True)`` therefore checks its *output*
 (one host sync; NaN logits are caught by the same check) and raises a ``ValueError`` naming the knobs involved.
 Hot loops run with ``validate=False`` and keep a device-side `finite_flag` per distribution instead, checked once
 with `check_probs_finite`. Greedy one-hot distributions carry NaN when their row's maximum is not finite, so the same
@@ -32,7 +34,6 @@ check covers them.
 """
 
 import logging
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -104,6 +105,11 @@ def cfg_combine_stacked(logits: Tensor, guidance_scale: float) -> Tensor:
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
+# the sampling knobs' bounds (also `mmspec.methods.SAMPLING_LIMITS`, which the CLI reads): 0 is greedy; a temperature
+# below the range or a guidance scale above it only turns ordinary logits into overflow
+TEMPERATURE_RANGE = (1e-4, 1e4)
+GUIDANCE_MAX = 1e4
+
 
 def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -127,12 +133,12 @@ def _validate_knobs(
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be a bool, got {do_sample!r} ({type(do_sample).__name__})")
     temperature, guidance_scale = float(temperature), float(guidance_scale)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if not 0 <= guidance_scale <= _FLOAT32_MAX:  # also rejects NaN; beyond float32's range it is inf in CFG
+    low, high = TEMPERATURE_RANGE
+    if not (temperature == 0 or low <= temperature <= high):  # also rejects NaN and inf
+        raise ValueError(f"temperature must be 0 (greedy) or in [{low:g}, {high:g}], got {temperature:g}")
+    if not 0 <= guidance_scale <= GUIDANCE_MAX:  # also rejects NaN
         raise ValueError(
-            f"guidance_scale must be finite (in float32) and >= 0 (1 = no guidance, 0 = unconditional), "
-            f"got {guidance_scale}"
+            f"guidance_scale must be in [0, {GUIDANCE_MAX:g}] (1 = no guidance, 0 = unconditional), got {guidance_scale:g}"
         )
     if top_k is not None:
         top_k = int(top_k)
@@ -269,9 +275,9 @@ class SamplingParams:
     """Sampling knobs, applied identically to target and draft logits (checked as in the module docstring).
 
     Attributes:
-        guidance_scale: CFG scale ``s``, finite and >= 0 (1.0 = no guidance: the uncond logits are then ignored;
+        guidance_scale: CFG scale ``s``, in [0, GUIDANCE_MAX] (1.0 = no guidance: the uncond logits are then ignored;
             0.0 = the unconditional logits).
-        temperature: softmax temperature, finite and >= 0; 0 = greedy.
+        temperature: softmax temperature, 0 (greedy) or in TEMPERATURE_RANGE.
         top_k: keep the k most likely tokens, ``None`` = off.
         top_p: nucleus mass in (0, 1], ``None`` = off.
         do_sample: False = greedy (one-hot at the argmax).

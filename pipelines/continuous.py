@@ -16,9 +16,10 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from mmspec.decoding.masked import ImageNoise, cfg_schedule, decode_masked, mar_schedule
+from mmspec.decoding.masked import ImageNoise, decode_masked
+from mmspec.decoding.masked_params import CFG_SCHEDULES, VERIFY_MODES, MaskedParams
 from mmspec.decoding.trace import DecodeTrace
-from mmspec.methods import CONTINUOUS_LIMITS, acceptance_names
+from mmspec.methods import CONTINUOUS_DEFAULTS, CONTINUOUS_LIMITS, acceptance_names
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.mar.diffusion import GaussianDiffusion
 from mmspec.models.mar.kl_vae import AutoencoderKL
@@ -33,12 +34,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["LIMITS", "SpeculativeContinuousARPipeline", "SpeculativeContinuousOutput"]
 
 ACCEPTANCES = acceptance_names("continuous")  # ("none", "continuous"): the registry's entries for MAR
-VERIFY_MODES = ("block", "exact")
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-CFG_SCHEDULES = ("linear", "constant")
 # Upper bounds of the real-valued and count knobs: the registry's (`mmspec.methods.CONTINUOUS_LIMITS`, also read by
 # `mmspec bench continuous`'s flags).
 LIMITS = CONTINUOUS_LIMITS
+DEFAULTS = CONTINUOUS_DEFAULTS  # the knobs' defaults, likewise the registry's
 
 
 def _check_number(name, value, low, high, low_open=False):
@@ -153,8 +153,10 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
 
     # ------------------------------------------------------------------ checks
     def check_inputs(self, class_labels, guidance_scale, temperature, num_ar_steps, acceptance, num_draft_tokens,
-                     prefill_ratio, verify_mode, output_type, num_inference_steps=None, trajectory_alignment=True,
-                     cfg_schedule_type="linear", max_residual_tries=100, return_dict=True,
+                     prefill_ratio, verify_mode, output_type, num_inference_steps=None,
+                     trajectory_alignment=DEFAULTS["trajectory_alignment"],
+                     cfg_schedule_type=DEFAULTS["cfg_schedule_type"],
+                     max_residual_tries=DEFAULTS["max_residual_tries"], return_dict=True,
                      callback_on_step_end=None):  # fmt: skip
         """Check every argument of `__call__` before any work: `TypeError` for a wrong type, `ValueError` out of
         range (`LIMITS`), both naming the argument. Returns the class labels as a 1-D long tensor."""
@@ -214,17 +216,17 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
     def __call__(
         self,
         class_labels,
-        guidance_scale: float = 3.0,
-        temperature: float = 1.0,
-        num_ar_steps: int = 64,
+        guidance_scale: float = DEFAULTS["guidance_scale"],
+        temperature: float = DEFAULTS["temperature"],
+        num_ar_steps: int = DEFAULTS["num_ar_steps"],
         num_inference_steps: int | None = None,
         acceptance: str = "none",
-        num_draft_tokens: int = 4,
-        prefill_ratio: float = 0.15,
-        trajectory_alignment: bool = True,
-        verify_mode: str = "block",
-        cfg_schedule_type: str = "linear",
-        max_residual_tries: int = 100,
+        num_draft_tokens: int = DEFAULTS["num_draft_tokens"],
+        prefill_ratio: float = DEFAULTS["prefill_ratio"],
+        trajectory_alignment: bool = DEFAULTS["trajectory_alignment"],
+        verify_mode: str = DEFAULTS["verify_mode"],
+        cfg_schedule_type: str = DEFAULTS["cfg_schedule_type"],
+        max_residual_tries: int = DEFAULTS["max_residual_tries"],
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
@@ -284,51 +286,44 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
                 and self.draft_transformer.diffloss.num_sampling_steps != self.transformer.diffloss.num_sampling_steps
             ):
                 self.draft_transformer.diffloss.gen_diffusion = self.transformer.diffloss.gen_diffusion
-            return self._generate(labels, guidance_scale, temperature, num_ar_steps, speculative, num_draft_tokens,
-                                  prefill_ratio, trajectory_alignment, verify_mode, cfg_schedule_type,
-                                  max_residual_tries, generator, output_type, return_dict, callback_on_step_end,
-                                  device)  # fmt: skip
+            params = MaskedParams.from_knobs(
+                self.transformer.seq_len, num_ar_steps=num_ar_steps, guidance_scale=guidance_scale,
+                cfg_schedule_type=cfg_schedule_type, temperature=temperature, speculative=speculative,
+                num_draft_tokens=num_draft_tokens, prefill_ratio=prefill_ratio, verify_mode=verify_mode,
+                max_residual_tries=max_residual_tries,
+            )  # fmt: skip
+            return self._generate(labels, params, speculative, guidance_scale != 1.0, trajectory_alignment,
+                                  generator, output_type, return_dict, callback_on_step_end, device)  # fmt: skip
         finally:
             for m, diffusion in zip(models, saved_steps, strict=True):
                 m.diffloss.gen_diffusion = diffusion
 
-    def _generate(self, labels, guidance_scale, temperature, num_ar_steps, speculative, num_draft_tokens,
-                  prefill_ratio, trajectory_alignment, verify_mode, cfg_schedule_type, max_residual_tries, generator,
-                  output_type, return_dict, callback_on_step_end, device):  # fmt: skip
-        # 2. prepare: schedule, noise (once per image), model runners
+    def _generate(self, labels, params, speculative, guided, trajectory_alignment, generator, output_type, return_dict,
+                  callback_on_step_end, device):  # fmt: skip
+        # 2. prepare: noise (once per image; the draft's own without trajectory alignment), model runners
         batch, seq_len = labels.numel(), self.transformer.seq_len
-        counts, mask_lens = mar_schedule(seq_len, num_ar_steps)
-        cfgs = cfg_schedule(guidance_scale, seq_len, mask_lens, cfg_schedule_type)
-        guided = guidance_scale != 1.0
         steps = self.transformer.diffloss.num_sampling_steps
         dim = self.transformer.token_embed_dim
-        noise = ImageNoise.draw(batch, seq_len, dim, steps, generator, device)
-        draft_noise = None
-        if speculative and not trajectory_alignment:
-            draft_noise = ImageNoise.draw(batch, seq_len, dim, steps, generator, device)
-            draft_noise.order = noise.order
+        own_draft_noise = speculative and not trajectory_alignment
+        noise = ImageNoise.draw(batch, seq_len, dim, steps, generator, device, draft=own_draft_noise)
         target = MARRunner(self.transformer, labels, guided, name="transformer")
         draft = MARRunner(self.draft_transformer, labels, guided, name="draft_transformer") if speculative else None
-        num_prefill = max(1, round(prefill_ratio * num_ar_steps)) if speculative else num_ar_steps
-        stats = SpecStats(batch, num_draft_tokens if speculative else 0)
+        stats = SpecStats(batch, params.num_draft_steps if speculative else 0)
         callback = None
         if callback_on_step_end is not None:
 
             def callback(step, state):
-                callback_on_step_end(self, step, num_ar_steps, {"tokens": state.tokens, "visible": state.visible})
+                callback_on_step_end(self, step, params.num_steps, {"tokens": state.tokens, "visible": state.visible})
 
         # 3-4. pre-fill + loop (plain: every step by the target)
         with stats.timer("total", device), stats.timer("decode", device):
             with self.progress_bar(total=batch * seq_len) as progress:
-                state = decode_masked(target, draft, noise, counts=counts, cfg_scales=cfgs, temperature=temperature,
-                                      num_draft_steps=num_draft_tokens, num_prefill_steps=num_prefill,
-                                      verify_mode=verify_mode, draft_noise=draft_noise, generator=generator,
-                                      stats=stats, progress=progress, callback=callback,
-                                      max_residual_tries=max_residual_tries)  # fmt: skip
+                state = decode_masked(target, draft, noise, params, generator=generator, stats=stats,
+                                      progress=progress, callback=callback)  # fmt: skip
         # 5. postprocess
         with stats.timer("total", device):
             images = self.postprocess(state.tokens, output_type)
-        self._fill_stats(stats, state, speculative, num_ar_steps)
+        self._fill_stats(stats, state, speculative, params.num_steps)
         self.maybe_free_model_hooks()
         if not return_dict:
             return images, stats

@@ -44,7 +44,6 @@ point, whose "density" needs its inner temperature of 42 to accept anything), mu
   advance by different amounts (ragged), each at its own step.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +51,7 @@ import torch
 from torch import Tensor
 
 from mmspec.decoding.final_step import FinalStep, gaussian_logpdf
+from mmspec.decoding.masked_params import MaskedParams, cfg_schedule, mar_schedule
 from mmspec.decoding.trace import ACCEPTED, BONUS, PREFILL, RESAMPLED, DecodeTrace
 from mmspec.random import num_rows, rand, randn
 from mmspec.sampling import finite_flag
@@ -61,6 +61,7 @@ from mmspec.verify.continuous import verify_continuous
 __all__ = [
     "ImageNoise",
     "FiniteWatch",
+    "MaskedParams",
     "MaskedTarget",
     "cfg_schedule",
     "decode_masked",
@@ -70,47 +71,33 @@ __all__ = [
 ]
 
 
-def mar_schedule(seq_len: int, num_steps: int) -> tuple[list[int], list[int]]:
-    """MAR's cosine schedule: tokens revealed per step and the masked count after each step (``mask_len``).
-
-    ``mask_len_s = max(1, min(masked - 1, floor(L cos(pi/2 (s+1)/N))))``; the last step reveals every remaining token
-    (upstream ``sample_tokens``)."""
-    if not 1 <= num_steps <= seq_len:
-        raise ValueError(f"num_ar_steps must be in [1, {seq_len}] (tokens per image), got {num_steps}")
-    counts, mask_lens, masked = [], [], seq_len
-    for s in range(num_steps):
-        mask_len = max(1, min(masked - 1, math.floor(seq_len * math.cos(math.pi / 2 * (s + 1) / num_steps))))
-        reveal = masked if s == num_steps - 1 else masked - mask_len
-        counts.append(reveal)
-        mask_lens.append(mask_len)
-        masked -= reveal
-    return counts, mask_lens
-
-
-def cfg_schedule(guidance_scale: float, seq_len: int, mask_lens: list[int], schedule: str = "linear") -> list[float]:
-    """Per-step CFG scale: ``"linear"`` (MAR's default: ``1 + (cfg - 1)(L - mask_len)/L``) or ``"constant"``."""
-    if schedule == "constant":
-        return [float(guidance_scale)] * len(mask_lens)
-    if schedule != "linear":
-        raise ValueError(f"cfg_schedule must be 'linear' or 'constant', got {schedule!r}")
-    return [1 + (guidance_scale - 1) * (seq_len - m) / seq_len for m in mask_lens]
-
-
 @dataclass
 class ImageNoise:
     """Everything random about a batch of images, drawn once: generation ``order [B, L]``, the head's initial noise
-    ``x_T [B, L, D]`` and per-step noise ``eps [B, L, S-1, D]`` (indexed by token position)."""
+    ``x_T [B, L, D]`` and per-step noise ``eps [B, L, S-1, D]`` (indexed by token position); ``draft``: the draft's
+    own ``x_T`` / ``eps`` (same order) without trajectory alignment, None when the draft shares the target's."""
 
     order: Tensor
     x_T: Tensor
     eps: Tensor
+    draft: "ImageNoise | None" = None
 
     @staticmethod
-    def draw(batch, seq_len, dim, steps, generator, device, dtype=torch.float32) -> "ImageNoise":
+    def draw(batch, seq_len, dim, steps, generator, device, dtype=torch.float32, *, draft=False) -> "ImageNoise":
+        """Draw in this order from ``generator``: order, ``x_T``, ``eps``; with ``draft`` then a second set for the
+        draft (its order drawn too, and replaced by the target's)."""
         order = rand((batch, seq_len), generator, device=device).argsort(1)
         x_T = randn((batch, seq_len, dim), generator, device=device, dtype=dtype)
         eps = randn((batch, seq_len, steps - 1, dim), generator, device=device, dtype=dtype)
-        return ImageNoise(order, x_T, eps)
+        noise = ImageNoise(order, x_T, eps)
+        if draft:
+            own = ImageNoise.draw(batch, seq_len, dim, steps, generator, device, dtype)
+            noise.draft = ImageNoise(order, own.x_T, own.eps)
+        return noise
+
+    def for_draft(self) -> "ImageNoise":
+        """The noise the draft's head uses: the target's (trajectory alignment) or its own."""
+        return self if self.draft is None else self.draft
 
 
 class FiniteWatch:
@@ -202,21 +189,29 @@ class MaskedState:
     num_fallbacks: int = 0
     drafted: Tensor | None = None  # [B] draft tokens verified (exact mode: also those of discarded steps)
 
+    def emit(self, rows: Tensor, pos: Tensor, values: Tensor, origin: int, round_index: int) -> None:
+        """Commit ``values`` at ``(rows, pos)``, recording the round and origin of each token."""
+        self.tokens[rows, pos] = values.to(self.tokens.dtype)
+        self.visible[rows, pos] = True
+        self.trace.round[rows, pos] = round_index
+        self.trace.origin[rows, pos] = origin
 
-def _positions(noise: ImageNoise, starts: list[int], counts: list[int], step: int):
+
+def _positions(noise: ImageNoise, params: MaskedParams, step: int):
     """Flat ``(rows, positions)`` of step ``step``'s tokens for every image (all images share the schedule)."""
     b = noise.order.shape[0]
-    pos = noise.order[:, starts[step] : starts[step] + counts[step]]  # [B, n]
+    pos = noise.order[:, params.starts[step] : params.starts[step + 1]]  # [B, n]
     rows = torch.arange(b, device=pos.device)[:, None].expand_as(pos)
     return rows.reshape(-1), pos.reshape(-1)
 
 
-def _head_last(runner, z_c, z_u, noise, rows, pos, cfg, temperature, aligned_noise=None):
-    """The head's last stochastic step for tokens ``(rows, pos)`` with their image's noise."""
-    src = noise if aligned_noise is None else aligned_noise
+def _head_last(runner, noise, params, zc, zu, rows, pos, cfg):
+    """The head's last stochastic step for tokens ``(rows, pos)`` with their image's ``noise`` (the runner's own:
+    the draft's is ``noise.for_draft()``), at ``cfg`` (per token or one scale) and ``params.temperature``."""
     last = runner.head.sample_last_step(
-        z_c, _gather(src.x_T, rows, pos), _gather(src.eps, rows, pos), z_uncond=z_u, cfg=cfg, temperature=temperature
-    )
+        zc, _gather(noise.x_T, rows, pos), _gather(noise.eps, rows, pos), z_uncond=zu, cfg=cfg,
+        temperature=params.temperature,
+    )  # fmt: skip
     runner.saw("diffusion head", last.value, last.mean, last.std)
     return last
 
@@ -225,30 +220,20 @@ def decode_masked(
     target: MaskedTarget,
     draft: MaskedTarget | None,
     noise: ImageNoise,
+    params: MaskedParams,
     *,
-    counts: list[int],
-    cfg_scales: list[float],
-    temperature: float,
-    num_draft_steps: int = 4,
-    num_prefill_steps: int = 0,
-    verify_mode: str = "block",
-    draft_noise: ImageNoise | None = None,
     generator=None,
     stats=None,
     progress=None,
     callback=None,
-    max_residual_tries: int = 100,
 ) -> MaskedState:
     """Run MAR's schedule for every image: plain (``draft=None``) or CSpD (module docstring).
 
     Args:
         target, draft: `MaskedTarget` s (`mmspec.models.mar.runner.MARRunner`) (same token grid and dim).
-        noise: the images' `ImageNoise` (the target's; the draft's too unless ``draft_noise`` is given, i.e. without
-            trajectory alignment).
-        counts, cfg_scales: the schedule (`mar_schedule`, `cfg_schedule`).
-        num_draft_steps: AR steps per CSpD block (K).
-        num_prefill_steps: leading steps done by the target alone.
-        verify_mode: ``"block"`` | ``"exact"``.
+        noise: the images' `ImageNoise` (the target's; the draft's too unless it holds the draft's own,
+            ``noise.draft``, i.e. without trajectory alignment).
+        params: the call's `MaskedParams` (schedule, CFG scales, temperature, K, pre-fill steps, verify mode, ...).
         generator: verification / residual randomness (one generator or one per image).
         stats: a `mmspec.stats.SpecStats` to fill (target/draft forwards, drafted/accepted tokens, fallbacks).
         progress: a tqdm-like bar updated by tokens revealed; callback: ``fn(step, state)`` after every step/block.
@@ -262,18 +247,16 @@ def decode_masked(
         if runner is not None:
             runner.watch = watch
     try:
-        state = _decode(target, draft, noise, counts, cfg_scales, temperature, num_draft_steps, num_prefill_steps,
-                        verify_mode, draft_noise, generator, stats, progress, callback, max_residual_tries)  # fmt: skip
+        state = _decode(target, draft, noise, params, generator, stats, progress, callback)
     finally:
         for runner in (target, draft):
             if runner is not None:
                 runner.watch = None
-    watch.check(max(cfg_scales, default=1.0), temperature)
+    watch.check(max(params.cfg_scales, default=1.0), params.temperature)
     return state
 
 
-def _decode(target, draft, noise, counts, cfg_scales, temperature, num_draft_steps, num_prefill_steps, verify_mode,
-            draft_noise, generator, stats, progress, callback, max_residual_tries) -> MaskedState:  # fmt: skip
+def _decode(target, draft, noise, params, generator, stats, progress, callback) -> MaskedState:
     b, length, dim = noise.x_T.shape
     dev = noise.x_T.device
     state = MaskedState(
@@ -282,47 +265,32 @@ def _decode(target, draft, noise, counts, cfg_scales, temperature, num_draft_ste
         DecodeTrace.empty(b, length, dev),
         drafted=torch.zeros(b, dtype=torch.long, device=dev),
     )
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
+    starts = params.starts
     all_rows = torch.arange(b, device=dev)
     step, round_index = 0, 0
-    num_steps = len(counts)
-    if draft is None:
-        num_prefill_steps = num_steps
-
-    def emit(rows, pos, values, origin, round_override=None):
-        state.tokens[rows, pos] = values.to(state.tokens.dtype)
-        state.visible[rows, pos] = True
-        state.trace.round[rows, pos] = round_index if round_override is None else round_override
-        state.trace.origin[rows, pos] = origin
+    num_steps = params.num_steps
+    num_prefill_steps = num_steps if draft is None else params.num_prefill_steps
 
     while step < num_steps:
-        if step >= num_prefill_steps and verify_mode == "exact":
-            _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, step,
-                          num_draft_steps, temperature, generator, emit_fn=emit, stats=stats,
-                          max_residual_tries=max_residual_tries, progress=progress, callback=callback,
-                          first_round=round_index)  # fmt: skip
+        if step >= num_prefill_steps and params.verify_mode == "exact":
+            _exact_rounds(target, draft, noise, state, params, step, round_index, generator, stats, progress,
+                          callback)  # fmt: skip
             break
         if step < num_prefill_steps:  # the target alone: one step
-            rows, pos = _positions(noise, starts, counts, step)
+            rows, pos = _positions(noise, params, step)
             z_c, z_u = target.features(state.tokens, state.visible, all_rows)
             zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
-            last = _head_last(target, zc, zu, noise, rows, pos, cfg_scales[step], temperature)
-            values = target.head.finish(zc, last.value, z_uncond=zu, cfg=cfg_scales[step])
+            cfg = params.cfg_scales[step]
+            last = _head_last(target, noise, params, zc, zu, rows, pos, cfg)
+            values = target.head.finish(zc, last.value, z_uncond=zu, cfg=cfg)
             target.saw("diffusion head", values)
-            emit(rows, pos, values, PREFILL if draft is not None else BONUS)
+            state.emit(rows, pos, values, PREFILL if draft is not None else BONUS, round_index)
             if stats is not None:
                 stats.target_forwards += 1
             done = 1
-        else:
-            k = min(num_draft_steps, num_steps - step)
-            if verify_mode == "block":
-                _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, step, k,
-                             temperature, generator, emit, stats, max_residual_tries)  # fmt: skip
-            else:
-                raise ValueError(f"verify_mode must be 'block' or 'exact', got {verify_mode!r}")
-            done = k
+        else:  # verify_mode "block" (MaskedParams admits only VERIFY_MODES)
+            done = min(params.num_draft_steps, num_steps - step)
+            _block_round(target, draft, noise, state, params, step, done, round_index, generator, stats)
         if progress is not None:
             progress.update(b * (starts[step + done] - starts[step]))
         step += done
@@ -332,21 +300,20 @@ def _decode(target, draft, noise, counts, cfg_scales, temperature, num_draft_ste
     return state
 
 
-def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, step, k, temperature,
-                 generator, emit, stats, max_residual_tries):  # fmt: skip
+def _block_round(target, draft, noise, state, params, step, k, round_index, generator, stats):
     """One CSpD block in ``"block"`` mode: the draft runs steps ``step .. step+k-1``; the target verifies all of them
     against the canvas at the block's start in one pass (module docstring)."""
     b, length, _ = state.tokens.shape
     all_rows = torch.arange(b, device=state.tokens.device)
     canvas, visible = state.tokens.clone(), state.visible.clone()
-    d_noise = noise if draft_noise is None else draft_noise
+    d_noise = noise.for_draft()
     rows_list, pos_list, cfg_list, y_q, mu_q, sd_q = [], [], [], [], [], []
     for j in range(k):
-        rows, pos = _positions(noise, starts, counts, step + j)
+        rows, pos = _positions(noise, params, step + j)
         z_c, z_u = draft.features(canvas, visible, all_rows)
         zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
-        cfg = cfg_scales[step + j]
-        last = _head_last(draft, zc, zu, d_noise, rows, pos, cfg, temperature)
+        cfg = params.cfg_scales[step + j]
+        last = _head_last(draft, d_noise, params, zc, zu, rows, pos, cfg)
         finished = draft.head.finish(zc, last.value, z_uncond=zu, cfg=cfg)
         draft.saw("diffusion head", finished)
         canvas[rows, pos] = finished.to(canvas.dtype)
@@ -361,7 +328,7 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
     # One target pass on the committed canvas; the block's tokens with the same (aligned) noise.
     z_c, z_u = target.features(state.tokens, state.visible, all_rows)  # nothing is emitted before this pass
     zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
-    last_p = _head_last(target, zc, zu, noise, rows, pos, cfg, temperature)
+    last_p = _head_last(target, noise, params, zc, zu, rows, pos, cfg)
     # Per image: its block tokens in order (every image has the same count n).
     n = rows.numel() // b
     order = torch.argsort(rows, stable=True)
@@ -372,7 +339,7 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
     result = verify_continuous(
         per_image(torch.cat(y_q)), per_image(last_p.mean), per_image(last_p.std), per_image(torch.cat(mu_q)),
         per_image(torch.cat(sd_q)), generator=generator, prefix=False, validate=False,
-        max_residual_tries=max_residual_tries,
+        max_residual_tries=params.max_residual_tries,
     )  # fmt: skip
     y = result.values.reshape(b * n, -1)  # emitted last-step values, image-major
     inv = torch.empty_like(order)
@@ -381,8 +348,8 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
     values = target.head.finish(zc, y, z_uncond=zu, cfg=cfg)
     target.saw("diffusion head", values)
     accepted = result.accept_mask.reshape(-1)[inv]
-    emit(rows[accepted], pos[accepted], values[accepted], ACCEPTED)
-    emit(rows[~accepted], pos[~accepted], values[~accepted], RESAMPLED)
+    state.emit(rows[accepted], pos[accepted], values[accepted], ACCEPTED, round_index)
+    state.emit(rows[~accepted], pos[~accepted], values[~accepted], RESAMPLED, round_index)
     state.num_fallbacks += int(result.num_fallbacks.sum())
     state.drafted += torch.bincount(rows, minlength=b)
     if stats is not None:
@@ -390,36 +357,37 @@ def _block_round(target, draft, noise, draft_noise, state, starts, counts, cfg_s
         stats.draft_forwards += k
 
 
-def _flat_steps(noise, starts, counts, row_steps: dict[int, int], cfg_scales, device):
+def _flat_steps(noise, params, row_steps: dict[int, int], device):
     """Flat ``(rows, pos, cfg)`` of the given step of each row (rows: image ids)."""
     rows, pos, cfg = [], [], []
     for b, s in row_steps.items():
-        p = noise.order[b, starts[s] : starts[s] + counts[s]]
+        p = noise.order[b, params.starts[s] : params.starts[s + 1]]
         rows.append(torch.full((p.numel(),), b, device=device))
         pos.append(p)
-        cfg.append(torch.full((p.numel(),), cfg_scales[s], device=device))
+        cfg.append(torch.full((p.numel(),), params.cfg_scales[s], device=device))
     return torch.cat(rows), torch.cat(pos), torch.cat(cfg)
 
 
-def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_scales, first_step, k_max,
-                  temperature, generator, *, emit_fn, stats, max_residual_tries, progress, callback,
-                  first_round):  # fmt: skip
+def _exact_rounds(target, draft, noise, state, params, first_step, first_round, generator, stats, progress,
+                  callback):  # fmt: skip
     """``verify_mode="exact"``: rounds until every image is complete; each image keeps its own step (ragged).
 
-    A round: the draft runs up to ``k_max`` steps of every unfinished image (canvas = committed + its drafts,
-    finished by the draft's own final step); the target scores step ``j`` of image ``b`` on the nested canvas
-    (committed + the drafts of steps ``< j``), all ``(b, j)`` in one batched pass; each drafted token ``x_q`` is
-    accepted with ``min(1, p(x_q) / q(x_q))`` where both are densities of the *emitted* (finished) value
+    A round: the draft runs up to ``K = params.num_draft_steps`` steps of every unfinished image (canvas = committed
+    + its drafts, finished by the draft's own final step); the target scores step ``j`` of image ``b`` on the nested
+    canvas (committed + the drafts of steps ``< j``), all ``(b, j)`` in one batched pass; each drafted token ``x_q``
+    is accepted with ``min(1, p(x_q) / q(x_q))`` where both are densities of the *emitted* (finished) value
     (`mmspec.decoding.final_step`); the image keeps its fully accepted leading steps, plus the first step with a
     rejection, whose rejected tokens are redrawn from ``norm([p - q]_+)`` by acceptance-rejection with proposal ``p``
-    (a plain ``p`` draw after ``max_residual_tries``). Later steps are discarded (they saw a draft that was replaced).
+    (a plain ``p`` draw after ``params.max_residual_tries``). Later steps are discarded (they saw a draft that was
+    replaced). ``first_step`` / ``first_round``: the schedule step and trace round this call starts at (after the
+    pre-fill).
     """
     b_total, length, dim = state.tokens.shape
     dev = state.tokens.device
-    num_steps = len(counts)
+    starts, num_steps, k_max = params.starts, params.num_steps, params.num_draft_steps
     row_step = {b: first_step for b in range(b_total)}
     all_rows = torch.arange(b_total, device=dev)
-    d_noise = noise if draft_noise is None else draft_noise
+    d_noise = noise.for_draft()
     round_index = first_round - 1  # the trace's round of this call's first round (after the pre-fill rounds)
     while row_step:
         round_index += 1
@@ -431,10 +399,10 @@ def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_
             steps_j = {b: s + j for b, s in row_step.items() if j < ks[b]}
             if not steps_j:
                 break
-            rows, pos, cfg = _flat_steps(noise, starts, counts, steps_j, cfg_scales, dev)
+            rows, pos, cfg = _flat_steps(noise, params, steps_j, dev)
             z_c, z_u = draft.features(canvas, visible, all_rows)
             zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
-            last = _head_last(draft, zc, zu, d_noise, rows, pos, cfg, temperature)
+            last = _head_last(draft, d_noise, params, zc, zu, rows, pos, cfg)
             x_q, logdet_q = FinalStep(draft.head, zc, zu, cfg).forward_logdet(last.value)
             draft.saw("diffusion head", x_q)
             canvas[rows, pos] = x_q.to(canvas.dtype)
@@ -453,7 +421,7 @@ def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_
         z_c, z_u = target.features(canvas[nest_img], nest_visible, nest_img)
         r = torch.tensor([nest_id[(b, j)] for b, j in zip(rows.tolist(), jj.tolist(), strict=True)], device=dev)
         zc, zu = z_c[r, pos], None if z_u is None else z_u[r, pos]
-        last_p = _head_last(target, zc, zu, noise, rows, pos, cfg, temperature)
+        last_p = _head_last(target, noise, params, zc, zu, rows, pos, cfg)
         f_p = FinalStep(target.head, zc, zu, cfg)
         accept_prob = finished_accept_prob(f_p, x_q, y_q, last_p.mean, last_p.std, mu_q, sd_q, logdet_q)
         u = _tries(torch.rand, generator, rows, 1, (), dev)[0]  # per image, in the image's own token order
@@ -476,12 +444,13 @@ def _exact_rounds(target, draft, noise, draft_noise, state, starts, counts, cfg_
             values[idx], fallbacks = residual_finished(f_p.select(idx), FinalStep(draft.head, zq_c[idx],
                                                  None if zq_u is None else zq_u[idx], cfg[idx]),
                                                  last_p.mean[idx], last_p.std[idx], mu_q[idx], sd_q[idx],
-                                                 rows[idx], generator, b_total, max_residual_tries)  # fmt: skip
+                                                 rows[idx], generator, b_total,
+                                                 params.max_residual_tries)  # fmt: skip
             state.num_fallbacks += fallbacks
             target.saw("diffusion head", values[idx])
         acc_keep, res_keep = keep & accepted, keep & ~accepted
-        emit_fn(rows[acc_keep], pos[acc_keep], values[acc_keep], ACCEPTED, round_index)
-        emit_fn(rows[res_keep], pos[res_keep], values[res_keep], RESAMPLED, round_index)
+        state.emit(rows[acc_keep], pos[acc_keep], values[acc_keep], ACCEPTED, round_index)
+        state.emit(rows[res_keep], pos[res_keep], values[res_keep], RESAMPLED, round_index)
         state.drafted += torch.bincount(rows, minlength=b_total)
         if stats is not None:
             stats.target_forwards += 1

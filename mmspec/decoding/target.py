@@ -6,8 +6,9 @@ in batch items: it scores `M` new tokens per row after the committed prefix -- a
 the hidden states of every model row). Prefill is model-specific (class ids, text features, images) and is called
 by the pipeline, not by the loop.
 
-Adapters: `mmspec.models.llamagen.target.LlamaGenTarget` (LlamaGen GPT on `mmspec.cache.StaticKVCache`). A
-transformers model plugs in the same way (a `Cache` subclass over `StaticKVCache`); where a cache slot is not the
+Adapters: `mmspec.models.llamagen.target.LlamaGenTarget` (LlamaGen GPT on `mmspec.cache.StaticKVCache`) and
+`mmspec.models.hf.target.HFTarget`, both on `mmspec.decoding.cached_target.CachedTarget` (the cache's commit /
+select_rows / lengths, written once). A transformers model plugs in the same way (a `Cache` subclass over `StaticKVCache`); where a cache slot is not the
 RoPE position (left padding, image tokens that collapse to fewer positions, Qwen2-VL M-RoPE) the adapter keeps a
 per-row position offset / position provider and passes explicit positions and 4-D masks to the model.
 """

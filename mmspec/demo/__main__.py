@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from mmspec.cli import DEFAULT_ZOO, HelpFormatter, check_device, int_in_range, non_negative_int
+from mmspec.cli.args import DEFAULT_ZOO, HelpFormatter, int_in_range, non_negative_int
+from mmspec.cli.checks import check_device
 
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ def main(argv=None):
                           pipeline_folder=args.pipeline_folder, device=args.device)  # fmt: skip
     demo = build_app(cache)
     try:
-        demo.launch(server_name=args.host, server_port=args.port, share=args.share, css=CSS)
+        # show_error=False: an exception Gradio raises itself (e.g. refusing a hand-made upload path) reaches the
+        # client as a generic message; True would send its text, which names server paths
+        demo.launch(server_name=args.host, server_port=args.port, share=args.share, css=CSS, show_error=False)
     except OSError as err:  # the port is taken / the address cannot be bound: nothing was loaded yet
         parser.error(f"argument --port: cannot listen on {args.host}:{args.port} ({err})")
     return 0

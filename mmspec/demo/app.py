@@ -8,6 +8,7 @@ shown as an error message on the page; any other failure is logged and shown as 
 serving.
 """
 
+import html
 import inspect
 import logging
 from pathlib import Path
@@ -16,6 +17,7 @@ import gradio as gr
 
 from mmspec.demo import handlers
 from mmspec.demo.answer import answer_legend_html
+from mmspec.demo.inputs import page_message, upload_refusal
 from mmspec.methods import ACCEPTANCES, KNOBS, PRESETS
 
 
@@ -24,26 +26,31 @@ logger = logging.getLogger(__name__)
 __all__ = ["CSS", "build_app"]
 
 TAB_TITLES = {"c2i": "Image: class", "t2i": "Image: prompt", "continuous": "Continuous (MAR + CSpD)", "vlm": "VLM"}
-CSS = ".mmspec-legend{font-size:0.85em;margin:4px 0} .tok{border-radius:3px}"
+CSS = (".mmspec-legend{font-size:0.85em;margin:4px 0} .tok{border-radius:3px} "
+       ".mmspec-warning{background:#fff3cd;color:#664d03;border-radius:4px;padding:4px 8px;margin-bottom:6px}")  # fmt: skip
 
 
 def _guarded(fn, num_inputs):
     """`fn(*values)` as a Gradio event function of `num_inputs` inputs plus a tracked `gr.Progress`; handler errors
-    become `gr.Error` messages (no stack trace reaches the page)."""
+    become `gr.Error` messages (no stack trace reaches the page, and no server path: `page_message` masks any). The
+    last input is the "quick timing" checkbox: default False, so API clients that do not send it keep working."""
 
     def run(*args):
         values = args[:num_inputs]
         try:
             return fn(*values)
         except (ValueError, TypeError) as err:
-            raise gr.Error(str(err), print_exception=False) from None
+            raise gr.Error(page_message(str(err)), print_exception=False) from None
         except gr.Error:
             raise
         except Exception as err:  # noqa: BLE001 -- shown as a message; the server keeps serving
             logger.exception("demo handler %s failed", getattr(fn, "__name__", fn))
-            raise gr.Error(f"generation failed: {type(err).__name__}: {err}", print_exception=False) from None
+            raise gr.Error(
+                f"generation failed ({type(err).__name__}); the server's log has the details", print_exception=False
+            ) from None
 
-    params = [inspect.Parameter(f"value_{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for i in range(num_inputs)]
+    params = [inspect.Parameter(f"value_{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for i in range(num_inputs - 1)]
+    params.append(inspect.Parameter("quick_timing", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=False))
     params.append(inspect.Parameter("progress", inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                     default=gr.Progress(track_tqdm=True)))  # fmt: skip
     run.__signature__ = inspect.Signature(params)
@@ -52,20 +59,25 @@ def _guarded(fn, num_inputs):
 
 
 def _image_upload(**kwargs):
-    """A `gr.Image` whose upload, if it is not an image, is answered with a message naming the file (a plain
-    `gr.Image` fails with a generic error before the handler runs). The instance's `preprocess` is wrapped: a
-    subclass of a Gradio component would make Gradio write a `.pyi` stub next to this module."""
-    component = gr.Image(**kwargs)
+    """A `gr.Image(type="pil")` upload: the handler gets pixels, never a path.
+
+    A client can send a hand-made `FileData` naming any server path instead of uploading a file. Gradio refuses a
+    path outside its upload folder before this component sees it (over the wire: a generic error that names no
+    path, as long as `launch(show_error=False)`, the demo's setting). A path inside the upload folder that PIL
+    cannot open (the folder itself, a missing file, a file that is not an image) gets one message naming only the
+    client's own file name, never the path nor the exception: the same answer for every case, so nothing tells a
+    client which server files exist. The instance's `preprocess` is wrapped: a subclass of a Gradio component
+    would make Gradio write a `.pyi` stub next to this module."""
+    component = gr.Image(type="pil", **kwargs)
     preprocess = component.preprocess
 
     def checked(payload):
         try:
             return preprocess(payload)
-        except (OSError, ValueError) as err:  # PIL.UnidentifiedImageError is an OSError
-            name = getattr(payload, "orig_name", None) or getattr(payload, "path", "the upload")
-            raise gr.Error(
-                f"image upload: {name!r} is not an image ({type(err).__name__})", print_exception=False
-            ) from None
+        except gr.Error:
+            raise
+        except Exception:  # noqa: BLE001 -- OSError, PIL's errors, DecompressionBombError: one answer for all
+            raise gr.Error(upload_refusal(getattr(payload, "orig_name", None)), print_exception=False) from None
 
     component.preprocess = checked
     return component
@@ -79,8 +91,9 @@ def _knob_widget(name, value, visible):
         return gr.Checkbox(value=value, label=label, info=info, visible=visible, elem_id=f"knob-{name}")
     if isinstance(knob.kind, tuple):
         return gr.Dropdown(choices=list(knob.kind), value=value, label=label, info=info, visible=visible)
+    # an optional knob's None must show empty: a gr.Number without a placeholder shows None as 0
     return gr.Number(value=value, label=label + (" (empty: auto)" if knob.optional else ""), info=info,
-                     visible=visible)  # fmt: skip
+                     visible=visible, placeholder="auto" if knob.optional else None)  # fmt: skip
 
 
 def _method_widgets(tab, acceptances, drafters, default_preset, knob_names):
@@ -114,6 +127,22 @@ def _method_widgets(tab, acceptances, drafters, default_preset, knob_names):
     return acceptance, drafter, knobs
 
 
+def _generate_row(tab, text="Generate"):
+    """The generate button and, next to it, the quick-timing checkbox."""
+    with gr.Row():
+        button = gr.Button(text, variant="primary", elem_id=f"{tab}-generate", scale=3)
+        quick = gr.Checkbox(value=False, label="quick timing", elem_id=f"{tab}-quick", scale=1,
+                            info=f"1 warm-up + 1 timed run of each side (default: {handlers.TIMING_REPEATS} "
+                                 "interleaved timed runs after the warm-up)")  # fmt: skip
+    return button, quick
+
+
+def _repeats(quick):
+    if not isinstance(quick, bool):
+        raise ValueError(f"quick timing must be a bool, got {quick!r}")
+    return 1 if quick else handlers.TIMING_REPEATS
+
+
 def _result_row(tab):
     with gr.Row():
         plain = gr.Image(label="plain decoding", type="pil", elem_id=f"{tab}-plain", interactive=False)
@@ -143,15 +172,16 @@ def _image_tab(cache, tab):
     acceptance, drafter, knobs = _method_widgets(tab, handlers.IMAGE_ACCEPTANCES,
                                                  [handlers.AUTO_DRAFTER, "eagle", "model", "jacobi"],
                                                  "exact-eagle" if tab == "c2i" else "jacobi", names)  # fmt: skip
-    button = gr.Button("Generate", variant="primary", elem_id=f"{tab}-generate")
+    button, quick = _generate_row(tab)
     outputs = _result_row(tab)
 
-    def generate(condition, acceptance, drafter, seed, guidance, *knob_values):
+    def generate(condition, acceptance, drafter, seed, guidance, *knob_values_and_quick):
+        *knob_values, quick = knob_values_and_quick
         result = handlers.generate_image(cache, tab, condition, acceptance, drafter, dict(zip(names, knob_values)),
-                                         seed, guidance)  # fmt: skip
+                                         seed, guidance, _repeats(quick))  # fmt: skip
         return _image_outputs(result)
 
-    inputs = [condition, acceptance, drafter, seed, guidance, *knobs]
+    inputs = [condition, acceptance, drafter, seed, guidance, *knobs, quick]
     button.click(_guarded(generate, len(inputs)), inputs, outputs, api_name=f"generate_{tab}",
                  concurrency_id="generate", concurrency_limit=1)  # fmt: skip
 
@@ -170,13 +200,14 @@ def _continuous_tab(cache):
                            info="block: one target pass per block (CSpD release); exact: lossless, slower")  # fmt: skip
         k = gr.Number(value=4, label="num_draft_tokens (AR steps per block)")
         ratio = gr.Number(value=0.15, label="prefill ratio (target-only steps)")
-    button = gr.Button("Generate", variant="primary", elem_id=f"{tab}-generate")
+    button, quick = _generate_row(tab)
     outputs = _result_row(tab)
 
-    def generate(label, seed, guidance, steps, mode, k, ratio):
-        return _image_outputs(handlers.generate_continuous(cache, label, seed, guidance, steps, mode, k, ratio))
+    def generate(label, seed, guidance, steps, mode, k, ratio, quick):
+        return _image_outputs(handlers.generate_continuous(cache, label, seed, guidance, steps, mode, k, ratio,
+                                                           _repeats(quick)))  # fmt: skip
 
-    inputs = [label, seed, guidance, steps, mode, k, ratio]
+    inputs = [label, seed, guidance, steps, mode, k, ratio, quick]
     button.click(_guarded(generate, len(inputs)), inputs, outputs, api_name="generate_continuous",
                  concurrency_id="generate", concurrency_limit=1)  # fmt: skip
 
@@ -186,8 +217,8 @@ def _vlm_tab(cache):
     names = handlers.vlm_knob_names()
     with gr.Row():
         with gr.Column():
-            upload = _image_upload(label="upload an image (empty: the held-out canvas)", type="filepath",
-                              sources=["upload"], elem_id=f"{tab}-upload")  # fmt: skip
+            upload = _image_upload(label="upload an image (empty: the held-out canvas)", sources=["upload"],
+                                   elem_id=f"{tab}-upload")  # fmt: skip
             canvas = gr.Number(value=0, label="held-out canvas (MNIST test digits) number", elem_id=f"{tab}-canvas")
         with gr.Column():
             prompt = gr.Textbox(value="Describe the image.", label="question", elem_id=f"{tab}-prompt")
@@ -195,10 +226,10 @@ def _vlm_tab(cache):
             seed = gr.Textbox(value="0", label="seed", elem_id=f"{tab}-seed")
             sample = gr.Checkbox(value=False, label="sample (do_sample; needs acceptance exact)")
             temperature = gr.Number(value=1.0, label="temperature")
+    # the preset's own acceptance (exact, which verifies greedy and sampled decoding alike), not an override
     acceptance, drafter, knobs = _method_widgets(tab, handlers.VLM_ACCEPTANCES, handlers.VLM_DRAFTERS,
                                                  "exact-eagle", names)  # fmt: skip
-    acceptance.value = "greedy"
-    button = gr.Button("Ask", variant="primary", elem_id=f"{tab}-generate")
+    button, quick = _generate_row(tab, "Ask")
     with gr.Row():
         shown = gr.Image(label="image asked about", type="pil", interactive=False, elem_id=f"{tab}-image")
         with gr.Column():
@@ -207,13 +238,18 @@ def _vlm_tab(cache):
             plain_text = gr.Textbox(label="plain decoding's answer", elem_id=f"{tab}-plain-text", interactive=False)
             summary = gr.Markdown(elem_id=f"{tab}-stats")
 
-    def ask(upload, canvas, prompt, acceptance, drafter, max_new, seed, sample, temperature, *knob_values):
+    def ask(upload, canvas, prompt, acceptance, drafter, max_new, seed, sample, temperature, *knob_values_and_quick):
+        *knob_values, quick = knob_values_and_quick
         r = handlers.answer_vlm(cache, upload, canvas, prompt, acceptance, drafter, dict(zip(names, knob_values)),
-                                max_new, seed, sample, temperature)  # fmt: skip
-        note = "" if r["same_answer"] else "\n\n(the answers differ: sampling, or a lossy setting)"
-        return [r["image"], r["answer_html"], r["plain_text"], r["summary"] + note]
+                                max_new, seed, sample, temperature, _repeats(quick))  # fmt: skip
+        warning = (
+            ""
+            if r["warning"] is None
+            else f'<div class="mmspec-warning" role="alert">⚠ {html.escape(r["warning"])}</div>'
+        )
+        return [r["image"], warning + r["answer_html"], r["plain_text"], r["summary"]]
 
-    inputs = [upload, canvas, prompt, acceptance, drafter, max_new, seed, sample, temperature, *knobs]
+    inputs = [upload, canvas, prompt, acceptance, drafter, max_new, seed, sample, temperature, *knobs, quick]
     button.click(_guarded(ask, len(inputs)), inputs, [shown, answer, plain_text, summary], api_name="ask_vlm",
                  concurrency_id="generate", concurrency_limit=1)  # fmt: skip
 

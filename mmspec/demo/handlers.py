@@ -3,20 +3,25 @@
 directly.
 
 Every generating handler runs plain decoding (`acceptance="none"`) and the chosen speculative method on the same
-input and seed, one after the other, batch 1, and reports both side by side.
+input and seed, batch 1, and reports both side by side. The latencies and the speedup are timed fairly
+(`mmspec.timing.time_interleaved`): one untimed warm-up run of each side, then `timing_repeats` interleaved runs,
+the median of each side; the summary says so in one line.
 """
 
 import functools
 import logging
+import re
 
 import numpy as np
 import torch
 
 from mmspec.demo.acceptance_map import origin_legend_html, origin_map, round_legend_html, round_map, upscale
 from mmspec.demo.answer import answer_html
+from mmspec.demo.canvas import canvas_warning
 from mmspec.demo.inputs import load_image, parse_int, parse_knobs, parse_seed
 from mmspec.demo.plots import accepted_per_round, histogram_figure
 from mmspec.methods import ACCEPTANCES, DRAFTERS, KNOBS, PRESETS, acceptance_names
+from mmspec.timing import time_interleaved
 
 
 logger = logging.getLogger(__name__)
@@ -27,6 +32,7 @@ __all__ = [
     "VLM_ACCEPTANCES",
     "VLM_DRAFTERS",
     "answer_vlm",
+    "comparison_note",
     "generate_continuous",
     "generate_image",
     "image_knob_names",
@@ -44,6 +50,18 @@ VLM_ACCEPTANCES = [
 ]  # SpeculativeVLMPipeline's speculative rules (greedy: greedy decoding), in this order
 VLM_DRAFTERS = [AUTO_DRAFTER] + [name for name, spec in DRAFTERS.items() if spec.component is not None]
 IMAGE_SIZE = 256  # samples and maps are shown upscaled to this many pixels
+# pipeline argument -> the label of its field on the page (the start of the widget's label): a pipeline error that
+# names the argument is shown with the label instead (`page_labels`); knobs are labelled by their registry names
+FIELD_LABELS = {
+    "class_labels": "class",
+    "guidance_scale": "guidance scale",
+    "num_ar_steps": "AR steps",
+    "verify_mode": "verify mode",
+    "prefill_ratio": "prefill ratio",
+    "max_new_tokens": "max new tokens",
+    "do_sample": "sample",
+}
+TIMING_REPEATS = 3  # timed runs of each side per click, after one warm-up run of each (`time_interleaved`)
 
 
 def image_knob_names():
@@ -81,13 +99,53 @@ def _generator(pipe, seed):
     return torch.Generator(pipe.device).manual_seed(seed)
 
 
-def _run_stats(stats):
+def page_labels(message):
+    """`message` with every pipeline argument of `FIELD_LABELS` named by its page label."""
+    pattern = r"\b(" + "|".join(map(re.escape, FIELD_LABELS)) + r")\b"
+    return re.sub(pattern, lambda m: FIELD_LABELS[m.group(1)], message)
+
+
+def _timed(pipe, seed, plain_kwargs, spec_kwargs, repeats):
+    """Plain and speculative calls of `pipe` (each from a fresh generator seeded `seed`), timed fairly: returns
+    `(plain output, speculative output, FairTiming)`. A pipeline's input error is re-raised with page labels."""
+    repeats = parse_int("timing repeats", repeats, 1, 100)
+    try:
+        return _time_both(pipe, seed, plain_kwargs, spec_kwargs, repeats)
+    except (ValueError, TypeError) as err:  # the pipelines check their inputs before the first forward
+        raise (TypeError if isinstance(err, TypeError) else ValueError)(page_labels(str(err))) from None
+
+
+def _time_both(pipe, seed, plain_kwargs, spec_kwargs, repeats):
+    timing = time_interleaved(
+        {
+            "plain": lambda: pipe(generator=_generator(pipe, seed), **plain_kwargs),
+            "speculative": lambda: pipe(generator=_generator(pipe, seed), **spec_kwargs),
+        },
+        repeats=repeats,
+        warmup=1,
+    )
+    return timing.results["plain"], timing.results["speculative"], timing
+
+
+def _run_stats(stats, seconds):
     return {
-        "latency_s": round(stats.time_total_s, 4),
+        "latency_s": round(seconds, 4),
         "target_forwards": int(stats.target_forwards),
         "mean_accepted_length": round(stats.mean_accepted_length, 3),
         "step_compression": round(stats.step_compression, 3),
     }
+
+
+def comparison_note(lossless, sampled=True):
+    """The one line shown under a plain-vs-speculative comparison, saying what lossless does (and does not) mean;
+    None for a lossless method under greedy decoding (the outputs are the same)."""
+    if lossless and sampled:
+        return ("Lossless means the speculative output has the same distribution as plain decoding, not that it is "
+                "the same sample: sampled outputs differ even on the same input and seed.")  # fmt: skip
+    if not lossless:
+        return ("This setting is lossy: its outputs follow a distribution close to plain decoding's, not equal to it "
+                "(faster, at some cost in fidelity).")  # fmt: skip
+    return None
 
 
 def _compare(plain, spec):
@@ -95,12 +153,17 @@ def _compare(plain, spec):
     return {"plain": plain, "speculative": spec, "speedup": round(speedup, 3)}
 
 
-def stats_markdown(stats, fields):
-    """A markdown table: one row per field, plain and speculative columns, then the speedup."""
+def stats_markdown(stats, fields, timing=None, note=None):
+    """A markdown table: one row per field, plain and speculative columns, then the speedup; below it, what the
+    timing is (`timing.describe`) and an optional `note`."""
     lines = ["| | plain | speculative |", "|---|---|---|"]
     for key, label in fields:
         lines.append(f"| {label} | {stats['plain'][key]} | {stats['speculative'][key]} |")
     lines.append(f"| **speedup** | 1.0× | **{stats['speedup']}×** |")
+    if timing is not None:
+        lines.append("\n" + timing.describe(threads=torch.get_num_threads()))
+    if note:
+        lines.append("\n" + note)
     return "\n".join(lines)
 
 
@@ -117,7 +180,8 @@ def _condition(pipe, tab, condition):
     return {"class_labels": [parse_int("class", condition, 0, num_classes - 1)]}
 
 
-def generate_image(cache, tab, condition, acceptance, drafter, knobs, seed, guidance_scale=2.0):
+def generate_image(cache, tab, condition, acceptance, drafter, knobs, seed, guidance_scale=2.0,
+                   timing_repeats=TIMING_REPEATS):  # fmt: skip
     """Discrete image tab (`tab` "c2i": `condition` a class id; "t2i": a prompt): plain and `acceptance` /
     `drafter` (+ `knobs`, `{name: value}` of registry knobs) from the same seed.
 
@@ -136,10 +200,11 @@ def generate_image(cache, tab, condition, acceptance, drafter, knobs, seed, guid
     pipe = cache.get(tab)
     cond = _condition(pipe, tab, condition)
     common = dict(guidance_scale=guidance_scale, **cond)
-    plain = pipe(acceptance="none", generator=_generator(pipe, seed), **common)
-    spec = pipe(acceptance=acceptance, drafter=None if drafter in (None, AUTO_DRAFTER) else drafter,
-                generator=_generator(pipe, seed), **common, **knobs)  # fmt: skip
-    stats = _compare(_run_stats(plain.stats), _run_stats(spec.stats))
+    spec_kwargs = dict(acceptance=acceptance, drafter=None if drafter in (None, AUTO_DRAFTER) else drafter, **common,
+                       **knobs)  # fmt: skip
+    plain, spec, timing = _timed(pipe, seed, dict(acceptance="none", **common), spec_kwargs, timing_repeats)
+    stats = _compare(_run_stats(plain.stats, timing.median("plain")),
+                     _run_stats(spec.stats, timing.median("speculative")))  # fmt: skip
     per_round = accepted_per_round(spec.trace)
     histogram = np.bincount(per_round, minlength=spec.stats.num_draft_tokens + 1)
     num_rounds = int(spec.trace.round.max()) + 1
@@ -152,7 +217,7 @@ def generate_image(cache, tab, condition, acceptance, drafter, knobs, seed, guid
         "histogram": histogram,
         "figure": histogram_figure(histogram, f"{acceptance}: {len(per_round)} rounds"),
         "stats": stats,
-        "summary": stats_markdown(stats, IMAGE_FIELDS),
+        "summary": stats_markdown(stats, IMAGE_FIELDS, timing, comparison_note(ACCEPTANCES[acceptance].lossless)),
         "trace": spec.trace,
     }
 
@@ -172,7 +237,7 @@ CONTINUOUS_FIELDS = [("latency_s", "latency (s)"), ("target_forwards", "target f
 
 
 def generate_continuous(cache, class_label, seed, guidance_scale=4.0, num_ar_steps=64, verify_mode="exact",
-                        num_draft_tokens=4, prefill_ratio=0.15):  # fmt: skip
+                        num_draft_tokens=4, prefill_ratio=0.15, timing_repeats=TIMING_REPEATS):  # fmt: skip
     """Continuous tab: plain MAR and CSpD (`acceptance="continuous"`) from the same seed.
 
     Returns:
@@ -186,12 +251,13 @@ def generate_continuous(cache, class_label, seed, guidance_scale=4.0, num_ar_ste
                   num_ar_steps=parse_int("AR steps", num_ar_steps, 1, pipe.transformer.seq_len))  # fmt: skip
     k = parse_int("num_draft_tokens", num_draft_tokens, 1, pipe.transformer.seq_len)
     ratio = _finite("prefill ratio", prefill_ratio)
-    plain = pipe([label], acceptance="none", generator=_generator(pipe, seed), **common)
-    spec = pipe([label], acceptance="continuous", verify_mode=verify_mode, num_draft_tokens=k, prefill_ratio=ratio,
-                generator=_generator(pipe, seed), **common)  # fmt: skip
+    spec_kwargs = dict(class_labels=[label], acceptance="continuous", verify_mode=verify_mode, num_draft_tokens=k,
+                       prefill_ratio=ratio, **common)  # fmt: skip
+    plain, spec, timing = _timed(pipe, seed, dict(class_labels=[label], acceptance="none", **common), spec_kwargs,
+                                 timing_repeats)  # fmt: skip
     runs = []
-    for out in (plain, spec):
-        row = _run_stats(out.stats)
+    for out, name in ((plain, "plain"), (spec, "speculative")):
+        row = _run_stats(out.stats, timing.median(name))
         row["acceptance_rate"] = round(out.stats.acceptance_rate, 3)
         runs.append(row)
     stats = _compare(*runs)
@@ -207,7 +273,7 @@ def generate_continuous(cache, class_label, seed, guidance_scale=4.0, num_ar_ste
             histogram, f"CSpD ({verify_mode}): {len(per_round)} blocks", "draft tokens accepted in a block"
         ),
         "stats": stats,
-        "summary": stats_markdown(stats, CONTINUOUS_FIELDS),
+        "summary": stats_markdown(stats, CONTINUOUS_FIELDS, timing, comparison_note(verify_mode == "exact")),
         "trace": spec.trace,
     }
 
@@ -225,21 +291,25 @@ VLM_FIELDS = [("latency_s", "latency (s)"), ("tau", "τ (tokens per round)"), ("
 
 
 def answer_vlm(cache, upload, canvas, prompt, acceptance, drafter, knobs, max_new_tokens=32, seed=0, do_sample=False,
-               temperature=1.0):  # fmt: skip
+               temperature=1.0, timing_repeats=TIMING_REPEATS):  # fmt: skip
     """VLM tab: `upload` (a file path or PIL image; None: held-out canvas number `canvas`) and `prompt`, answered by
     plain decoding and by `acceptance` / `drafter` (+ `knobs`).
 
     Returns:
         dict: `image` (the image asked about, upscaled), `answer_html` (speculative answer, drafted tokens
         highlighted), `plain_text`, `speculative_text`, `same_answer`, `stats` (`latency_s`, `tau`, `tokens_per_s`,
-        `new_tokens` per run, `speedup`), `summary`, `trace`.
+        `new_tokens` per run, `speedup`), `summary`, `trace`, `warning` (None, or why an uploaded image is unlike
+        the zoo's training canvases, when the demo serves the zoo: `mmspec.demo.canvas.canvas_warning`).
     """
     from mmspec.methods import VLM_LIMITS
 
+    warning = None
     if upload is not None and not (isinstance(upload, str) and not upload):
         image = load_image(upload)
+        if getattr(cache, "zoo", None) is not None:
+            warning = canvas_warning(image)
     else:
-        image = held_out_canvas(parse_int("canvas", canvas, 0, 10_000))
+        image = held_out_canvas(parse_int("held-out canvas", canvas, 0, 10_000))
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("question: type a question, e.g. 'Describe the image.'")
     if acceptance not in VLM_ACCEPTANCES:
@@ -252,28 +322,39 @@ def answer_vlm(cache, upload, canvas, prompt, acceptance, drafter, knobs, max_ne
             raise ValueError(f"{name} must be <= {VLM_LIMITS[name]}, got {value}")
     if not isinstance(do_sample, bool):
         raise ValueError(f"sample must be a bool, got {do_sample!r}")
+    if acceptance == "greedy" and do_sample:
+        raise ValueError(
+            "sample: acceptance greedy verifies greedy decoding; untick sample, or choose acceptance exact"
+        )
     pipe = cache.get("vlm")
     common = dict(images=image, prompt=prompt.strip(), max_new_tokens=max_new_tokens, do_sample=do_sample,
                   temperature=_finite("temperature", temperature))  # fmt: skip
-    plain = pipe(acceptance="none", generator=_generator(pipe, seed), **common)
-    spec = pipe(acceptance=acceptance, drafter=None if drafter in (None, AUTO_DRAFTER) else drafter,
-                generator=_generator(pipe, seed), **common, **knobs)  # fmt: skip
+    spec_kwargs = dict(acceptance=acceptance, drafter=None if drafter in (None, AUTO_DRAFTER) else drafter, **common,
+                       **knobs)  # fmt: skip
+    plain, spec, timing = _timed(pipe, seed, dict(acceptance="none", **common), spec_kwargs, timing_repeats)
     runs = []
-    for out in (plain, spec):
+    for out, name in ((plain, "plain"), (spec, "speculative")):
+        seconds, new_tokens = timing.median(name), int((out.sequences >= 0).sum())
         runs.append({
-            "latency_s": round(out.stats.time_total_s, 4),
+            "latency_s": round(seconds, 4),
             "tau": round(out.stats.mean_accepted_length, 3),
-            "tokens_per_s": round(out.stats.extra.get("tokens_per_s") or 0.0, 2),
-            "new_tokens": int((out.sequences >= 0).sum()),
+            "tokens_per_s": round(new_tokens / seconds if seconds > 0 else 0.0, 2),  # over the median wall-clock
+            "new_tokens": new_tokens,
         })  # fmt: skip
     stats = _compare(*runs)
+    same = plain.text[0] == spec.text[0]
+    note = comparison_note(True, do_sample)  # both VLM methods are lossless
+    if not same and not do_sample:
+        note = ("The answers differ under greedy decoding: verifying several tokens in one forward rounds slightly "
+                "differently from one at a time, so near-tied logits can pick different tokens (not a lossy method).")  # fmt: skip
     return {
         "image": upscale(image, IMAGE_SIZE),
         "answer_html": answer_html(pipe.tokenizer, spec.sequences[0], spec.trace),
         "plain_text": plain.text[0],
         "speculative_text": spec.text[0],
-        "same_answer": plain.text[0] == spec.text[0],
+        "same_answer": same,
         "stats": stats,
-        "summary": stats_markdown(stats, VLM_FIELDS),
+        "summary": stats_markdown(stats, VLM_FIELDS, timing, note),
         "trace": spec.trace,
+        "warning": warning,
     }

@@ -3,14 +3,14 @@ the field (the app shows it as it is). Knob values go through the registry's own
 """
 
 import math
+import re
 from pathlib import Path
 
+from mmspec.cli.args import MAX_SEED
 from mmspec.methods import KNOBS, check_knob
 
 
-__all__ = ["MAX_SEED", "load_image", "parse_int", "parse_knobs", "parse_seed"]
-
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
+__all__ = ["MAX_SEED", "load_image", "page_message", "parse_int", "parse_knobs", "parse_seed", "upload_refusal"]
 
 
 def parse_int(name, value, low=None, high=None):
@@ -65,17 +65,36 @@ def parse_knobs(values):
     return {name: _knob_value(name, value) for name, value in values.items()}
 
 
-def load_image(path):
-    """An uploaded file -> RGB `PIL.Image`; a file that is not an image is a `ValueError` naming the upload."""
-    from PIL import Image, UnidentifiedImageError
+def upload_refusal(name=None):
+    """The one message for an upload that cannot be read as an image (not an image, a folder, a missing file): it
+    names the client's own file name (`name`, basename only), never a server path or the exception's text."""
+    shown = Path(name).name if isinstance(name, str) and name.strip() else ""
+    return f"image upload: {shown!r} is not an image file" if shown else "image upload: the file is not an image"
 
-    if isinstance(path, Image.Image):
-        return path.convert("RGB")
-    if not isinstance(path, (str, Path)) or not Path(path).is_file():
-        raise ValueError(f"image upload: no such file {path!r}")
+
+# a path (absolute, home or ../ relative; POSIX or Windows): quoted (spaces and all) or bare (up to a blank)
+_QUOTED_PATH = re.compile(r"""(['"])(?:[A-Za-z]:|~|\.{1,2})?[/\\].*?\1""")
+_BARE_PATH = re.compile(r"""(?<![\w.\-])(?:[A-Za-z]:|~|\.{1,2})?[/\\][^\s'"]*""")
+
+
+def page_message(text):
+    """`text` (an error message) with every path masked: messages shown on the page name no server path."""
+    text = _QUOTED_PATH.sub(lambda m: f"{m.group(1)}<path>{m.group(1)}", str(text))
+    return _BARE_PATH.sub("<path>", text)
+
+
+def load_image(image):
+    """An image file (path) or PIL image -> RGB `PIL.Image`. Anything PIL cannot open (not an image, a folder, a
+    missing file) is one `ValueError` naming the file's base name only (`upload_refusal`)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if not isinstance(image, (str, Path)):
+        raise ValueError(f"image upload: expected an image file or a PIL image, got {type(image).__name__}")
     try:
-        with Image.open(path) as image:
-            image.load()
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
-        raise ValueError(f"image upload: {Path(path).name!r} is not an image PIL can read ({err})") from None
+        with Image.open(image) as opened:
+            opened.load()
+            return opened.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError):  # UnidentifiedImageError is an OSError
+        raise ValueError(upload_refusal(str(image))) from None

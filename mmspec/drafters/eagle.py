@@ -22,11 +22,10 @@ import logging
 import torch
 
 from mmspec.decoding.drafter import Proposal
+from mmspec.drafters.chain import sample_chain
 from mmspec.drafters.tree import DraftTree, grow_tree
 from mmspec.models.hf.inputs import image_token_mask
 from mmspec.models.llamagen.eagle import EagleHead
-from mmspec.random import num_rows
-from mmspec.sampling import sample
 
 
 logger = logging.getLogger(__name__)
@@ -88,19 +87,17 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
     """
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
-    feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid, validate)  # [rows, 1, dim]
-    counted = num_draft is not None and num_rows(generator) is not None  # per-row generators: draw only what's used
-    tokens, probs = [], []
-    for d in range(length):
-        q = guidance.probs(head.compute_logits(target, feat[:, 0]), "draft")  # [B, V]
-        tok = sample(q, generator, counts=(num_draft > d).long() if counted else None)
-        tokens.append(tok)
-        probs.append(q)
-        if d + 1 < length:
-            feat = head(feat, guidance.rows(tok)[:, None], target, cache, validate=False)  # (f_hat, x), next slot
+    feat = [commit_accepted(head, target, cache, hidden, input_ids, num_valid, validate)]  # [rows, 1, dim]
+
+    def step(tok):  # the first draft from the accepted pairs' last feature, then (f_hat, x) at the next slot
+        if tok is not None:
+            feat[0] = head(feat[0], guidance.rows(tok), target, cache, validate=False)
             cache.commit(1)
+        return head.compute_logits(target, feat[0][:, 0])
+
+    tokens, q_draft, _ = sample_chain(step, None, length, guidance, generator, num_draft)
     cache.rollback(cache.lengths - (length - 1))
-    return torch.stack(tokens, 1), torch.stack(probs, 1)
+    return tokens, q_draft
 
 
 @torch.no_grad()

@@ -21,8 +21,7 @@ import logging
 import torch
 
 from mmspec.decoding.drafter import Proposal
-from mmspec.random import num_rows
-from mmspec.sampling import sample
+from mmspec.drafters.chain import refeed, sample_chain
 
 
 logger = logging.getLogger(__name__)
@@ -75,24 +74,17 @@ class ModelDrafter:
         g = self.guidance
         num_draft = state.remaining().clamp(min=1, max=self.k)
         length = min(self.k, state.max_remaining)  # no drafts past the last token of any row
-        if self._first_round:
-            feed = state.pending[:, None]
-        else:
-            feed = torch.stack([state.last_committed, state.pending], dim=1)  # `commit` left the last slot open
-        feed = g.rows(feed)
-        counted = num_rows(state.generator) is not None  # per-row generators: draw only the drafts a row uses
-        tokens, probs = [], []
-        for d in range(length):
-            logits = self.model(feed, self.cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
+
+        def step(feed):  # `[last committed, pending]` / `[pending]`, then each draft: fed and committed
+            logits = self.model(g.rows(feed), self.cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
             self.cache.commit(feed.shape[1])
-            q = g.probs(logits, "draft")  # [B, V] exactly what the draft is drawn from
-            tok = sample(q, state.generator, counts=(num_draft > d).long() if counted else None)
-            tokens.append(tok)
-            probs.append(q)
-            feed = g.rows(tok)[:, None]
+            return logits
+
+        tokens, q_draft, _ = sample_chain(step, refeed(state, self._first_round), length, g, state.generator,
+                                          num_draft)  # fmt: skip
         self.draft_forwards += length
         self._first_round = False
-        return Proposal(torch.stack(tokens, 1), num_draft, q_draft=torch.stack(probs, 1))
+        return Proposal(tokens, num_draft, q_draft=q_draft)
 
     def commit(self, result, target_out, state):
         """Keep everything but the last committed token (prefix + `count - 2` tokens), which the next round re-feeds."""

@@ -21,11 +21,10 @@ import torch
 
 from mmspec.cache import chain_inputs
 from mmspec.decoding.drafter import Proposal
+from mmspec.drafters.chain import refeed, sample_chain
 from mmspec.drafters.tree import grow_tree
 from mmspec.models.hf.inputs import decoder_of
 from mmspec.models.hf.target import HFTarget
-from mmspec.random import num_rows
-from mmspec.sampling import sample
 
 
 __all__ = ["TextModelDrafter"]
@@ -77,24 +76,12 @@ class TextModelDrafter:
             return self._propose_tree(state)
         num_draft = state.remaining().clamp(min=1, max=self.k)
         length = min(self.k, state.max_remaining)  # no drafts past the last token of any row
-        feed = state.pending[:, None] if self._first_round else torch.stack([state.last_committed, state.pending], 1)
-        counted = num_rows(state.generator) is not None  # per-row generators: draw only the drafts a row uses
-        tokens, probs = [], []
-        for d in range(length):
-            logits = self._last_logits(feed)  # [B, V]
-            q = self.draft.guidance.probs(logits, "draft")  # exactly what the draft is drawn from
-            tok = sample(q, state.generator, counts=(num_draft > d).long() if counted else None)
-            tokens.append(tok)
-            probs.append(q)
-            feed = tok[:, None]
-            if self.confidence is not None:  # rows stop after an unsure token (its raw draft probability)
-                sure = torch.softmax(logits.float(), dim=-1).gather(1, feed)[:, 0] >= self.confidence
-                num_draft = torch.where(sure, num_draft, num_draft.clamp(max=d + 1))
-                if not bool((num_draft > d + 1).any()):
-                    break
-        self.draft_forwards += len(tokens)
+        tokens, q_draft, num_draft = sample_chain(self._last_logits, refeed(state, self._first_round), length,
+                                                  self.draft.guidance, state.generator, num_draft,
+                                                  confidence=self.confidence)  # fmt: skip
+        self.draft_forwards += tokens.shape[1]
         self._first_round = False
-        return Proposal(torch.stack(tokens, 1), num_draft, q_draft=torch.stack(probs, 1))
+        return Proposal(tokens, num_draft, q_draft=q_draft)
 
     def _last_logits(self, feed):
         """Feed a chain `[B, M]` to the draft, commit it, and return the logits after its last token `[B, V]`."""
@@ -109,8 +96,7 @@ class TextModelDrafter:
         return torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=float("-inf"))  # NaN: see Guidance.check
 
     def _propose_tree(self, state):
-        feed = state.pending[:, None] if self._first_round else torch.stack([state.last_committed, state.pending], 1)
-        root = self._last_logits(feed)  # [B, V]
+        root = self._last_logits(refeed(state, self._first_round))  # [B, V]
         self.draft.guidance.probs(root, "draft")  # only for the NaN check of the draft's logits (Guidance.check)
         self._first_round = False
         cache, decoder, base = self.draft.cache, decoder_of(self.draft.model), self.draft.cache.lengths

@@ -23,6 +23,7 @@ are the target's and the draft's next-token laws.
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,7 @@ from mmspec.cache import StaticKVCache
 from mmspec.methods import VISION_POLICIES
 from mmspec.models.hf.eagle import TextEagleHead
 from mmspec.models.hf.target import StaticCache
+from mmspec.models.llamagen.eagle import init_linears
 
 
 logger = logging.getLogger(__name__)
@@ -123,7 +125,11 @@ class VisionEagleHead(TextEagleHead):
             resampler expert.
         ratio: SpecVLM's prune / pool / conv experts keep `tokens_per_image / ratio` tokens per image.
         gate_tau: Gumbel-softmax temperature of SpecVLM's gate (training only).
+
+    `setup_cache` (`TextEagleHead`'s) makes a `VisionDraftCache` (offsets 0 until `prefill_prompt`).
     """
+
+    cache_class = VisionDraftCache
 
     @register_to_config
     def __init__(
@@ -197,12 +203,7 @@ class VisionEagleHead(TextEagleHead):
     def init_weights(self, generator=None):
         """`TextEagleHead`'s init for `fc` and the decoder layer; the vision policy keeps its own (e.g. Conv starts as
         Pool) and `img_fc` is reset to [identity | 0]."""
-        for part in (self.fc, self.layer):
-            for module in part.modules():
-                if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
-                    nn.init.normal_(module.weight, 0.0, self.config.initializer_range, generator=generator)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
+        init_linears(chain(self.fc.modules(), self.layer.modules()), self.config.initializer_range, generator)
         if hasattr(self, "vision"):
             self.reset_vision()
         return self
@@ -224,15 +225,6 @@ class VisionEagleHead(TextEagleHead):
         return self
 
     # ------------------------------------------------------------------ cache and positions
-    def setup_cache(self, rows, max_seq, dtype=None, device=None):
-        """As `TextEagleHead.setup_cache`, as a `VisionDraftCache` (offsets 0 until `prefill_prompt`)."""
-        c, p = self.config, next(self.parameters())
-        cache = VisionDraftCache(1, rows, c.num_key_value_heads, int(max_seq) + 1, c.head_dim,
-                                 dtype=dtype or p.dtype, device=device or p.device)  # fmt: skip
-        cache.key_valid[:, 0] = False
-        cache.lengths = torch.ones(rows, dtype=torch.long, device=cache.device)
-        return cache
-
     def _rope_positions(self, input_pos, cache):
         offset = getattr(cache, "position_offset", None)
         return input_pos if offset is None else input_pos + offset[:, None]

@@ -38,7 +38,7 @@ TASKS = {
 
 
 def main(argv=None):
-    from mmspec.cli import HelpFormatter
+    from mmspec.cli.args import HelpFormatter
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mmspec train", description=__doc__)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mmspec.cli import int_in_range, non_negative_int
+from mmspec.cli.args import int_in_range, non_negative_int
 from mmspec.data.captions import (
     TEMPLATES,
     attribute_labels,

@@ -11,7 +11,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import probability
+from mmspec.cli.args import probability
 from mmspec.data.mnist import load_mnist
 from mmspec.models.classifier import MNISTClassifier
 from mmspec.train.common import (

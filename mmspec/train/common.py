@@ -64,7 +64,7 @@ import torch
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from mmspec.cli import DEFAULT_ZOO, finite_float, int_in_range, non_negative_float
+from mmspec.cli.args import DEFAULT_ZOO, MAX_THREADS, int_in_range, limited_float, non_negative_float, seed_int
 
 
 logger = logging.getLogger(__name__)
@@ -76,25 +76,13 @@ TRAINING_JSON = "training.json"
 
 # ----------------------------------------------------------------------------- CLI / process setup
 
-#: Upper bounds of the shared flags (a typo must not cost hours or all the memory): steps, batch size, threads.
-MAX_STEPS, MAX_BATCH, MAX_THREADS = 10_000_000, 65_536, 1024
+#: Upper bounds of the shared flags (a typo must not cost hours or all the memory): steps, batch size (threads:
+#: `mmspec.cli.args.MAX_THREADS`).
+MAX_STEPS, MAX_BATCH = 10_000_000, 65_536
 #: Upper bound of the tasks' size and count flags (widths, layers, heads, codebook size, evaluation sizes).
 MAX_SIZE = 1 << 20
 size_int = int_in_range(1, MAX_SIZE)  # argparse `type`: an integer in [1, MAX_SIZE]
 count_int = int_in_range(0, MAX_SIZE)  # argparse `type`: an integer in [0, MAX_SIZE]
-
-
-def bounded_float(low: float, high: float, low_open: bool = False):
-    """argparse `type` factory: a finite number in [low, high] ((low, high] with `low_open`)."""
-
-    def parse(text):
-        value = finite_float(text)
-        if value < low or (low_open and value == low) or value > high:
-            left = "(" if low_open else "["
-            raise argparse.ArgumentTypeError(f"{text!r} is not in {left}{low:g}, {high:g}]")
-        return value
-
-    return parse
 
 
 def add_common_arguments(
@@ -117,19 +105,17 @@ def add_common_arguments(
     parser.add_argument("--out", default=out, required=out is None, help="output model folder (also holds checkpoint)")
     declare_paths(parser, output_folders=("out",))
     parser.set_defaults(_checkpoints=(("out", "", "steps", ()),))  # checked by `check_resumable`
-    parser.add_argument(
-        "--seed", type=int_in_range(0, 2**63 - 1), default=0, help="seed (torch.Generator + torch.manual_seed)"
-    )
+    parser.add_argument("--seed", type=seed_int, default=0, help="seed (torch.Generator + torch.manual_seed)")
     parser.add_argument("--steps", type=int_in_range(1, MAX_STEPS), default=steps, help="total optimisation steps")
     parser.add_argument("--batch-size", type=int_in_range(1, MAX_BATCH), default=batch_size)
     parser.add_argument(
         "--lr",
-        type=bounded_float(0, 10.0, low_open=True),
+        type=limited_float("lr", 0, 10.0, low_open=True),
         default=lr,
         help="peak learning rate (warmup + cosine decay)",
     )
     parser.add_argument("--warmup-steps", type=int_in_range(0, MAX_STEPS), default=warmup_steps)
-    parser.add_argument("--weight-decay", type=bounded_float(0, 10.0), default=0.0)
+    parser.add_argument("--weight-decay", type=limited_float("weight_decay", 0, 10.0), default=0.0)
     parser.add_argument("--grad-clip", type=non_negative_float, default=1.0, help="max grad norm (0 disables)")
     parser.add_argument(
         "--checkpoint-every",
@@ -172,7 +158,7 @@ def declare_paths(
 
 def _check_writable(parser, flag: str, path: Path) -> None:
     """`path` (a file or folder to write) can be created: its parent is, or can be created as, a writable folder."""
-    from mmspec.cli import check_output_folder
+    from mmspec.cli.checks import check_output_folder
 
     check_output_folder(parser, flag, path.parent)
 

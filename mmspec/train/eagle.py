@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float, probability
+from mmspec.cli.args import non_negative_float, probability
 from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.train.common import (
     add_common_arguments,

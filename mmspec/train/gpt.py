@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import probability
+from mmspec.cli.args import probability
 from mmspec.models.llamagen.gpt import LlamaGenGPT
 from mmspec.train.common import (
     add_common_arguments,

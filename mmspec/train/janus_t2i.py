@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import positive_float, probability
+from mmspec.cli.args import positive_float, probability
 from mmspec.train.captions import add_caption_arguments, ensure_captions, split_rows
 from mmspec.train.common import (
     add_common_arguments,

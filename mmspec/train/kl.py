@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import non_negative_float
+from mmspec.cli.args import non_negative_float
 from mmspec.data.mnist import MNIST_PAD, load_mnist
 from mmspec.models.mar.kl_vae import AutoencoderKL
 from mmspec.train.common import (

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import positive_float
+from mmspec.cli.args import positive_float
 from mmspec.train.common import (
     add_common_arguments,
     configure_threads,

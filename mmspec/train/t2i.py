@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import positive_float, probability
+from mmspec.cli.args import positive_float, probability
 from mmspec.data.captions import attribute_labels
 from mmspec.models.llamagen.gpt import LlamaGenGPT
 from mmspec.train.captions import add_caption_arguments, ensure_captions, split_rows

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmspec.cli import int_in_range, non_negative_int
+from mmspec.cli.args import int_in_range, non_negative_int
 from mmspec.data.mnist import load_mnist
 from mmspec.train.common import (
     MAX_STEPS,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import int_in_range, non_negative_float, positive_float, weights_of
+from mmspec.cli.args import int_in_range, non_negative_float, positive_float, weights_of
 from mmspec.data.canvases import (
     NUMBER_WORDS,
     POSITIONS,

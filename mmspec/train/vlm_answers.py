@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import int_in_range, non_negative_int, positive_float, probability
+from mmspec.cli.args import int_in_range, non_negative_int, positive_float, probability
 from mmspec.methods import VLM_LIMITS
 from mmspec.train.common import (
     MAX_THREADS,

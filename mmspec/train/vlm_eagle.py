@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import int_in_range, non_negative_float
+from mmspec.cli.args import int_in_range, non_negative_float
 from mmspec.train.common import (
     add_common_arguments,
     check_run_flags,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.cli import int_in_range, non_negative_float, positive_float
+from mmspec.cli.args import int_in_range, non_negative_float, positive_float
 from mmspec.train.common import (
     MAX_STEPS,
     add_common_arguments,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.cli import int_in_range, non_negative_float, probability
+from mmspec.cli.args import int_in_range, non_negative_float, probability
 from mmspec.data.mnist import MNIST_PAD, load_mnist
 from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.train.common import (

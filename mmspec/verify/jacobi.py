@@ -10,7 +10,7 @@ that iteration's processed distribution (one-hot for freshly initialised tokens)
 import torch
 from torch import Tensor
 
-from mmspec.random import Generators
+from mmspec.random import Generators, rand
 from mmspec.sampling import sample
 from mmspec.verify.chain import run_chain
 from mmspec.verify.registry import resolve_rule
@@ -18,7 +18,7 @@ from mmspec.verify.results import JacobiResult
 from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
 
 
-__all__ = ["carry_window", "verify_jacobi"]
+__all__ = ["carry_window", "coupled_redraft", "verify_jacobi"]
 
 
 def verify_jacobi(
@@ -77,17 +77,12 @@ def verify_jacobi(
         validate=validate,
     )
     p, q, tokens, lengths, n = chain.p, chain.q, chain.tokens, chain.lengths, chain.num_accepted
-    batch, k = tokens.shape
 
-    # Re-draft every position j = 0..L from this iteration's p_j (only j in n+1..L are kept).
-    redraft = sample(p, generator, counts=lengths + 1)  # [B, K+1] fresh
-    if coupling and k > 0:
-        exact_accept = chain.accept_prob if type(rule) is Exact else Exact().accept(p[:, :k], q, tokens)
-        keep = chain.coins < exact_accept  # [B, K]: the verification coin, unused after the first rejection
-        moved = sample(residual_probs(p[:, :k], q, tokens), generator, counts=lengths)  # [B, K]
-        coupled = torch.where(keep, tokens, moved)
-        has_old = torch.arange(k, device=p.device) < lengths[:, None]  # an old draft to couple with
-        redraft = torch.cat([torch.where(has_old, coupled, redraft[:, :k]), redraft[:, k:]], dim=1)
+    # Re-draft every position j = 0..L from this iteration's p_j (only j in n+1..L are kept); SCD re-uses the
+    # verification coin of position j, unused after the first rejection
+    exact_accept = chain.accept_prob if type(rule) is Exact else None
+    redraft = coupled_redraft(p, q, tokens, lengths, generator, coupling=coupling, coins=chain.coins,
+                              accept_prob=exact_accept)  # fmt: skip
     next_drafts, next_q, num_carried = carry_window(redraft, p, n, lengths)
     return JacobiResult(
         num_accepted=result.num_accepted,
@@ -98,6 +93,54 @@ def verify_jacobi(
         next_q=next_q,
         num_carried=num_carried,
     )
+
+
+def coupled_redraft(
+    p: Tensor,
+    q: Tensor,
+    drafts: Tensor,
+    lengths: Tensor,
+    generator: Generators,
+    *,
+    coupling: bool = True,
+    coins: Tensor | None = None,
+    accept_prob: Tensor | None = None,
+) -> Tensor:
+    """The Jacobi re-draft of every window position from this round's distributions: SJD's independent samples, or
+    SCD's coupled re-draft (Speculative Coupled Decoding / MC-SJD, So et al., arXiv 2510.24211), which keeps each
+    old draft as often as maximal coupling allows.
+
+    Position ``j`` (``0 .. L``, ``L = lengths[b]``) gets ``y_j ~ p_j``. With ``coupling``, a position with an old
+    draft ``d_j`` (``j < L``) keeps it with probability ``min(1, p_j(d_j) / q_j(d_j))`` (the coin ``coins[:, j]`` <
+    ``accept_prob[:, j]``), else takes ``y ~ norm([p_j - q_j]_+)``: marginally still ``y_j ~ p_j`` (verification
+    stays lossless), while drafts repeat far more often. Position ``L`` has no old draft: always the fresh sample.
+    Used by `verify_jacobi` (chains; the verification coins) and `mmspec.verify.jacobi_tree.verify_jacobi_tree`
+    (SJD-PAC's main branch; fresh coins).
+
+    RNG: the fresh samples ``[B, K+1]`` (row b draws ``L + 1``); then with coupling, when ``coins`` is None, fresh
+    coins ``[B, K]`` (row b draws ``L``); then the residual samples ``[B, K]`` (row b draws ``L``).
+
+    Args:
+        p: ``[B, K+1, V]`` this round's distribution at each position; q: ``[B, K, V]`` the old drafts' laws;
+            drafts: ``[B, K]`` the old drafts (valid ids); lengths: ``[B]`` old drafts per row.
+        generator: one ``torch.Generator`` or one per row; coupling: SCD (True) or SJD (False).
+        coins: ``[B, K]`` uniforms to re-use (default: drawn here); accept_prob: ``[B, K]`` the exact acceptance
+            probability ``min(1, p/q)`` at the drafts, when already computed (default: computed here).
+
+    Returns: ``[B, K+1]`` one re-draft per window position."""
+    batch, k = drafts.shape
+    redraft = sample(p, generator, counts=lengths + 1)  # [B, K+1] fresh
+    if not coupling or k == 0:
+        return redraft
+    if coins is None:
+        coins = rand((batch, k), generator, device=p.device, dtype=p.dtype, counts=lengths)
+    if accept_prob is None:
+        accept_prob = Exact().accept(p[:, :k], q, drafts)
+    keep = coins < accept_prob  # [B, K]
+    moved = sample(residual_probs(p[:, :k], q, drafts), generator, counts=lengths)  # [B, K]
+    coupled = torch.where(keep, drafts, moved)
+    has_old = torch.arange(k, device=p.device) < lengths[:, None]  # an old draft to couple with
+    return torch.cat([torch.where(has_old, coupled, redraft[:, :k]), redraft[:, k:]], dim=1)
 
 
 def carry_window(redraft: Tensor, p: Tensor, num_accepted: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:

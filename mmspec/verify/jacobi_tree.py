@@ -17,19 +17,18 @@ with probability ``min(1, p_j(d_j) / q_j(d_j))`` (a fresh coin: the verifier nev
 were not accepted) else take ``y ~ norm([p_j - q_j]_+)``, where ``p_j`` is this round's ``p_target`` at the main node
 before position ``j``; position ``L+1`` is a fresh sample of ``p_target`` after the last main node. Marginally
 ``y_j ~ p_j`` (maximal coupling), which becomes the next round's ``q_j`` -- the same re-draft as SCD on a chain
-(`mmspec.verify.jacobi`), whatever branch the accepted path took.
+(`mmspec.verify.jacobi.coupled_redraft`, SCD: So et al., arXiv 2510.24211), whatever branch the accepted path took.
 """
 
 import torch
 from torch import Tensor
 
-from mmspec.random import Generators, rand
-from mmspec.sampling import sample
+from mmspec.random import Generators
 from mmspec.verify.chain import verify_chain
-from mmspec.verify.jacobi import carry_window
+from mmspec.verify.jacobi import carry_window, coupled_redraft
 from mmspec.verify.registry import resolve_rule
 from mmspec.verify.results import JacobiResult, VerifyResult
-from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
+from mmspec.verify.rules import AcceptanceRule
 from mmspec.verify.tree import verify_tree
 
 
@@ -158,14 +157,8 @@ def verify_jacobi_tree(
     d_main = tree_tokens.gather(1, safe).clamp(min=0)  # [B, L]
     q_main = q_draft.to(p.dtype).gather(1, safe[..., None].expand(batch, k, vocab))  # [B, L, V]
 
-    redraft = sample(p_main, generator, counts=lengths + 1)  # [B, L+1]
-    if coupling and k > 0:
-        coins = rand((batch, k), generator, device=p.device, dtype=p.dtype, counts=lengths)
-        keep = coins < Exact().accept(p_main[:, :k], q_main, d_main)
-        moved = sample(residual_probs(p_main[:, :k], q_main, d_main), generator, counts=lengths)
-        has_old = torch.arange(k, device=p.device) < lengths[:, None]
-        coupled = torch.where(keep, d_main, moved)
-        redraft = torch.cat([torch.where(has_old, coupled, redraft[:, :k]), redraft[:, k:]], dim=1)
+    # adaptive continuation: SCD's coupled re-draft (fresh coins: the verifier never tried these nodes)
+    redraft = coupled_redraft(p_main, q_main, d_main, lengths, generator, coupling=coupling)  # [B, L+1]
     next_drafts, next_q, num_carried = carry_window(redraft, p_main, res.num_accepted, lengths)
     return JacobiResult(
         num_accepted=res.num_accepted,

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import mmspec.cli as cli
+import mmspec.cli.args as cli_args
+import mmspec.cli.generate as cli_generate
 from mmspec.eval import bench, bench_ar_image, zoo_eval
 from mmspec.methods import ACCEPTANCES, DRAFTERS, KNOBS, Acceptance, acceptance_names
 from mmspec.train.__main__ import TASKS as TRAIN_TASKS
@@ -32,7 +34,7 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("loaded models although the arguments were invalid")
 
-    monkeypatch.setattr(cli, "generate", refuse)
+    monkeypatch.setattr(cli_generate, "run", refuse)
     _fake_pipelines(monkeypatch, refuse)
     import mmspec.models
 
@@ -43,7 +45,7 @@ def no_loading(monkeypatch):
 def parsed(monkeypatch):
     """`mmspec generate` parses its arguments but does not run: returns the list of parsed namespaces."""
     calls = []
-    monkeypatch.setattr(cli, "generate", calls.append)
+    monkeypatch.setattr(cli_generate, "run", calls.append)
     return calls
 
 
@@ -71,7 +73,10 @@ def _usage_error(argv, capsys, match):
         (["bench", "ar-image", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
         (["bench", "ar-image", "--num-images", "0"], "argument --num-images: must be an integer >= 1"),
         (["bench", "ar-image", "--repeats", "0"], "argument --repeats: must be an integer >= 1"),
-        (["bench", "ar-image", "--temperature", "nan"], "argument --temperature: temperature must be finite"),
+        (
+            ["bench", "ar-image", "--temperature", "nan"],
+            "argument --temperature: temperature must be 0 (greedy) or in",
+        ),
         (["bench", "ar-image", "--top-k", "0"], "argument --top-k: top_k must be an int >= 1"),
         (["bench", "ar-image", "--zoo", "/nonexistent/zoo"], "argument --zoo: root='/nonexistent/zoo'"),
         (["train", "c2i", "--out", "x", "--log-every", "0"], "argument --log-every: must be an integer >= 1"),
@@ -98,9 +103,9 @@ def test_generate_choices_and_knob_flags_come_from_the_registry(parsed, monkeypa
     )
     args = parsed[-1]
     assert args.acceptance == "new-rule"
-    assert cli.knob_values(args) == {"jacobi_window": 3, "coupling": False, "jacobi_init": "random"}
+    assert cli_args.knob_values(args) == {"jacobi_window": 3, "coupling": False, "jacobi_init": "random"}
     cli.main(["generate"])
-    assert cli.knob_values(parsed[-1]) == {} and parsed[-1].acceptance == "jacobi"  # unset: pipeline defaults
+    assert cli_args.knob_values(parsed[-1]) == {} and parsed[-1].acceptance == "jacobi"  # unset: pipeline defaults
 
 
 def test_top_level_help_lists_the_commands(capsys):
@@ -133,11 +138,11 @@ def test_bench_subcommand_help_shows_its_options(capsys):
 def test_command_tables():
     assert set(cli.COMMANDS) == {"generate", "vlm", "bench", "train", "eval", "demo"}
     for entry, help_text in cli.COMMANDS.values():
-        assert callable(cli._entry_point(entry)) and help_text
-    assert cli._entry_point(cli.COMMANDS["bench"][0]) is bench.main
+        assert callable(cli_args._entry_point(entry)) and help_text
+    assert cli_args._entry_point(cli.COMMANDS["bench"][0]) is bench.main
     import mmspec.eval as evaluation
 
-    assert cli._entry_point(cli.COMMANDS["eval"][0]) is evaluation.main and "fid" in evaluation.COMMANDS
+    assert cli_args._entry_point(cli.COMMANDS["eval"][0]) is evaluation.main and "fid" in evaluation.COMMANDS
     assert {"ar-image", "verify"} <= set(bench.SUBCOMMANDS)
     for spec, help_text in bench.SUBCOMMANDS.values():
         sub = bench._subcommand(spec)
@@ -148,7 +153,7 @@ def test_command_tables():
 def test_generate_dispatches_through_the_table(monkeypatch):
     seen = []
     monkeypatch.setitem(cli.COMMANDS, "echo", ("tests_cli_echo:main", "test command"))
-    monkeypatch.setattr(cli, "_entry_point", lambda spec: lambda argv: seen.append((spec, argv)))
+    monkeypatch.setattr(cli_args, "_entry_point", lambda spec: lambda argv: seen.append((spec, argv)))
     assert cli.main(["echo", "a", "--b"]) == 0
     assert seen == [("tests_cli_echo:main", ["a", "--b"])]
 
@@ -176,12 +181,14 @@ ZOO = Path(__file__).resolve().parents[2] / "assets"
         (["--acceptance", "foo"], "--acceptance", "invalid choice"),
         (["--drafter", "eagle"], "--drafter", "runs with drafter in"),  # default acceptance jacobi
         (["--acceptance", "grouped", "--temperature", "0"], "--temperature", "sampling rule"),
-        (["--temperature", "-1"], "--temperature", "temperature must be finite and >= 0"),
-        (["--temperature", "nan"], "--temperature", "temperature must be finite"),
+        (["--temperature", "-1"], "--temperature", "temperature must be 0 (greedy) or in [0.0001, 10000]"),
+        (["--temperature", "nan"], "--temperature", "temperature must be 0 (greedy) or in"),
+        (["--temperature", "1e-40"], "--temperature", "temperature must be 0 (greedy) or in"),
         (["--temperature", "warm"], "--temperature", "expected a number"),
-        (["--guidance-scale", "nan"], "--guidance-scale", "guidance_scale must be finite"),
-        (["--guidance-scale", "inf"], "--guidance-scale", "guidance_scale must be finite"),
-        (["--guidance-scale", "-1"], "--guidance-scale", ">= 0"),
+        (["--guidance-scale", "nan"], "--guidance-scale", "guidance_scale must be in [0, 10000]"),
+        (["--guidance-scale", "inf"], "--guidance-scale", "guidance_scale must be in [0, 10000]"),
+        (["--guidance-scale", "-1"], "--guidance-scale", "guidance_scale must be in [0, 10000]"),
+        (["--guidance-scale", "1e30"], "--guidance-scale", "guidance_scale must be in [0, 10000]"),
         (["--top-k", "0"], "--top-k", "top_k must be an int >= 1"),
         (["--top-k", "2.5"], "--top-k", "expected an integer"),
         (["--num-draft-tokens", "0"], "--num-draft-tokens", "num_draft_tokens"),
@@ -270,14 +277,35 @@ def test_generate_help_shows_defaults(capsys):
 
 
 def test_cli_import_is_light():
-    """`import mmspec` and `mmspec --help` import neither torch nor diffusers / transformers."""
+    """`import mmspec`, the shared argparse helpers (`mmspec.cli.args`, `mmspec.cli.checks`) and `mmspec --help`
+    import neither torch nor diffusers / transformers."""
     code = (
-        "import sys, mmspec, mmspec.cli\n"
+        "import sys, mmspec, mmspec.cli, mmspec.cli.args, mmspec.cli.checks\n"
         "try:\n    mmspec.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'diffusers', 'transformers', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_applications_import_helpers_from_their_modules():
+    """Every module outside `mmspec/cli/` takes the command-line helpers from `mmspec.cli.args` / `mmspec.cli.checks`
+    (or a command's own module), never from `mmspec.cli`'s `__init__`, which holds only `main` and `COMMANDS`."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    cli_modules = {"args", "checks", "generate", "vlm"}
+    bad = []
+    for folder in ("mmspec", "eval", "pipelines"):
+        for file in sorted((root / folder).rglob("*.py")):
+            if file.parent == root / "mmspec" / "cli":
+                continue
+            for node in ast.walk(ast.parse(file.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "mmspec.cli":
+                    names = {alias.name for alias in node.names} - cli_modules - {"main", "COMMANDS"}
+                    bad += [f"{file.relative_to(root)}:{node.lineno}: {name}" for name in sorted(names)]
+    assert bad == []
+    assert set(cli.__all__) == {"COMMANDS", "main"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -362,7 +390,7 @@ def test_generate_report_names_the_runs(fake_device, monkeypatch, tmp_path, caps
     monkeypatch.setattr(mmspec.eval.images, "make_grid", lambda images, n: SimpleNamespace(save=saved.append))
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     out = str(tmp_path / "g.png")
-    rc = cli.generate_main(["--classes", "0,1", "--num-images", "3", "--threads", "3", "--out", out, "--quiet"])
+    rc = cli_generate.main(["--classes", "0,1", "--num-images", "3", "--threads", "3", "--out", out, "--quiet"])
     assert rc == 0 and threads == [3] and saved == [out]
     report = json.loads(capsys.readouterr().out)
     assert report["images"] == 3 and report["classes"] == [0, 1]

@@ -16,9 +16,11 @@ import os
 import pytest
 
 import mmspec.cli as cli
-import mmspec.cli_vlm as cli_vlm
+import mmspec.cli.generate as cli_generate
+import mmspec.cli.vlm as cli_vlm
 import mmspec.models
 import mmspec.pipelines
+from mmspec.cli.checks import check_output_file, check_output_folder
 from mmspec.eval import bench, bench_ar_image, bench_continuous, bench_t2i, bench_verify, bench_vlm, fid, sweep
 from mmspec.methods import CONTINUOUS_LIMITS, SAMPLING_LIMITS
 
@@ -31,7 +33,7 @@ def _refuse(*args, **kwargs):
 def no_loading(monkeypatch, tmp_path):
     """Fail the test if a command gets past its argument checks; run in a temporary folder (default outputs)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "generate", _refuse)
+    monkeypatch.setattr(cli_generate, "run", _refuse)
     monkeypatch.setattr(cli_vlm, "run", _refuse)
     for module in (bench_ar_image, bench_continuous, bench_t2i, bench_verify, bench_vlm, fid, sweep):
         monkeypatch.setattr(module, "run", _refuse)
@@ -50,7 +52,7 @@ def _bench_parser(name):
 
 # argv prefix -> the function that adds the command's arguments to a parser
 COMMANDS = {
-    ("generate",): cli._generate_args,
+    ("generate",): cli_generate.add_arguments,
     ("vlm",): cli_vlm.add_arguments,
     **{("bench", name): _bench_parser(name) for name in bench.SUBCOMMANDS},
     ("eval", "fid"): fid.add_arguments,
@@ -173,7 +175,7 @@ def test_good_values_still_pass(tmp_path, monkeypatch, capsys, no_loading):
 
     monkeypatch.setattr(bench_continuous, "run", reached)
     monkeypatch.setattr(cli_vlm, "run", reached)
-    monkeypatch.setattr(cli, "generate", reached)
+    monkeypatch.setattr(cli_generate, "run", reached)
     monkeypatch.setattr(fid, "run", reached)
     top = str(CONTINUOUS_LIMITS["temperature"])
     for argv in (["bench", "continuous", "--temperature", top, "--num-images", "0", "--timing-batches", "1"],
@@ -189,11 +191,25 @@ def test_good_values_still_pass(tmp_path, monkeypatch, capsys, no_loading):
 def test_output_folder_probe_names_the_flag_and_path(tmp_path):
     """`check_output_folder` creates a missing folder, and refuses one that cannot be created."""
     parser = argparse.ArgumentParser(prog="x")
-    cli.check_output_folder(parser, "--out", tmp_path / "a" / "b")
+    check_output_folder(parser, "--out", tmp_path / "a" / "b")
     assert (tmp_path / "a" / "b").is_dir()
     if os.path.isdir("/proc/self"):
         with pytest.raises(SystemExit):
-            cli.check_output_folder(parser, "--work-dir", UNWRITABLE)
+            check_output_folder(parser, "--work-dir", UNWRITABLE)
+
+
+def test_output_file_in_a_new_folder(tmp_path):
+    """`check_output_file(create_folder=True)` (the eval scripts' result files) creates the missing folder, but not
+    for a file name it refuses (a wrong extension)."""
+    parser = argparse.ArgumentParser(prog="x")
+    with pytest.raises(SystemExit):
+        check_output_file(parser, "--table", tmp_path / "new" / "rows.csv", (".jsonl",), create_folder=True)
+    assert not (tmp_path / "new").exists()
+    check_output_file(parser, "--table", tmp_path / "new" / "rows.jsonl", (".jsonl",), create_folder=True)
+    assert (tmp_path / "new").is_dir() and not list((tmp_path / "new").iterdir())
+    with pytest.raises(SystemExit):  # without create_folder a missing folder stays a usage error
+        check_output_file(parser, "--json", tmp_path / "other" / "r.json", (".json",))
+    assert not (tmp_path / "other").exists()
 
 
 def test_top_k_bound_is_finite():

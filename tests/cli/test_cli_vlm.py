@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from mmspec import cli, cli_vlm
+from mmspec import cli
+from mmspec.cli import vlm as cli_vlm
 
 
 @pytest.mark.parametrize(

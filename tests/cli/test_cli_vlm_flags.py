@@ -4,8 +4,9 @@ import shutil
 
 import pytest
 
-from mmspec import cli, cli_vlm
-from mmspec.cli import DEFAULT_ZOO
+from mmspec import cli
+from mmspec.cli import vlm as cli_vlm
+from mmspec.cli.args import DEFAULT_ZOO
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ Layers, bottom up (`docs/architecture.md`):
     models       mmspec.models (one folder per family)
     drafters     mmspec.drafters, mmspec.compressors
     pipelines    mmspec.pipelines
-    applications mmspec.cli*, mmspec.train, mmspec.eval, mmspec.demo
+    applications mmspec.cli, mmspec.train, mmspec.eval, mmspec.demo
 
 No allow-list: a module that needs something from above takes it as an argument or a protocol."""
 
@@ -209,3 +209,16 @@ def test_the_engine_loads_no_model_family():
             "'transformers', 'diffusers'))))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_import_mmspec_is_torch_free_and_offers_the_pipelines_and_load():
+    """`import mmspec` loads no torch; the four pipelines and `load` are there on first use (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mmspec; print('torch' in sys.modules); "
+            "print(mmspec.SpeculativeARImagePipeline.__name__, mmspec.SpeculativeContinuousARPipeline.__name__, "
+            "mmspec.SpeculativeJanusPipeline.__name__, mmspec.SpeculativeVLMPipeline.__name__, mmspec.load.__name__)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "SpeculativeARImagePipeline", "SpeculativeContinuousARPipeline",
+                                   "SpeculativeJanusPipeline", "SpeculativeVLMPipeline", "load"]  # fmt: skip

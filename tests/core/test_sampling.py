@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from mmspec.sampling import (
+    GUIDANCE_MAX,
+    TEMPERATURE_RANGE,
     SamplingParams,
     cfg_combine,
     cfg_combine_stacked,
@@ -140,27 +142,43 @@ def test_nan_logits_raise():
             logits_to_probs(logits, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=1e-40), r"temperature must be 0 \(greedy\) or in \[0.0001, 10000\], got 1e-40"),
+    (dict(temperature=1e30), r"temperature must be 0 \(greedy\) or in \[0.0001, 10000\], got 1e\+30"),
+    (dict(guidance_scale=1e30), r"guidance_scale must be in \[0, 10000\]"),
+])  # fmt: skip
+def test_knobs_that_only_overflow_are_refused_up_front(kwargs, message):
+    """A temperature or guidance scale that turns ordinary logits into inf is refused by the rules the CLI shares."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        logits_to_probs(torch.tensor([[1.0, 2.0, 3.0]]), **kwargs)
+    low, high = TEMPERATURE_RANGE
+    for ok in (dict(temperature=low), dict(temperature=high), dict(guidance_scale=GUIDANCE_MAX)):
+        assert torch.isfinite(SamplingParams(**ok).probs(torch.tensor([[1.0, 2.0, 3.0]]))).all()
+
+
 def test_temperature_overflow_raises_naming_it():
-    logits = torch.tensor([[1.0, 2.0, 3.0]])
-    assert torch.isnan(logits_to_probs(logits, temperature=1e-40, validate=False)).all()  # what the check catches
-    with pytest.raises(ValueError, match=r"temperature=1e-40 overflow float32"):
-        logits_to_probs(logits, temperature=1e-40)
-    with pytest.raises(ValueError, match=r"temperature=1e-40"):
-        SamplingParams(temperature=1e-40).probs(logits)
-    assert logits_to_probs(logits, temperature=1e-30).argmax(-1).item() == 2  # small but representable: fine
+    logits = torch.tensor([[1.0, 2.0, 3e38]])  # extreme logits: 3e38 / 0.5 overflows float32
+    assert torch.isnan(logits_to_probs(logits, temperature=0.5, validate=False)).all()  # what the check catches
+    with pytest.raises(ValueError, match=r"temperature=0.5 overflow float32"):
+        logits_to_probs(logits, temperature=0.5)
+    with pytest.raises(ValueError, match=r"temperature=0.5"):
+        SamplingParams(temperature=0.5).probs(logits)
+    assert logits_to_probs(torch.tensor([[1.0, 2.0, 3.0]]), temperature=1e-4).argmax(-1).item() == 2
 
 
 def test_guidance_overflow_raises_naming_the_knobs():
-    cond = torch.tensor([[0.0, 1e9, 3.0]])
-    uncond = torch.tensor([[1e9, 0.0, 3.0]])  # logit gaps of 1e9: 1e30 * 1e9 overflows float32
-    assert not torch.isfinite(logits_to_probs(cond, logits_uncond=uncond, guidance_scale=1e30, validate=False)).all()
-    with pytest.raises(ValueError, match=r"guidance_scale=1e\+30 overflow float32"):
-        logits_to_probs(cond, logits_uncond=uncond, guidance_scale=1e30)
-    with pytest.raises(ValueError, match=r"guidance_scale=1e\+30, temperature=0.5 overflow"):
-        SamplingParams(guidance_scale=1e30, temperature=0.5).probs(cond, uncond)
-    with pytest.raises(ValueError, match=r"guidance_scale=1e\+30"):  # greedy rows are checked too
-        SamplingParams(guidance_scale=1e30, do_sample=False).probs(cond, uncond)
-    ok = SamplingParams(guidance_scale=1e20).probs(cond, uncond)  # 1e29: large but finite
+    cond = torch.tensor([[0.0, 1e36, 3.0]])
+    uncond = torch.tensor([[1e36, 0.0, 3.0]])  # logit gaps of 1e36: 1e4 * 1e36 overflows float32
+    assert not torch.isfinite(logits_to_probs(cond, logits_uncond=uncond, guidance_scale=1e4, validate=False)).all()
+    with pytest.raises(ValueError, match=r"guidance_scale=10000 overflow float32"):
+        logits_to_probs(cond, logits_uncond=uncond, guidance_scale=1e4)
+    with pytest.raises(ValueError, match=r"guidance_scale=10000, temperature=0.5 overflow"):
+        SamplingParams(guidance_scale=1e4, temperature=0.5).probs(cond, uncond)
+    with pytest.raises(ValueError, match=r"guidance_scale=10000"):  # greedy rows are checked too
+        SamplingParams(guidance_scale=1e4, do_sample=False).probs(cond, uncond)
+    ok = SamplingParams(guidance_scale=10).probs(cond, uncond)  # 1e37: large but finite
     assert torch.equal(ok, torch.tensor([[0.0, 1.0, 0.0]]))
 
 
@@ -196,18 +214,18 @@ def test_greedy_rows_carry_nan_when_their_maximum_is_not_finite():
 
 
 def test_check_probs_finite_on_probs_and_on_device_flags():
-    params = SamplingParams(guidance_scale=1e30, temperature=0.5)
-    cond, uncond = torch.tensor([[0.0, 1e9, 3.0]]), torch.tensor([[1e9, 0.0, 3.0]])
+    params = SamplingParams(guidance_scale=1e4, temperature=0.5)
+    cond, uncond = torch.tensor([[0.0, 1e36, 3.0]]), torch.tensor([[1e36, 0.0, 3.0]])
     good = SamplingParams().probs(torch.randn(2, 3))
     check_probs_finite(good, params)  # finite: no error
     bad = params.probs(cond, uncond, validate=False)
-    with pytest.raises(ValueError, match=r"target probabilities .*guidance_scale=1e\+30, temperature=0.5 overflow"):
+    with pytest.raises(ValueError, match=r"target probabilities .*guidance_scale=10000, temperature=0.5 overflow"):
         check_probs_finite(bad, params, "target")
     flag = finite_flag(good)  # the engine ANDs one flag per distribution on the device and checks once at the end
     check_probs_finite(flag, params)
     flag = flag & finite_flag(bad)
     assert flag.dtype == torch.bool and flag.dim() == 0
-    with pytest.raises(ValueError, match=r"guidance_scale=1e\+30"):
+    with pytest.raises(ValueError, match=r"guidance_scale=10000"):
         check_probs_finite(flag, params)
     with pytest.raises(ValueError, match="NaN"):
         check_probs_finite(torch.tensor([[float("nan"), 1.0]]), SamplingParams())

@@ -98,7 +98,80 @@ def test_vlm_handler_takes_an_uploaded_image(cache, tmp_path):
     handlers.held_out_canvas(3).save(path)
     result = handlers.answer_vlm(cache, str(path), 0, "How many digits are there?", "greedy", "model", {},
                                  max_new_tokens=4)  # fmt: skip
-    assert result["same_answer"] and result["plain_text"]
+    assert result["same_answer"] and result["plain_text"] and result["warning"] is None  # a canvas: no warning
+
+
+def test_an_image_unlike_the_zoo_canvases_gets_a_warning(cache, tmp_path):
+    """A lone MNIST digit (the issue's upload) gets a warning next to the answer; the zoo's canvases never do."""
+    from PIL import Image
+
+    from mmspec.data.canvases import held_out_canvases, mnist_digits
+    from mmspec.demo.canvas import canvas_warning
+
+    images, _ = mnist_digits("test")
+    lone = [Image.fromarray((images[i].numpy() * 255).round().astype(np.uint8), "L") for i in range(200)]
+    canvases = held_out_canvases(200, 123, min_digits=1)
+    assert all(canvas_warning(c) is None for c in canvases)
+    assert all(canvas_warning(c.convert("RGB").resize((256, 256))) is None for c in canvases[:20])  # upscaled: fine
+    assert all("cell borders" in canvas_warning(d) for d in lone)
+    assert "not square" in canvas_warning(canvases[0].resize((128, 64)))
+    assert "mostly light" in canvas_warning(Image.eval(canvases[0], lambda v: 255 - v))
+    path = tmp_path / "digit.png"
+    lone[0].save(path)
+    result = handlers.answer_vlm(cache, str(path), 0, "How many digits are there?", "greedy", "auto", {},
+                                 max_new_tokens=2, timing_repeats=1)  # fmt: skip
+    assert "unlike the zoo model's training canvases" in result["warning"]
+
+
+def test_lossless_sampled_comparisons_say_what_lossless_means(cache):
+    result = handlers.generate_image(cache, "c2i", 3, "exact", "auto", {}, 0, timing_repeats=1)
+    assert "same distribution as plain decoding, not that it is the same sample" in result["summary"]
+    result = handlers.generate_image(cache, "c2i", 3, "relaxed", "auto", {}, 0, timing_repeats=1)
+    assert "lossy" in result["summary"]
+    result = handlers.answer_vlm(cache, None, 0, "hi", "exact", "auto", {}, 4, 0, True, timing_repeats=1)
+    assert "not that it is the same sample" in result["summary"]
+    result = handlers.answer_vlm(cache, None, 0, "hi", "greedy", "auto", {}, 4, 0, False, timing_repeats=1)
+    assert "same sample" not in result["summary"] and result["same_answer"]
+
+
+class _CountingCache:
+    """A `PipelineCache` stand-in whose pipeline logs the acceptance of every call."""
+
+    def __init__(self, cache, tab):
+        self.zoo, self.calls, pipe = cache.zoo, [], cache.get(tab)
+
+        class Logged:
+            def __getattr__(_, name):
+                return getattr(pipe, name)
+
+            def __call__(_, *args, **kwargs):
+                self.calls.append(kwargs["acceptance"])
+                return pipe(*args, **kwargs)
+
+        self.pipe = Logged()
+
+    def get(self, tab):
+        return self.pipe
+
+
+@pytest.mark.parametrize("tab", ["c2i", "continuous", "vlm"])
+def test_every_speedup_is_timed_warm_and_interleaved(cache, tab):
+    """One warm-up run of each side, then interleaved timed runs (ABBA); the summary says what the number is."""
+    counting = _CountingCache(cache, tab)
+    if tab == "c2i":
+        result = handlers.generate_image(counting, "c2i", 3, "jacobi", "auto", {}, 0)
+    elif tab == "continuous":
+        result = handlers.generate_continuous(counting, 3, 0, num_ar_steps=4, timing_repeats=1)  # quick: the slow tab
+    else:
+        result = handlers.answer_vlm(counting, None, 0, "hi", "greedy", "auto", {}, 4)
+    if tab == "continuous":
+        assert counting.calls == ["none", "continuous"] * 2  # warm-up, then one timed run of each
+        assert "1 timed run, after 1 warm-up run of each" in result["summary"]
+    else:
+        spec = "jacobi" if tab == "c2i" else "greedy"
+        assert counting.calls == ["none", spec, "none", spec, spec, "none", "none", spec]  # warm-up, A B, B A, A B
+        assert "median of 3 interleaved runs, after 1 warm-up run of each" in result["summary"]
+    assert "host load and torch threads" in result["summary"]
 
 
 @pytest.mark.parametrize(
@@ -115,13 +188,19 @@ def test_vlm_handler_takes_an_uploaded_image(cache, tmp_path):
         (lambda c: handlers.generate_image(c, "t2i", "  ", "jacobi", "auto", {}, 0), "prompt"),
         (lambda c: handlers.generate_continuous(c, 3, "1.5"), "seed must be a whole number"),
         (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {"tree_top_k": 99}), "tree_top_k must be in [1, 32], got 99"),
-        (lambda c: handlers.answer_vlm(c, None, "x", "hi", "greedy", "auto", {}), "canvas must be a whole number"),
+        (lambda c: handlers.answer_vlm(c, None, "x", "hi", "greedy", "auto", {}), "held-out canvas must be a whole number"),
+        (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {}, 4, 0, True), "sample: acceptance greedy verifies greedy decoding"),
+        (lambda c: handlers.generate_continuous(c, 3, 0, prefill_ratio=1.5), "prefill ratio must be finite and in [0, 1]"),
+        (lambda c: handlers.generate_continuous(c, 3, 0, guidance_scale=1e4), "guidance scale must be finite and in [1, 100]"),
+        (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, 0, -1.0), "guidance scale must be finite"),
     ],
 )  # fmt: skip
 def test_bad_inputs_name_the_field(cache, call, message):
+    """Every message names the page's field by its label, never by the pipeline's argument name."""
     with pytest.raises((ValueError, TypeError)) as err:
         call(cache)
     assert message in str(err.value)
+    assert not any(name in str(err.value) for name in handlers.FIELD_LABELS), str(err.value)
 
 
 def test_upload_that_is_not_an_image(cache, tmp_path):
@@ -129,6 +208,38 @@ def test_upload_that_is_not_an_image(cache, tmp_path):
     path.write_text("not an image")
     with pytest.raises(ValueError, match="image upload: 'notes.txt' is not an image"):
         handlers.answer_vlm(cache, str(path), 0, "hi", "greedy", "auto", {})
+
+
+def test_unreadable_images_get_one_message_that_names_no_path(tmp_path):
+    """A folder, a missing file and a non-image are answered alike (nothing tells them apart), by base name."""
+    from mmspec.demo.inputs import load_image
+
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / "folder.png").mkdir()
+    messages = []
+    for name in ("notes.txt", "folder.png", "missing.png"):
+        with pytest.raises(ValueError) as err:
+            load_image(str(tmp_path / name))
+        messages.append(str(err.value))
+        assert str(tmp_path) not in messages[-1] and "/" not in messages[-1] and "Error" not in messages[-1]
+    assert messages == [
+        f"image upload: {n!r} is not an image file" for n in ("notes.txt", "folder.png", "missing.png")
+    ]
+
+
+def test_page_messages_mask_paths():
+    from mmspec.demo.inputs import page_message
+
+    assert page_message("the 'vlm' tab is not served from '/srv/my zoo/x' (available: [])") == (
+        "the 'vlm' tab is not served from '<path>' (available: [])"
+    )
+    assert (
+        page_message("[Errno 2] No such file or directory: /etc/passwd")
+        == "[Errno 2] No such file or directory: <path>"
+    )
+    assert page_message("see ../../etc/passwd or ~/.ssh/id") == "see <path> or <path>"
+    kept = "tree_depth must be in [1, 32], got 0; tokens/s; 1/2"
+    assert page_message(kept) == kept
 
 
 def test_models_load_once_per_process(cache):
@@ -153,6 +264,33 @@ def test_a_saved_pipeline_folder_serves_its_tab(cache, tmp_path):
     (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     with pytest.raises(ValueError, match="names 'StableDiffusionPipeline'"):
         PipelineCache(pipeline_folder=tmp_path / "other")
+
+
+def test_fresh_page_values_are_consistent():
+    """Optional knobs show empty (None + a placeholder; a gr.Number shows None as 0 without one), the VLM tab's
+    acceptance is its preset's, and every field label of `FIELD_LABELS` is the start of a widget's label."""
+    pytest.importorskip("gradio")
+    from mmspec.demo.app import build_app
+
+    config = build_app(PipelineCache()).config
+    props = [c["props"] for c in config["components"]]
+    for name, knob in KNOBS.items():
+        widgets = [
+            p for p in props if str(p.get("label", "")).startswith(name) and str(p.get("info")).startswith(knob.help)
+        ]
+        assert widgets, name
+        for p in widgets:
+            if knob.optional:
+                assert p.get("value") is None and p.get("placeholder"), (
+                    f"{name}: a fresh page shows {p.get('value')!r}"
+                )
+    by_id = {p.get("elem_id"): p for p in props if p.get("elem_id")}
+    for tab in ("c2i", "t2i", "vlm"):
+        preset = by_id[f"{tab}-preset"]["value"]
+        assert by_id[f"{tab}-acceptance"]["value"] == PRESETS[preset]["acceptance"], tab
+    labels = [str(p.get("label", "")) for p in props]
+    for name, label in handlers.FIELD_LABELS.items():
+        assert any(text.startswith(label) for text in labels), f"{name}: no widget labelled {label!r}"
 
 
 def test_method_widgets_come_from_the_registry():
@@ -198,9 +336,22 @@ def test_cli_defaults():
     assert args.tabs == ["c2i", "t2i", "continuous", "vlm"]
 
 
+def test_cli_serves_loopback_without_gradio_error_texts(monkeypatch):
+    """`mmspec demo` binds 127.0.0.1 by default and launches with show_error=False (Gradio's own exception texts,
+    which name server paths, never reach a client)."""
+    gradio = pytest.importorskip("gradio")
+    from mmspec.demo import __main__ as cli
+
+    launched = {}
+    monkeypatch.setattr(gradio.Blocks, "launch", lambda self, **kwargs: launched.update(kwargs))
+    monkeypatch.setattr(PipelineCache, "_load", lambda *a, **k: pytest.fail("a model loaded at start-up"))
+    assert cli.main([]) == 0
+    assert launched["server_name"] == "127.0.0.1" and launched["show_error"] is False and not launched["share"]
+
+
 def test_the_cli_table_line_dispatches_to_the_demo(capsys):
     """The line the merger adds to `mmspec.cli.COMMANDS` reaches `mmspec.demo.__main__.main`."""
-    from mmspec.cli import dispatch
+    from mmspec.cli.args import dispatch
 
     line = {"demo": ("mmspec.demo.__main__:main", "serve the Gradio demo")}
     with pytest.raises(SystemExit) as exit_info:

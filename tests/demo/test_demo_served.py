@@ -105,15 +105,57 @@ def test_gradio_client_bad_inputs_get_a_message_and_the_server_keeps_serving(ser
     assert _is_image(spec) and _is_image(amap, varied=False) and "speedup" in summary
 
 
+def test_hand_made_file_paths_are_refused_without_naming_a_path(served, tmp_path, monkeypatch):
+    """A client sends `FileData` payloads naming server paths instead of uploading: each is refused with a message
+    that names no path (nor the exception, which would tell a folder from a missing file), and the server keeps
+    serving."""
+    from gradio.utils import get_upload_folder
+    from gradio_client.client import Endpoint
+
+    from mmspec.demo.handlers import held_out_canvas
+
+    url, _ = served
+    upload_folder = str(get_upload_folder())
+    outside = tmp_path / "outside.png"  # a real image, outside every upload folder
+    held_out_canvas(1).save(outside)
+    paths = {
+        "outside": str(outside),
+        "traversal": f"{upload_folder}/../../../etc/passwd",
+        "folder": upload_folder,  # inside the upload folder: passes Gradio's own check
+        "missing": f"{upload_folder}/no-such-upload.png",
+        "environ": "/proc/self/environ",
+    }
+    upload_client = gradio_client.Client(url, verbose=False)
+    with monkeypatch.context() as patch:  # send the payload as it is, instead of uploading the client's file
+        patch.setattr(Endpoint, "_upload_file", lambda self, f, data_index: f)
+        client = gradio_client.Client(url, verbose=False)
+        for case, path in paths.items():
+            payload = {"path": path, "meta": {"_type": "gradio.FileData"}}
+            with pytest.raises(Exception) as err:
+                client.predict(payload, 0, "hi", "greedy", "auto", 2, "0", False, 1.0, None, None, 1,
+                               api_name="/ask_vlm")  # fmt: skip
+            message = str(err.value)
+            for leak in ("/", "\\", "passwd", "environ", "no-such-upload", "outside", "Error:", "IsADirectory",
+                         "FileNotFound"):  # fmt: skip
+                assert leak not in message, f"{case}: the message names {leak!r}: {message}"
+    import httpx
+
+    for path in (str(outside), "/etc/passwd", "/proc/self/environ"):  # nor does Gradio's file route serve them
+        assert httpx.get(f"{url}gradio_api/file={path}").status_code == 403, path
+    answer = upload_client.predict(gradio_client.handle_file(str(outside)), 0, "How many digits are there?", "greedy",
+                                   "auto", 4, "0", False, 1.0, None, None, 1, api_name="/ask_vlm")  # fmt: skip
+    assert _is_image(answer[0]) and answer[2]  # an uploaded file is served as before
+
+
 def test_progress_is_reported_and_users_are_queued(served):
     url, _ = served
     client = gradio_client.Client(url, verbose=False)
-    job = client.submit(3, "0", 4.0, 64, "block", 4, 0.15, api_name="/generate_continuous")
+    job = client.submit(3, "0", 4.0, 64, "block", 4, 0.15, True, api_name="/generate_continuous")  # quick timing
     seen = []
     while not job.done():
         status = job.status()
         seen += [(p.index, p.length) for p in status.progress_data or []]
-    assert _is_image(job.result()[1])
+    assert _is_image(job.result()[1]) and "1 timed run, after 1 warm-up run of each" in job.result()[4]
     assert seen and all(length == 64 for _, length in seen)  # the pipeline's tqdm bar, in tokens
     # two users at once: both are served (one after the other: concurrency 1 on the shared models)
     jobs = [client.submit(d, "jacobi", "auto", "0", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i") for d in (1, 2)]

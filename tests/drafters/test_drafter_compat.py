@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from vlm_fixtures import IMAGE_TOKENS, tiny_llava, tiny_lm, tiny_processor, tiny_tokenizer
 
-from mmspec.cli_vlm import EAGLE_HEADS
+from mmspec.cli.vlm import EAGLE_HEADS
 from mmspec.drafters.vision_eagle import VisionEagleHead
 from mmspec.models import DEFAULT_ZOO, load
 from mmspec.models.hf.draft import save_draft_delta, truncated_draft

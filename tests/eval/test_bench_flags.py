@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 import mmspec.cli as cli
+import mmspec.cli.generate as cli_generate
 import mmspec.models
 import mmspec.pipelines
+from mmspec.cli.checks import write_json
 from mmspec.eval import bench_ar_image, bench_continuous, bench_verify, bench_vlm, zoo_eval
 from mmspec.methods import KNOBS, check_knob
 
@@ -29,7 +31,7 @@ def _refuse(*args, **kwargs):
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fail the test if a command gets past its argument checks: `generate`, every bench's `run`, the zoo loaders."""
-    monkeypatch.setattr(cli, "generate", _refuse)
+    monkeypatch.setattr(cli_generate, "run", _refuse)
     for module in (bench_ar_image, bench_continuous, bench_verify, bench_vlm):
         monkeypatch.setattr(module, "run", _refuse)
     monkeypatch.setattr(mmspec.models, "load", _refuse)
@@ -274,7 +276,7 @@ def test_write_json_never_leaves_a_partial_report(tmp_path, monkeypatch):
     import os
 
     path = tmp_path / "report.json"
-    cli.write_json(path, {"run": 1})
+    write_json(path, {"run": 1})
     assert json.loads(path.read_text()) == {"run": 1}
 
     def crash(*args):
@@ -282,5 +284,5 @@ def test_write_json_never_leaves_a_partial_report(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        cli.write_json(path, {"run": 2})
+        write_json(path, {"run": 2})
     assert json.loads(path.read_text()) == {"run": 1} and sorted(tmp_path.iterdir()) == [path]

@@ -9,7 +9,8 @@ import pytest
 from vision_seam_fixtures import StrideImageHead, stride_head_from
 from vlm_fixtures import IMAGE_TOKENS, images, tiny_llava, tiny_processor, train_tiny_head
 
-from mmspec import cli, cli_vlm
+from mmspec import cli
+from mmspec.cli import vlm as cli_vlm
 from mmspec.eval import bench_vlm
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.hf.draft import truncated_draft

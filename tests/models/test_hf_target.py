@@ -93,3 +93,12 @@ def test_static_cache_reports_its_layout():
     assert len(cache) == 2 and cache.get_seq_length() == 3 and cache.get_mask_sizes(1)[0] == target.cache.max_seq
     with pytest.raises(ValueError, match="guidance"):
         HFTarget(model, Guidance(SamplingParams(guidance_scale=2.0)))
+
+
+def test_select_rows_keeps_the_position_offsets_in_step():
+    """`HFTarget`'s per-row positions follow `CachedTarget.select_rows` (its `select_state_rows` hook)."""
+    model = tiny_lm(2)
+    target = HFTarget(model, Guidance(SamplingParams(do_sample=False)), positions=Positions(torch.tensor([1, 2, 3])))
+    target.prefill(torch.randint(4, 60, (3, 5)), torch.tensor([5, 4, 3]), 4, 2)
+    target.select_rows(torch.tensor([2, 0]))
+    assert target.positions.offset.tolist() == [3, 1] and target.lengths.tolist() == [3, 5]

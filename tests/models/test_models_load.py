@@ -123,9 +123,9 @@ def test_eagle_head_registered_at_its_new_home_with_a_fallback(monkeypatch):
     from mmspec.drafters.eagle import EagleHead
 
     assert MODEL_CLASSES["EagleHead"] == "mmspec.models.llamagen.eagle"
-    assert mmspec.models._zoo_class("EagleHead") is EagleHead
+    assert mmspec.models.loading._zoo_class("EagleHead") is EagleHead
     monkeypatch.setitem(MODEL_CLASSES, "EagleHead", "mmspec.models.not_moved_yet")
-    assert mmspec.models._zoo_class("EagleHead") is EagleHead  # the former module still serves it
+    assert mmspec.models.loading._zoo_class("EagleHead") is EagleHead  # the former module still serves it
     monkeypatch.setitem(MODEL_CLASSES, "LlamaGenVQ", "mmspec.models.not_there")
     with pytest.raises(ModuleNotFoundError):  # no fallback for other classes: a real packaging error
-        mmspec.models._zoo_class("LlamaGenVQ")
+        mmspec.models.loading._zoo_class("LlamaGenVQ")

@@ -94,7 +94,7 @@ def test_config_fields_are_checked_without_loading_weights_or_torch(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(CONFIG_FIELDS))
 def test_every_constructor_argument_has_a_field_rule(name):
-    cls = mmspec.models._zoo_class(name)
+    cls = mmspec.models.loading._zoo_class(name)
     params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     assert sorted(params) == sorted(CONFIG_FIELDS[name]) and name in MODEL_CLASSES
 

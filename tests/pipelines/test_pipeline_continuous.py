@@ -232,26 +232,20 @@ def test_exact_mode_is_lossless_with_several_tokens_per_step():
     assert min_ks_pvalue(plain, exact) > 1e-3
 
 
-def test_block_mode_law_is_the_merged_schedule(pipe):
+def test_block_mode_law_is_the_merged_schedule(pipe, monkeypatch):
     """verify_mode="block": each block's tokens ~ the target given the block-start canvas (merged schedule), and
     that law differs from the fine schedule on this toy (so the test above can fail)."""
-    from mmspec.decoding import masked
+    from mmspec.decoding import masked_params
 
     n = 3000
     block, out = sample(pipe, n, 3, acceptance="continuous", verify_mode="block", num_draft_tokens=3,
                         prefill_ratio=0.25)  # fmt: skip
     assert 0.05 < out.stats.extra["acceptance_rate"] < 0.95
-    # plain MAR on the merged schedule: step 0 alone, then the 3 remaining steps as one step
-    real = masked.mar_schedule
-    try:
-        masked.mar_schedule = lambda length, steps: ([1, 3], [3, 1])
-        import mmspec.pipelines.continuous as cont
-
-        cont.mar_schedule = masked.mar_schedule
+    # plain MAR on the merged schedule: step 0 alone, then the 3 remaining steps as one step (the schedule
+    # `MaskedParams.from_knobs` builds)
+    with monkeypatch.context() as patch:
+        patch.setattr(masked_params, "mar_schedule", lambda length, steps: ([1, 3], [3, 1]))
         merged, _ = sample(pipe, n, 4)
-    finally:
-        masked.mar_schedule = real
-        cont.mar_schedule = real
     fine, _ = sample(pipe, n, 5)
     assert min_ks_pvalue(block, merged) > 1e-3
     assert min_ks_pvalue(block, fine) < 1e-6

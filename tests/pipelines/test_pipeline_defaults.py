@@ -177,7 +177,7 @@ def test_continuous_default_does_not_depend_on_the_batch():
 # ------------------------------------------------------------------ VLM
 @pytest.mark.slow
 def test_vlm_default_does_not_depend_on_the_batch_and_greedy_is_transformers():
-    from mmspec.eval.bench_vlm import held_out_canvases
+    from mmspec.data.canvases import held_out_canvases
 
     pipe = loaded("vlm")
     images = held_out_canvases(3, seed=0)

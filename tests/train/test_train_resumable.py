@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmspec.cli import DEFAULT_ZOO
+from mmspec.cli.args import DEFAULT_ZOO
 from mmspec.train import __main__ as train_main
 from mmspec.train.common import (
     CHECKPOINT_NAME,

@@ -25,10 +25,9 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from huggingface_hub.errors import StrictDataclassError
 from transformers import LlamaConfig
-from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.cache import ConcatKV, StaticKVCache, chain_inputs
 from mmspec.models.hf.target import StaticCache, attention_window, window_view
 from mmspec.models.llamagen.eagle import EagleHead
 
@@ -38,21 +37,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["TextEagleHead"]
 
 
-class _ConcatCache(Cache):
-    """Training-time stand-in: `update` appends keys/values out of place (autograd flows through every step)."""
-
-    def __init__(self):
-        super().__init__(layers=[])
-        self.k = self.v = None
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.k = key_states if self.k is None else torch.cat([self.k, key_states], dim=2)
-        self.v = value_states if self.v is None else torch.cat([self.v, value_states], dim=2)
-        return self.k, self.v
-
-
 class TextEagleHead(ModelMixin, ConfigMixin):
     """One-layer EAGLE head for a transformers text target (see module docstring)."""
+
+    cache_class = StaticKVCache  # the head cache `setup_cache` makes (a subclass may keep per-row state in it)
 
     @register_to_config
     def __init__(
@@ -131,10 +119,11 @@ class TextEagleHead(ModelMixin, ConfigMixin):
                              f"{int(torch.unique(ids).numel())}")  # fmt: skip
 
     def setup_cache(self, rows, max_seq, dtype=None, device=None):
-        """One-layer cache, slot == position, slot 0 invalid, lengths 1 (`max_seq`: prompt + new tokens + scratch)."""
+        """One-layer cache (a `cache_class`), slot == position, slot 0 invalid, lengths 1 (`max_seq`: prompt + new
+        tokens + scratch)."""
         c, p = self.config, next(self.parameters())
-        cache = StaticKVCache(1, rows, c.num_key_value_heads, int(max_seq) + 1, c.head_dim,
-                              dtype=dtype or p.dtype, device=device or p.device)  # fmt: skip
+        cache = self.cache_class(1, rows, c.num_key_value_heads, int(max_seq) + 1, c.head_dim,
+                                 dtype=dtype or p.dtype, device=device or p.device)  # fmt: skip
         cache.key_valid[:, 0] = False
         cache.lengths = torch.ones(rows, dtype=torch.long, device=cache.device)
         return cache
@@ -202,7 +191,7 @@ class TextEagleHead(ModelMixin, ConfigMixin):
         and to its own chain `i - j + 1 .. i` of the later steps. Returns the `steps` outputs `[B, N, dim]`."""
         b, n = positions.shape
         i = torch.arange(n, device=positions.device)
-        cache = _ConcatCache()
+        cache = StaticCache(ConcatKV())  # keys appended out of place: autograd flows through every step
         outputs = []
         for j in range(steps):
             blocks = [i[None, :] <= i[:, None] - j] + [i[None, :] == i[:, None] - j + s for s in range(1, j + 1)]

@@ -37,6 +37,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
+from mmspec.decoding.cached_target import CachedTarget
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
 from mmspec.models.hf.inputs import capture_decoder_inputs, decoder_of, image_token_mask
@@ -189,7 +190,7 @@ def right_align(input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: 
     return ids, lengths
 
 
-class HFTarget:
+class HFTarget(CachedTarget):
     """A transformers causal LM / LLaVA as the target of the decoding loop (see module docstring).
 
     Args:
@@ -204,6 +205,7 @@ class HFTarget:
     `token_inputs` (what the decoder gets for new tokens: `input_ids`, or `inputs_embeds` of image tokens),
     `logits` (the output head) and `supports_guidance` (CFG rows `[cond; uncond]`: `forward`, `commit`,
     `select_rows` and `lengths` speak in batch items and address both streams, `prefill` takes the model rows).
+    `commit`, `select_rows` and `lengths` are `mmspec.decoding.cached_target.CachedTarget`'s.
     """
 
     supports_guidance = False  # text targets: one stream
@@ -215,11 +217,11 @@ class HFTarget:
         text = model.config.get_text_config()
         if getattr(text, "final_logit_softcapping", None):
             raise ValueError(f"{type(model).__name__}: final_logit_softcapping is not supported")
-        self.model, self.guidance, self.source = model, guidance, source
+        super().__init__(guidance)
+        self.model, self.source = model, source
         self.positions = positions or Positions()
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.text_config = text
-        self.cache: StaticKVCache | None = None
         self.max_slots = 0
         self.vocab, self.vocab_weight = vocab, None
         if vocab is not None:
@@ -333,19 +335,5 @@ class HFTarget:
         p = self.guidance.probs(self.logits(hidden), self.source)
         return TargetOutput(p, hidden if return_hidden else None)
 
-    def commit(self, num_tokens: Tensor, path: Tensor | None = None) -> None:
-        num = self.guidance.rows(num_tokens)
-        if path is None:
-            self.cache.commit(num)
-        else:
-            self.cache.commit_path(self.guidance.rows(path), num)
-
-    def select_rows(self, index: Tensor) -> None:
-        rows = self.guidance.row_index(index, self.cache.rows // self.guidance.streams)
-        self.cache.select_rows(rows)
+    def select_state_rows(self, rows: Tensor) -> None:
         self.positions.select_rows(rows)
-
-    @property
-    def lengths(self) -> Tensor:
-        """`[B]` committed cache lengths of the batch items."""
-        return self.guidance.items(self.cache.lengths)

@@ -9,7 +9,8 @@ mismatch is refused with a `ValueError` naming the offending key.
 Shared helpers (also meant for the VQ loader in `mmspec.models.llamagen.vq`):
 
 * `load_official_state_dict(path)` -> the unwrapped `{name: tensor}` dict (prefixes `module.` / `_orig_mod.` removed);
-* `check_state_dict(state_dict, expected)` -> raises `ValueError` on missing / unexpected / wrong-shape keys.
+* `check_state_dict(state_dict, expected)` -> raises `ValueError` on missing / unexpected / wrong-shape keys;
+* `load_checked(model, state_dict, path)` -> that check, finite weights, then a strict load (VQ, MAR's KL-VAE).
 
 GPT presets are upstream's `GPT_models` sizes (`GPT-B` 12L/768/12 heads ... `GPT-3B` 24L/3200/32 heads); vocabulary
 16384 (VQ_16) and `block_size = (image_size // 16) ** 2`.
@@ -17,6 +18,7 @@ GPT presets are upstream's `GPT_models` sizes (`GPT-B` 12L/768/12 heads ... `GPT
 
 import argparse
 import logging
+import os
 import pickle
 from pathlib import Path
 
@@ -117,6 +119,17 @@ def check_state_dict(state_dict, expected):
         got = tuple(state_dict[k].shape)
         if got != shape:
             raise ValueError(f"state dict key {k!r} has shape {got}, expected {shape}")
+
+
+def load_checked(model, state_dict, path):
+    """Load `state_dict` into `model` strictly, after `check_state_dict` and a check that every floating-point
+    tensor is finite (a ValueError naming `path` and the key). Returns `model`."""
+    check_state_dict(state_dict, model)
+    for key, value in state_dict.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f"{os.fspath(path)!r}: key {key!r} holds non-finite values")
+    model.load_state_dict(state_dict, strict=True)
+    return model
 
 
 def official_gpt_config(

@@ -23,12 +23,22 @@ import torch.nn as nn
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.cache import ConcatKV, StaticKVCache, chain_inputs
 from mmspec.models.config_fields import check_fields
 from mmspec.models.llamagen.gpt import LlamaGenGPT, TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
 
 
 logger = logging.getLogger(__name__)
+
+
+def init_linears(modules, std, generator=None):
+    """EAGLE heads' init: every `nn.Linear` of `modules` (in order; meta ones skipped) gets N(0, `std`) weights drawn
+    from `generator` and zero biases."""
+    for module in modules:
+        if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
 
 class EagleHead(ModelMixin, ConfigMixin):
@@ -95,11 +105,7 @@ class EagleHead(ModelMixin, ConfigMixin):
 
     def init_weights(self, generator=None):
         """N(0, initializer_range) for the Linear weights, zero biases (optional `torch.Generator`)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
-                nn.init.normal_(module.weight, 0.0, self.config.initializer_range, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        init_linears(self.modules(), self.config.initializer_range, generator)
         return self
 
     @property
@@ -241,7 +247,7 @@ class EagleHead(ModelMixin, ConfigMixin):
         pos = self.config.cls_token_num + torch.arange(n, device=device)[None]
         rope = self.rope(pos)
         i = torch.arange(n, device=device)
-        kv = _ConcatKV()
+        kv = ConcatKV()
         outputs, feats = [], hidden
         for j in range(steps):
             x = self._inputs(feats, input_ids, target)
@@ -257,16 +263,3 @@ class EagleHead(ModelMixin, ConfigMixin):
     def compute_logits(target, features):
         """Draft logits `[..., V]` (float32) from head features, through the target's output head."""
         return target.output(features.to(target.output.weight.dtype)).float()
-
-
-class _ConcatKV:
-    """Stand-in for `StaticKVCache` in `forward_unrolled`: `update` appends the new keys/values out of place (so
-    autograd can flow through every step) and returns all of them."""
-
-    def __init__(self):
-        self.k, self.v = None, None
-
-    def update(self, layer, write_slots, k_new, v_new):
-        self.k = k_new if self.k is None else torch.cat([self.k, k_new], dim=2)
-        self.v = v_new if self.v is None else torch.cat([self.v, v_new], dim=2)
-        return self.k, self.v

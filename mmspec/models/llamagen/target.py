@@ -7,6 +7,7 @@ conditional rows only with guidance off (`mmspec.decoding.guidance.Guidance`). C
 from torch import Tensor
 
 from mmspec.cache import tree_inputs
+from mmspec.decoding.cached_target import CachedTarget
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
 
@@ -14,18 +15,20 @@ from mmspec.decoding.target import TargetOutput
 __all__ = ["LlamaGenTarget"]
 
 
-class LlamaGenTarget:
+class LlamaGenTarget(CachedTarget):
     """Adapter of a `LlamaGenGPT` (c2i or t2i) for the decoding loop.
 
     Args:
         model: the target `LlamaGenGPT`.
         guidance: the call's `Guidance` (stream layout + distribution processing).
+
+    `commit`, `select_rows` and `lengths` are `mmspec.decoding.cached_target.CachedTarget`'s.
     """
 
     def __init__(self, model, guidance: Guidance):
-        self.model, self.guidance = model, guidance
+        super().__init__(guidance)
+        self.model = model
         self.vocab_size = model.config.vocab_size
-        self.cache = None
 
     @property
     def prefix_length(self) -> int:
@@ -59,19 +62,3 @@ class LlamaGenTarget:
         # ids come from the engine's sampler, slots from the cache lengths: no per-round range checks (host syncs)
         out = self.model(rows, self.cache, *inputs, return_hidden=return_hidden, validate=False)
         return TargetOutput(self.guidance.probs(out.logits, "target"), out.hidden)
-
-    def commit(self, num_tokens: Tensor, path: Tensor | None = None) -> None:
-        num = self.guidance.rows(num_tokens)
-        if path is None:
-            self.cache.commit(num)
-        else:
-            self.cache.commit_path(self.guidance.rows(path), num)
-
-    def select_rows(self, index: Tensor) -> None:
-        batch = self.cache.rows // self.guidance.streams
-        self.cache.select_rows(self.guidance.row_index(index, batch))
-
-    @property
-    def lengths(self) -> Tensor:
-        """`[B]` committed cache lengths (prefix + committed tokens) of the batch items."""
-        return self.guidance.items(self.cache.lengths)

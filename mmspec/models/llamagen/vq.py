@@ -471,17 +471,13 @@ def load_official_vq(path: str | os.PathLike, preset: str | None = "VQ-16", **co
         ValueError: unreadable/corrupt file, missing weights entry, missing or unexpected key, shape mismatch,
             or non-finite weights; the message names the offending key.
     """
-    from mmspec.models.llamagen.checkpoints import check_state_dict, load_official_state_dict
+    from mmspec.models.llamagen.checkpoints import load_checked, load_official_state_dict
 
     state = load_official_state_dict(path, wrapper_keys=("ema", "model", "state_dict"))
     state = {k: v for k, v in state.items() if k not in _OFFICIAL_IGNORED_KEYS}
     if preset is not None and preset not in VQ_PRESETS:
         raise ValueError(f"preset={preset!r} unknown; known: {sorted(VQ_PRESETS)}")
     model = LlamaGenVQ(**{**(VQ_PRESETS[preset] if preset else {}), **config})
-    check_state_dict(state, model)
-    for key, value in state.items():
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            raise ValueError(f"{os.fspath(path)!r}: key {key!r} holds non-finite values")
-    model.load_state_dict(state, strict=True)
+    load_checked(model, state, path)
     logger.info("loaded official LlamaGen VQ weights from %s (%d tensors)", path, len(state))
     return model.eval()

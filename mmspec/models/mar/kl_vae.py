@@ -365,14 +365,10 @@ def load_official_kl(path: str | os.PathLike, **config) -> AutoencoderKL:
     Raises:
         ValueError: unreadable file, missing / unexpected key, wrong shape, or non-finite weights (names the key).
     """
-    from mmspec.models.llamagen.checkpoints import check_state_dict, load_official_state_dict
+    from mmspec.models.llamagen.checkpoints import load_checked, load_official_state_dict
 
     state = load_official_state_dict(path, wrapper_keys=("model", "state_dict"))
     model = AutoencoderKL(**{**KL16_CONFIG, **config})
-    check_state_dict(state, model)
-    for key, value in state.items():
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            raise ValueError(f"{os.fspath(path)!r}: key {key!r} holds non-finite values")
-    model.load_state_dict(state, strict=True)
+    load_checked(model, state, path)
     logger.info("loaded official KL-VAE weights from %s (%d tensors)", path, len(state))
     return model.eval()

@@ -15,18 +15,16 @@ import logging
 import sys
 from pathlib import Path
 
-from mmspec.cli import (
+from mmspec.cli.args import (
     DEFAULT_ZOO,
     MAX_THREADS,
     SPEEDUP_REPEATS,
     HelpFormatter,
-    check_device,
-    check_output_file,
-    check_top_k_vocab,
-    check_zoo_folders,
     int_in_range,
     sampling_type,
+    seed_int,
 )
+from mmspec.cli.checks import check_device, check_output_file, check_top_k_vocab, check_zoo_folders
 from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS
 
 
@@ -78,7 +76,7 @@ def add_arguments(parser):
     parser.add_argument(
         "--tree-top-k", type=int_in_range(1, VLM_LIMITS["tree_top_k"]), default=1, help="> 1: EAGLE-2 trees"
     )
-    parser.add_argument("--seed", type=int_in_range(0, 2**63 - 1), default=0, help="canvas and sampling seed")
+    parser.add_argument("--seed", type=seed_int, default=0, help="canvas and sampling seed")
     parser.add_argument("--save-image", default=None, help="write the canvas used here (PNG)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run")
     parser.add_argument(

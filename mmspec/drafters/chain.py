@@ -1,0 +1,55 @@
+"""Sampled draft chains: the loop every chain drafter shares (`ModelDrafter`, `TextModelDrafter`, EAGLE's
+`draft_chain`): each draft token is drawn from `q_draft`, the drafter's logits through the call's processing
+(`mmspec.decoding.guidance.Guidance`: CFG, temperature, top-k / top-p; one-hot under greedy decoding), and fed back.
+The drafters differ only in the step that turns what was fed into the next logits."""
+
+import torch
+
+from mmspec.random import num_rows
+from mmspec.sampling import sample
+
+
+__all__ = ["refeed", "sample_chain"]
+
+
+def refeed(state, first_round):
+    """What a draft model is fed at the start of a round (`[B, M]`): `[pending]` on the first round, else `[last
+    committed token, pending]` (the draft cache was rolled back to all committed tokens but the last)."""
+    if first_round:
+        return state.pending[:, None]
+    return torch.stack([state.last_committed, state.pending], dim=1)
+
+
+def sample_chain(step, feed, length, guidance, generator, num_draft=None, confidence=None):
+    """Draw a chain of `length` draft tokens.
+
+    Args:
+        step: `step(feed) -> logits [rows, V]` after the last token of `feed` (model rows, every CFG stream); called
+            once per draft token, first with `feed`, then with each drawn token `[B, 1]`.
+        feed: the first input of `step` (`[B, M]` tokens, or whatever `step` takes).
+        length: tokens to draw.
+        guidance: the call's `Guidance` (`probs(logits, "draft")` is exactly what a token is drawn from).
+        generator: one `torch.Generator` or one per batch item.
+        num_draft: optional `[B]` drafts each item needs; with per-item generators an item draws only its own
+            drafts (its randomness does not depend on the rest of the batch).
+        confidence: optional in (0, 1): an item stops drafting (`num_draft` capped) after a token the drafter gave
+            a raw (unprocessed) probability below this; the loop ends when no item drafts further.
+
+    Returns:
+        `(draft_tokens [B, K], q_draft [B, K, V], num_draft)`; `K <= length` (fewer only with `confidence`).
+    """
+    counted = num_draft is not None and num_rows(generator) is not None  # per-row generators: draw only what's used
+    tokens, probs = [], []
+    for d in range(length):
+        logits = step(feed)
+        q = guidance.probs(logits, "draft")  # [B, V] exactly what the draft is drawn from
+        tok = sample(q, generator, counts=(num_draft > d).long() if counted else None)
+        tokens.append(tok)
+        probs.append(q)
+        feed = tok[:, None]
+        if confidence is not None:  # rows stop after an unsure token (its raw draft probability)
+            sure = torch.softmax(logits.float(), dim=-1).gather(1, feed)[:, 0] >= confidence
+            num_draft = torch.where(sure, num_draft, num_draft.clamp(max=d + 1))
+            if not bool((num_draft > d + 1).any()):
+                break
+    return torch.stack(tokens, 1), torch.stack(probs, 1), num_draft

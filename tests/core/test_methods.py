@@ -111,10 +111,10 @@ def test_resolve_method_defaults_once_and_names_tree_nodes():
 
 def test_one_definition_of_the_bounds_and_the_zoo():
     """The SJD-PAC bounds live in the registry only, and the zoo folder has one definition (torch-free)."""
-    import mmspec.cli
+    import mmspec.cli.args
     import mmspec.drafters.jacobi_pac as pac
     from mmspec.data.zoo import DEFAULT_ZOO
     from mmspec.models import DEFAULT_ZOO as models_zoo
 
     assert not hasattr(pac, "MAX_TREE_WIDTH") and not hasattr(pac, "MAX_TREE_DEPTH")
-    assert models_zoo is DEFAULT_ZOO and mmspec.cli.DEFAULT_ZOO == str(DEFAULT_ZOO)
+    assert models_zoo is DEFAULT_ZOO and mmspec.cli.args.DEFAULT_ZOO == str(DEFAULT_ZOO)

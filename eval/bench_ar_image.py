@@ -99,10 +99,16 @@ def check_args(parser, args):
             parser.error(f"argument --methods: {name}: {err}: the zoo {args.zoo!r} lacks its drafter folder")
         check_sampling_only(parser, preset["acceptance"], args.temperature, name)
         check_knob_combination(parser, knob_values(args) | preset)
+    check_batch_size(parser, args)
+    check_device(parser, args.device)
+
+
+def check_batch_size(parser, args):
+    """Usage error unless `--batch-size` divides `--num-images` (every method makes exactly `--num-images` images per
+    repeat)."""
     if args.batch_size > args.num_images or args.num_images % args.batch_size:
         parser.error(f"argument --batch-size: {args.batch_size} does not divide --num-images {args.num_images} "
                      "(every method must generate exactly --num-images images per repeat)")  # fmt: skip
-    check_device(parser, args.device)
 
 
 def _knobs(args):
@@ -229,15 +235,25 @@ def run(args):
         return int((pred == torch.tensor(labels[c], device=pred.device)).sum())
 
     methods = measure(names, call, calls, bs, n_tok, args, device, judge)
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names}
+    method_kwargs = {n: _effective_kwargs(pipe, knobs | PRESETS[n]) for n in names}
+    return image_report(config, method_kwargs, methods, args, calls, n_tok)
+
+
+def image_report(config, method_kwargs, methods, args, calls, n_tok, **host):
+    """The report of an image bench (ar-image, t2i), logged: `config` (the flags and methods), then each method's
+    kwargs, the versions and host (`host`: more fields after `processor`), the seeds of every call and the image
+    tokens per image; and the per-method `methods` of `measure`."""
     report = {
         "config": dict(
-            {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names},
-            method_kwargs={n: _effective_kwargs(pipe, knobs | PRESETS[n]) for n in names},
+            config,
+            method_kwargs=method_kwargs,
             torch=torch.__version__,
             threads=torch.get_num_threads(),
             python=platform.python_version(),
             machine=platform.machine(),
             processor=platform.processor(),
+            **host,
             seeds=[args.seed + 1000 * r + c for r in range(args.repeats) for c in range(calls)],
             image_tokens=n_tok,
         ),

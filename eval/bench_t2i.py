@@ -16,7 +16,6 @@ zoo classifier's accuracy on the digit each prompt names (null for other prompts
 
 import json
 import logging
-import platform
 import re
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from mmspec.cli.args import (
     threads_int,
 )
 from mmspec.cli.checks import check_device, check_zoo_folders
-from mmspec.eval.bench_ar_image import DIGIT_PROMPTS, MAX_IMAGES, MAX_REPEATS, log_methods, measure
+from mmspec.eval.bench_ar_image import DIGIT_PROMPTS, MAX_IMAGES, MAX_REPEATS, check_batch_size, image_report, measure
 from mmspec.methods import PRESETS, resolve_drafter
 
 
@@ -136,9 +135,7 @@ def check_args(parser, args):
         check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
     for name in args.methods:
         check_sampling_only(parser, T2I_PRESETS[name]["acceptance"], args.temperature, name)
-    if args.batch_size > args.num_images or args.num_images % args.batch_size:
-        parser.error(f"argument --batch-size: {args.batch_size} does not divide --num-images {args.num_images} "
-                     "(every method must generate exactly --num-images images per repeat)")  # fmt: skip
+    check_batch_size(parser, args)
     check_device(parser, args.device)
 
 
@@ -188,20 +185,7 @@ def run(args):
     n_tok = pipe.num_image_tokens
     methods = measure(names, call, calls, bs, n_tok, args, device, judge)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("json", "prompt_list")}
-    report = {
-        "config": dict(
-            config | {"methods": names, "prompts": None if args.prompts is None else str(args.prompts)},
-            method_kwargs={n: knobs | T2I_PRESETS[n] for n in names},
-            torch=torch.__version__,
-            threads=torch.get_num_threads(),
-            python=platform.python_version(),
-            machine=platform.machine(),
-            processor=platform.processor(),
-            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            seeds=[args.seed + 1000 * r + c for r in range(args.repeats) for c in range(calls)],
-            image_tokens=n_tok,
-        ),
-        "methods": methods,
-    }
-    log_methods(methods)
-    return report
+    config |= {"methods": names, "prompts": None if args.prompts is None else str(args.prompts)}
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return image_report(config, {n: knobs | T2I_PRESETS[n] for n in names}, methods, args, calls, n_tok,
+                        device_name=device_name)  # fmt: skip

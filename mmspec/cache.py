@@ -246,6 +246,25 @@ def chain_inputs(lengths, num_tokens):
     return input_pos, input_pos.clone(), causal.expand(lengths.shape[0], -1, -1)
 
 
+def forward_inputs(lengths, shape, input_pos, write_slots, attention_mask, cache_mask, device):
+    """A cached forward's `(input_pos, write_slots, attention_mask)` for input ids of `shape (rows, M)`, with the
+    defaults filled in: without `input_pos`, a causal chain after `lengths` (`chain_inputs`; its slots and mask unless
+    given); without `write_slots`, `input_pos`; without `attention_mask` and `cache_mask`, causal among the M new
+    tokens (`[rows, M, M]` on `device`). A given `cache_mask` leaves `attention_mask` as it is."""
+    rows, num_tokens = shape
+    if input_pos is None:
+        input_pos, default_slots, default_mask = chain_inputs(lengths, num_tokens)
+        write_slots = default_slots if write_slots is None else write_slots
+        if attention_mask is None and cache_mask is None:
+            attention_mask = default_mask
+    if write_slots is None:
+        write_slots = input_pos
+    if attention_mask is None and cache_mask is None:
+        causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).tril()
+        attention_mask = causal.expand(rows, num_tokens, num_tokens)
+    return input_pos, write_slots, attention_mask
+
+
 def check_parents(parents):
     """Raise ValueError unless `parents [rows, M]` is a topologically ordered forest (`-1 <= parents[r, i] < i`)."""
     if parents.dim() != 2:

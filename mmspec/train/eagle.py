@@ -21,21 +21,20 @@ from mmspec.cli.args import non_negative_float, probability
 from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.train.common import (
     add_common_arguments,
+    card_metrics,
     configure_threads,
     declare_paths,
-    random_batch_indices,
     seed_everything,
     size_int,
     train_and_save,
     write_model_card,
-    zoo_folder,
 )
 from mmspec.train.gpt import (
     add_data_arguments,
+    add_target_argument,
     build_optimizer,
-    load_data,
-    load_target,
-    null_drop,
+    distill_batch,
+    load_target_and_data,
     one_step_agreement,
     soft_cross_entropy,
 )
@@ -47,8 +46,7 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser):
     add_common_arguments(parser, steps=4000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=500, threads=2)
     parser.set_defaults(grad_clip=0.5)
-    parser.add_argument("--target", default=zoo_folder("mnist-c2i"), help="trained target model folder")
-    declare_paths(parser, model_folders=("target",))
+    add_target_argument(parser)
     add_data_arguments(parser)
     parser.add_argument(
         "--p-weight", type=non_negative_float, default=0.1, help="weight of the soft cross-entropy term"
@@ -137,13 +135,7 @@ def _unroll_text(args):
 def run(args):
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
-    target = load_target(args.target)
-    codes, labels, eval_codes, eval_labels, meta = load_data(args)
-    tc = target.config
-    if codes.shape[1] != tc.block_size or int(codes.max()) >= tc.vocab_size:
-        raise ValueError(
-            f"data {args.data!r} does not match the target (block_size {tc.block_size}, vocab {tc.vocab_size})"
-        )
+    target, codes, labels, eval_codes, eval_labels = load_target_and_data(args)
     if args.init:
         from mmspec.models import load
 
@@ -158,9 +150,7 @@ def run(args):
     optimizer = build_optimizer(head, args.lr, args.weight_decay)
 
     def step_fn(step):
-        idx = random_batch_indices(len(codes), args.batch_size, generator)
-        x, y = codes[idx], labels[idx]
-        drop = null_drop(len(x), args.null_prob, generator)
+        x, y, drop = distill_batch(codes, labels, args, generator)
         vloss, ploss = eagle_losses(head, target, x, y, drop, args.noise, generator, args.unroll, args.step_decay)
         return {"loss": vloss + args.p_weight * ploss, "vloss": vloss.detach(), "ploss": ploss.detach()}
 
@@ -185,10 +175,7 @@ def run(args):
         data=f"{args.data} ({args.train_split}: {len(codes)} items)",
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_train_{k}": v for k, v in result.metrics.items()},
-            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
-        },
+        metrics=card_metrics(result, (f"{args.eval_split}_", metrics)),
         extra={
             "target": str(args.target),
         },

@@ -20,6 +20,7 @@ from mmspec.cli.args import probability
 from mmspec.models.llamagen.gpt import LlamaGenGPT
 from mmspec.train.common import (
     add_common_arguments,
+    card_metrics,
     configure_threads,
     declare_paths,
     load_checkpoint,
@@ -29,6 +30,7 @@ from mmspec.train.common import (
     size_int,
     train_and_save,
     write_model_card,
+    zoo_folder,
 )
 
 
@@ -44,14 +46,29 @@ def add_data_arguments(parser, **defaults):
     declare_paths(parser, input_files=("data",))
 
 
+def add_target_argument(parser):
+    """--target: the trained c2i target the draft / eagle tasks distil (a model folder, checked before any work)."""
+    parser.add_argument("--target", default=zoo_folder("mnist-c2i"), help="trained target model folder")
+    declare_paths(parser, model_folders=("target",))
+
+
+def add_size_arguments(parser, dim, n_layer, n_head, multiple_of):
+    """--dim / --n-layer / --n-head / --multiple-of of a `LlamaGenGPT` (`build_gpt`), with the task's defaults; the
+    help names the SwiGLU width the defaults give (`LlamaGenGPT`: `multiple_of` rounding of 8 * dim / 3)."""
+    ffn = -(-(8 * dim // 3) // multiple_of) * multiple_of
+    parser.add_argument("--dim", type=size_int, default=dim)
+    parser.add_argument("--n-layer", type=size_int, default=n_layer)
+    parser.add_argument("--n-head", type=size_int, default=n_head)
+    parser.add_argument(
+        "--multiple-of", type=size_int, default=multiple_of, help=f"SwiGLU width rounding (dim {dim} -> {ffn})"
+    )
+
+
 def add_arguments(parser):
     add_common_arguments(parser, steps=6000, batch_size=64, lr=1e-3, warmup_steps=200, checkpoint_every=500, threads=2)
     parser.set_defaults(weight_decay=0.05)
     add_data_arguments(parser)
-    parser.add_argument("--dim", type=size_int, default=256)
-    parser.add_argument("--n-layer", type=size_int, default=8)
-    parser.add_argument("--n-head", type=size_int, default=8)
-    parser.add_argument("--multiple-of", type=size_int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
+    add_size_arguments(parser, dim=256, n_layer=8, n_head=8, multiple_of=256)
     parser.add_argument(
         "--dropout", type=probability, default=0.1, help="token / residual / FFN dropout (upstream 0.1)"
     )
@@ -93,6 +110,27 @@ def build_optimizer(model, lr, weight_decay, betas=(0.9, 0.95)):
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def load_target_and_data(args):
+    """The frozen `--target` (`load_target`) and the token data (`load_data`), checked against each other (grids of the
+    target's `block_size`, codes below its vocabulary). Returns `(target, codes, labels, eval_codes, eval_labels)`."""
+    target = load_target(args.target)
+    codes, labels, eval_codes, eval_labels, meta = load_data(args)
+    tc = target.config
+    if codes.shape[1] != tc.block_size or int(codes.max()) >= tc.vocab_size:
+        raise ValueError(
+            f"data {args.data!r} does not match the target (block_size {tc.block_size}, vocab {tc.vocab_size})"
+        )
+    return target, codes, labels, eval_codes, eval_labels
+
+
+def distill_batch(codes, labels, args, generator):
+    """A training batch of the draft / eagle tasks: `--batch-size` random rows `(x, y)` and the rows on the null
+    class (`--null-prob`), drawn from `generator` in that order."""
+    idx = random_batch_indices(len(codes), args.batch_size, generator)
+    x, y = codes[idx], labels[idx]
+    return x, y, null_drop(len(x), args.null_prob, generator)
 
 
 def load_target(path):
@@ -180,10 +218,7 @@ def run(args):
         data=f"{args.data} ({args.train_split}: {len(codes)} items; VQ {meta.get('vq', '?')})",
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_train_{k}": v for k, v in result.metrics.items()},
-            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
-        },
+        metrics=card_metrics(result, (f"{args.eval_split}_", metrics)),
         extra={
             "null_class": num_classes,
             "vq_sha256": meta.get("vq_sha256", ""),

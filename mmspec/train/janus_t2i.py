@@ -42,6 +42,7 @@ from mmspec.cli.args import positive_float, probability
 from mmspec.train.captions import add_caption_arguments, ensure_captions, split_rows
 from mmspec.train.common import (
     add_common_arguments,
+    card_metrics,
     configure_threads,
     count_int,
     count_parameters,
@@ -322,11 +323,7 @@ def run(args):
         ),
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_train_{k}": v for k, v in result.metrics.items()},
-            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
-            **sample_metrics,
-        },
+        metrics=card_metrics(result, (f"{args.eval_split}_", metrics), sample_metrics),
         extra={
             "parameters": count_parameters(saved),
             "model_class": type(saved).__name__,

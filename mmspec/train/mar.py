@@ -20,6 +20,7 @@ import torch
 from mmspec.cli.args import positive_float
 from mmspec.train.common import (
     add_common_arguments,
+    card_metrics,
     configure_threads,
     count_int,
     declare_paths,
@@ -167,7 +168,7 @@ def run(args):
 
     save_model(ema.model, args.out, dtype=torch.float16 if args.fp16_weights else None)
     saved = load(args.out)
-    metrics = {f"final_train_{k}": v for k, v in result.metrics.items()}
+    metrics = card_metrics(result)
     if args.eval_samples:
         metrics["classifier_accuracy"] = sample_accuracy(args.out, args.kl, args.eval_samples, args.eval_cfg,
                                                          args.eval_num_iter)  # fmt: skip

@@ -40,6 +40,7 @@ from mmspec.models.llamagen.gpt import LlamaGenGPT
 from mmspec.train.captions import add_caption_arguments, ensure_captions, split_rows
 from mmspec.train.common import (
     add_common_arguments,
+    card_metrics,
     configure_threads,
     count_int,
     declare_paths,
@@ -53,6 +54,7 @@ from mmspec.train.common import (
 )
 from mmspec.train.gpt import (
     add_data_arguments,
+    add_size_arguments,
     build_gpt,
     build_optimizer,
     check_args,  # noqa: F401  (the task's usage checks: --dim / --n-head)
@@ -69,10 +71,7 @@ def add_arguments(parser):
     parser.set_defaults(weight_decay=0.05)
     add_data_arguments(parser)
     add_caption_arguments(parser)
-    parser.add_argument("--dim", type=size_int, default=256)
-    parser.add_argument("--n-layer", type=size_int, default=8)
-    parser.add_argument("--n-head", type=size_int, default=8)
-    parser.add_argument("--multiple-of", type=size_int, default=256, help="SwiGLU width rounding (dim 256 -> 768)")
+    add_size_arguments(parser, dim=256, n_layer=8, n_head=8, multiple_of=256)
     parser.add_argument("--dropout", type=probability, default=0.0, help="token / residual / FFN dropout")
     parser.add_argument("--class-dropout", type=probability, default=0.1, help="probability of the null caption (CFG)")
     parser.add_argument("--init-from", default=None, help="LlamaGen GPT folder to start from (not its cond. embedder)")
@@ -297,11 +296,7 @@ def run(args):
         ),
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_train_{k}": v for k, v in result.metrics.items()},
-            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
-            **sample_metrics,
-        },
+        metrics=card_metrics(result, (f"{args.eval_split}_", metrics), sample_metrics),
         extra={
             "text_encoder": captions["encoder"],
             "cls_token_num": cls_token_num,

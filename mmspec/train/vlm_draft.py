@@ -15,16 +15,15 @@ import torch.nn.functional as F
 
 from mmspec.train.common import (
     add_common_arguments,
+    card_metrics,
     configure_threads,
-    declare_paths,
     load_checkpoint,
     seed_everything,
     size_int,
     train_with_args,
     write_model_card,
-    zoo_folder,
 )
-from mmspec.train.vlm_eagle import answer_mask
+from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask
 
 
 logger = logging.getLogger(__name__)
@@ -32,9 +31,7 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=300, batch_size=4, lr=3e-4, warmup_steps=30, checkpoint_every=50, threads=2)
-    parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
-    parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output")
-    declare_paths(parser, model_folders=("target",), input_files=("data",))
+    add_vlm_data_arguments(parser)
     parser.add_argument("--num-layers", type=size_int, default=4, help="decoder layers the draft keeps")
     parser.add_argument("--train-layers", type=size_int, default=1, help="last kept layers that are fine-tuned")
     parser.add_argument("--eval-items", type=size_int, default=32, help="held-back answers for the metrics")
@@ -117,13 +114,15 @@ def run(args):
         data=f"{args.data}: {len(ids)} target answers ({n_eval} held back for the metrics)",
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_train_{k}": v for k, v in result.metrics.items()},
-            "heldout_agree_before": before["agree"],
-            "heldout_agree_after": after["agree"],
-            "heldout_ce_before": before["ce"],
-            "heldout_ce_after": after["ce"],
-        },  # fmt: skip
+        metrics=card_metrics(
+            result,
+            {
+                "heldout_agree_before": before["agree"],
+                "heldout_agree_after": after["agree"],
+                "heldout_ce_before": before["ce"],
+                "heldout_ce_after": after["ce"],
+            },
+        ),  # fmt: skip
         extra={"trained_tensors": len(trained), "trained_parameters": sum(p.numel() for p in params)},
         history=result.history,
     )

@@ -13,7 +13,6 @@ at inference; EAGLE-3 / HASS) and uniform input-feature noise. The soft cross-en
 49,152-way output head, so it is taken at `--ce-positions` random answer positions per row.
 """
 
-import copy
 import logging
 from pathlib import Path
 
@@ -23,11 +22,13 @@ import torch.nn.functional as F
 from mmspec.cli.args import int_in_range, non_negative_float
 from mmspec.train.common import (
     add_common_arguments,
+    card_metrics,
     check_run_flags,
     configure_threads,
     declare_paths,
     load_checkpoint,
     run_flags,
+    save_model,
     seed_everything,
     size_int,
     train_with_args,
@@ -41,17 +42,28 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser):
     add_common_arguments(parser, steps=600, batch_size=4, lr=5e-4, warmup_steps=50, checkpoint_every=100, threads=2)
-    parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
-    parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output")
-    declare_paths(parser, model_folders=("target",), input_files=("data",))
+    add_vlm_data_arguments(parser)
     parser.add_argument("--eval-items", type=size_int, default=32, help="held-back answers for the metrics")
     parser.add_argument("--p-weight", type=non_negative_float, default=0.5)
+    add_head_loss_arguments(parser, "tokens the head scores (most frequent in the answers; 0 = the full vocabulary)")
+
+
+def add_vlm_data_arguments(parser, data_help="`vlm-answers` output"):
+    """--target (the VLM zoo folder) and --data (the `vlm-answers` file) of the vlm-draft / vlm-eagle / vlm-vision
+    tasks, both checked before any work."""
+    parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
+    parser.add_argument("--data", default="runs/vlm-answers.pt", help=data_help)
+    declare_paths(parser, model_folders=("target",), input_files=("data",))
+
+
+def add_head_loss_arguments(parser, draft_vocab_help):
+    """The EAGLE-head training flags vlm-eagle and vlm-vision share: --noise, --unroll, --step-decay, --ce-positions
+    (`eagle_text_losses`) and --draft-vocab (`draft_vocabulary`)."""
     parser.add_argument("--noise", type=non_negative_float, default=0.05, help="uniform input-feature noise")
     parser.add_argument("--unroll", type=size_int, default=3, help="training-time-test steps")
     parser.add_argument("--step-decay", type=non_negative_float, default=0.8)
     parser.add_argument("--ce-positions", type=size_int, default=24, help="soft-CE positions per row and step")
-    parser.add_argument("--draft-vocab", type=int_in_range(0, 1 << 20), default=2048,
-                        help="tokens the head scores (most frequent in the answers; 0 = the full vocabulary)")  # fmt: skip
+    parser.add_argument("--draft-vocab", type=int_in_range(0, 1 << 20), default=2048, help=draft_vocab_help)
 
 
 def draft_vocabulary(ids, weight, size, eos):
@@ -196,8 +208,7 @@ def run(args):
 
     result = train_with_args(head, optimizer, step_fn, args, generator)
     head.eval()
-    # float16 weights unless --fp32-weights (the pipeline loads them in the target's dtype)
-    (copy.deepcopy(head).half() if args.fp16_weights else head).save_pretrained(args.out, safe_serialization=True)
+    save_model(head, args.out, dtype=torch.float16 if args.fp16_weights else None)  # loaded in the target's dtype
     width = int(lengths[:n_eval].max())
     metrics = evaluate_text_head(head, model, features[:n_eval, :width], ids[:n_eval, :width], weight[:n_eval, :width])
     logger.info("held-out metrics: %s", metrics)
@@ -209,11 +220,7 @@ def run(args):
         data=f"{args.data}: {len(ids)} target answers ({n_eval} held back for the metrics)",
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_train_{k}": v for k, v in result.metrics.items()},
-            **metrics,
-            "draft_vocab_coverage": covered,
-        },  # fmt: skip
+        metrics=card_metrics(result, metrics, {"draft_vocab_coverage": covered}),
         history=result.history,
     )
     return head

@@ -18,7 +18,6 @@ text-only (its image tokens removed from the prompt, no pixel values: the teache
 """
 
 import argparse
-import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +28,24 @@ from mmspec.cli.args import int_in_range, non_negative_float, positive_float
 from mmspec.train.common import (
     MAX_STEPS,
     add_common_arguments,
+    card_metrics,
     configure_threads,
     declare_paths,
     load_checkpoint,
+    save_model,
     seed_everything,
     size_int,
     train_with_args,
     write_model_card,
-    zoo_folder,
 )
-from mmspec.train.vlm_eagle import answer_mask, draft_vocabulary, eagle_text_losses, evaluate_text_head
+from mmspec.train.vlm_eagle import (
+    add_head_loss_arguments,
+    add_vlm_data_arguments,
+    answer_mask,
+    draft_vocabulary,
+    eagle_text_losses,
+    evaluate_text_head,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -65,22 +72,16 @@ def add_arguments(parser):
     add_common_arguments(parser, steps=200, batch_size=4, lr=2e-4, warmup_steps=10, checkpoint_every=10, threads=1)
     parser.add_argument("--policy", choices=POLICIES, required=True, action=_Policy,
                         help="the draft-side vision-token policy (sets the defaults of its flags below)")  # fmt: skip
-    parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
-    parser.add_argument("--data", default="runs/vlm-answers.pt", help="`vlm-answers` output (templated + free-form)")
+    add_vlm_data_arguments(parser, "`vlm-answers` output (templated + free-form)")
     parser.add_argument("--init", default=None,
                         help="a trained text EAGLE head folder (vlm-eagle): fc, layer and draft vocabulary start "
                              "from it (stage 1); default: fresh weights")  # fmt: skip
-    declare_paths(parser, model_folders=("target", "init"), input_files=("data",))
+    declare_paths(parser, model_folders=("init",))
     parser.add_argument("--eval-items", type=size_int, default=32,
                         help="held-out rows per workload (the first of the templated and of the free-form rows)")  # fmt: skip
     parser.add_argument("--feat-weight", type=non_negative_float, default=1.0, help="lambda_feat (SmoothL1)")
     parser.add_argument("--logit-weight", type=non_negative_float, default=0.1, help="lambda_logit (soft CE)")
-    parser.add_argument("--noise", type=non_negative_float, default=0.05, help="uniform input-feature noise")
-    parser.add_argument("--unroll", type=size_int, default=3, help="training-time-test steps")
-    parser.add_argument("--step-decay", type=non_negative_float, default=0.8)
-    parser.add_argument("--ce-positions", type=size_int, default=24, help="soft-CE positions per row and step")
-    parser.add_argument("--draft-vocab", type=int_in_range(0, 1 << 20), default=2048,
-                        help="without --init: tokens the head scores (most frequent answer tokens; 0 = all)")  # fmt: skip
+    add_head_loss_arguments(parser, "without --init: tokens the head scores (most frequent answer tokens; 0 = all)")
     parser.add_argument("--text-steps", type=int_in_range(0, MAX_STEPS), default=None,
                         help=f"MSD stage 1: text-only steps (default: {_defaults_text(0)})")  # fmt: skip
     parser.add_argument("--ramp-steps", type=int_in_range(0, MAX_STEPS), default=None,
@@ -356,8 +357,7 @@ def run(args):
 
     result = train_with_args(head, optimizer, step_fn, args, generator)
     head.eval()
-    # float16 weights unless --fp32-weights (the pipeline loads them in the target's dtype)
-    (copy.deepcopy(head).half() if args.fp16_weights else head).save_pretrained(args.out, safe_serialization=True)
+    save_model(head, args.out, dtype=torch.float16 if args.fp16_weights else None)  # loaded in the target's dtype
     heads = {"": (head, vision)}
     if text_head is not None:  # the stage-1 text head on the same rows, for comparison
         heads["init_"] = (text_head, False)
@@ -372,11 +372,7 @@ def run(args):
         + ", ".join(f"{len(rows)} {name.replace('_', '-')}" for name, rows in held.items()),
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_train_{k}": v for k, v in result.metrics.items()},
-            **metrics,
-            **({} if covered is None else {"draft_vocab_coverage": covered}),
-        },  # fmt: skip
+        metrics=card_metrics(result, metrics, {} if covered is None else {"draft_vocab_coverage": covered}),
         extra={
             "policy": args.policy,
             "policy_kwargs": policy_kwargs(args),

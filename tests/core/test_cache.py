@@ -2,24 +2,9 @@
 
 import pytest
 import torch
+from factories import random_forest, root_path
 
 from mmspec.cache import StaticKVCache, chain_inputs, check_parents, path_to_leaf, tree_ancestry, tree_inputs
-
-
-def _random_parents(rows, m, gen):
-    parents = torch.empty(rows, m, dtype=torch.long)
-    for r in range(rows):
-        for i in range(m):
-            parents[r, i] = int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
-    return parents
-
-
-def _ancestors(parents_row, i):
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = int(parents_row[i])
-    return out[::-1]
 
 
 def test_chain_inputs():
@@ -32,12 +17,12 @@ def test_chain_inputs():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tree_inputs_match_brute_force(seed):
     gen = torch.Generator().manual_seed(seed)
-    parents = _random_parents(3, 9, gen)
+    parents = random_forest(3, 9, gen)
     lengths = torch.tensor([2, 7, 4])
     pos, slots, mask = tree_inputs(parents, lengths)
     for r in range(3):
         for i in range(9):
-            anc = _ancestors(parents[r], i)
+            anc = root_path(parents[r], i)
             assert pos[r, i] == lengths[r] + len(anc) - 1
             assert slots[r, i] == lengths[r] + i
             assert mask[r, i].nonzero().flatten().tolist() == sorted(anc)
@@ -66,7 +51,7 @@ def test_tree_ancestry_bit_identical_to_one_hot_version(seed):
     from mmspec.drafters.jacobi_pac import tree_layout
 
     gen = torch.Generator().manual_seed(seed)
-    cases = [_random_parents(4, 1 + 5 * seed, gen), torch.arange(-1, 7)[None].repeat(2, 1),
+    cases = [random_forest(4, 1 + 5 * seed, gen), torch.arange(-1, 7)[None].repeat(2, 1),
              torch.full((3, 5), -1), torch.tensor(tree_layout(3, 3, 6)[0])[None].repeat(2, 1)]  # fmt: skip
     for parents in cases:
         want_depth, want_mask = _old_tree_ancestry(parents)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from factories import usage_error_line
 
 from mmspec.decoding.trace import ACCEPTED, BONUS, PREFILL, RESAMPLED
 from mmspec.demo import handlers
@@ -314,14 +315,7 @@ def test_method_widgets_come_from_the_registry():
 def test_cli_usage_errors_before_any_model_loads(argv, flag, capsys, monkeypatch):
     from mmspec.demo import __main__ as cli
 
-    def no_load(*args, **kwargs):
-        raise AssertionError("a model loaded before the flags were checked")
-
-    monkeypatch.setattr(PipelineCache, "_load", no_load)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = usage_error_line(cli.main, argv, PipelineCache, "_load", capsys, monkeypatch)
     assert err.startswith("mmspec demo: error: argument " + flag)
 
 

@@ -11,6 +11,7 @@ generators). The trace's accepted counts and the stats agree; bad knobs are refu
 
 import pytest
 import torch
+from factories import usage_error_line
 
 from mmspec.decoding import Guidance, SequenceState, decode
 from mmspec.decoding.target import TargetOutput
@@ -266,14 +267,7 @@ def test_cli_refuses_bad_tree_knobs_before_loading(argv, flag, capsys, monkeypat
     from mmspec import cli
     from mmspec.pipelines import SpeculativeARImagePipeline
 
-    def no_load(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(SpeculativeARImagePipeline, "from_zoo", no_load)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = usage_error_line(cli.main, argv, SpeculativeARImagePipeline, "from_zoo", capsys, monkeypatch)
     assert flag in err and flag[2:].replace("-", "_") in err, err  # the flag and the knob's own message
 
 

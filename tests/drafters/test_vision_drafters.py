@@ -10,8 +10,8 @@ accepted, so multi-token commits after the compacted prefill are exercised."""
 
 import pytest
 import torch
+from factories import assert_first_tokens_follow
 from pipeline_mixin import SpeculativePipelineTesterMixin
-from test_pipeline_vlm import _chisquare
 from vision_seam_fixtures import check_positions, record_head_positions
 from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, llava_pipe_with_heads, prompts
 
@@ -162,11 +162,7 @@ def test_sampled_first_tokens_follow_the_target_law_at_t07(vpipe):
             acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip
     assert out.stats.mean_accepted_drafts > 0.02  # the drafts matter (random policy weights: about 5 % accepted)
     check_image_stats(policy, p, out.stats.extra, n)  # drafted from the policy's view of the image
-    v = law2.shape[0]
-    for column, law in ((1, law2), (2, law3)):
-        tokens = out.sequences[:, column]
-        counts = torch.bincount(torch.where(tokens < 0, v - 1, tokens), minlength=v)  # -1: the row had ended
-        assert _chisquare(counts, law, n) > 1e-3, f"{policy}: token {column + 1} does not follow the target law"
+    assert_first_tokens_follow(out.sequences, law2, law3, n, what=f"{policy}: ")
 
 
 def test_gate_choice_names_the_expert_per_answer(base):

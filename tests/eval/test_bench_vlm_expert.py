@@ -1,18 +1,14 @@
 """`bench vlm --specvlm-expert`: the SpecVLM row's gate overridden for the per-compressor ablation."""
 
-import argparse
-
 import pytest
+from factories import parse_flags
 from vlm_fixtures import quick_eagle_pipe
 
 from mmspec.eval import bench_vlm
 
 
 def _parse(*argv):
-    parser = argparse.ArgumentParser()
-    bench_vlm.add_arguments(parser)
-    args = parser.parse_args(list(argv))
-    return parser, args
+    return parse_flags(bench_vlm.add_arguments, *argv)
 
 
 def test_unknown_expert_and_expert_without_the_row_are_usage_errors(capsys):

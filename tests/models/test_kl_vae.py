@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import assert_same_checkpoints
 
 from mmspec.data.mnist import is_mnist_available
 from mmspec.models import load
@@ -233,7 +234,6 @@ def _kl_args(out, steps):
 @pytest.mark.skipif(not (ASSETS / "mnist-classifier").is_dir(), reason="assets/mnist-classifier missing")
 def test_tiny_kl_run_end_to_end_and_resume(tmp_path, caplog):
     from mmspec.train import kl
-    from mmspec.train.common import load_checkpoint
 
     # interrupted (4 steps) + resumed to 6 == 6 steps straight (warmup > steps: same LR either way)
     kl.run(_kl_args(tmp_path / "a", 4))
@@ -241,13 +241,7 @@ def test_tiny_kl_run_end_to_end_and_resume(tmp_path, caplog):
         kl.run(_kl_args(tmp_path / "a", 6))
     assert "resuming from" in caplog.text and "at step 4 / 6" in caplog.text
     kl.run(_kl_args(tmp_path / "b", 6))
-    resumed, straight = (
-        load_checkpoint(tmp_path / "a" / "checkpoint.pt"),
-        load_checkpoint(tmp_path / "b" / "checkpoint.pt"),
-    )
-    assert resumed["step"] == straight["step"] == 6
-    for key, value in straight["model"].items():
-        assert torch.equal(resumed["model"][key], value), key
+    assert_same_checkpoints(tmp_path / "a", tmp_path / "b", 6)
 
     model = load(tmp_path / "a")
     record = json.loads((tmp_path / "a" / "training.json").read_text())

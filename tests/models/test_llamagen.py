@@ -5,6 +5,7 @@ import math
 import factories
 import pytest
 import torch
+from factories import random_forest, root_path
 
 import mmspec.models
 from mmspec.cache import path_to_leaf, tree_inputs
@@ -177,22 +178,6 @@ def test_chain_with_cfg_rows_and_ragged_lengths_matches_step_by_step(model_type)
             torch.testing.assert_close(train[r], ref[r][:10], atol=ATOL, rtol=0)
 
 
-def _random_tree(rows, m, gen):
-    parents = torch.empty(rows, m, dtype=torch.long)
-    for r in range(rows):
-        for i in range(m):
-            parents[r, i] = int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
-    return parents
-
-
-def _path(parents_row, i):
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = int(parents_row[i])
-    return out[::-1]
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tree_forward_matches_path_decoding(seed):
     model = tiny_gpt(3 + seed, "c2i", n_kv_head=2)
@@ -207,7 +192,7 @@ def test_tree_forward_matches_path_decoding(seed):
     model(ids, cache)
     cache.commit(torch.tensor([len(p) for p in prefix]))
 
-    parents = _random_tree(rows, m, gen)
+    parents = random_forest(rows, m, gen)
     tokens = torch.randint(0, 29, (rows, m), generator=gen)
     pos, slots, mask = tree_inputs(parents, cache.lengths)
     lengths_before = cache.lengths.clone()
@@ -216,7 +201,7 @@ def test_tree_forward_matches_path_decoding(seed):
     assert torch.equal(cache.lengths, lengths_before)  # scratch only
     for r in range(rows):
         for i in range(m):
-            seq = torch.cat([prefix[r], tokens[r, _path(parents[r], i)]])
+            seq = torch.cat([prefix[r], tokens[r, root_path(parents[r], i)]])
             ref = step_by_step(model, cond[r : r + 1], [seq.tolist()])[0][-1]
             torch.testing.assert_close(out.logits[r, i], ref, atol=ATOL, rtol=0)
     # hidden is exactly what enters `output`
@@ -235,7 +220,7 @@ def test_commit_tree_path_then_continue_equals_decoding_the_path():
     cache.commit(torch.tensor([2, 1, 2, 0]))
     prefix = [first[0, :2], first[1, :1], first[2, :2], first[3, :0]]
 
-    parents = _random_tree(rows, m, gen)
+    parents = random_forest(rows, m, gen)
     tokens = torch.randint(0, 29, (rows, m), generator=gen)
     model(tokens, cache, *tree_inputs(parents, cache.lengths))
     leaf = torch.tensor([m - 1, 3, 0, -1])  # row 3 is "finished": commits nothing

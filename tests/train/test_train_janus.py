@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import assert_same_checkpoints
 
 from mmspec.data.mnist import is_mnist_available
 
@@ -173,13 +174,7 @@ def test_tiny_janus_run_resumes_after_a_kill_and_refuses_a_changed_flag(tmp_path
     monkeypatch.setattr(janus_t2i, "image_logits", real)
     main(_janus_argv(tmp_path / "a", data, captions, 4))
     main(_janus_argv(tmp_path / "b", data, captions, 4))
-    resumed, straight = (
-        load_checkpoint(tmp_path / "a" / "checkpoint.pt"),
-        load_checkpoint(tmp_path / "b" / "checkpoint.pt"),
-    )
-    assert resumed["step"] == straight["step"] == 4
-    for key, value in straight["model"].items():
-        assert torch.equal(resumed["model"][key], value), key
+    assert_same_checkpoints(tmp_path / "a", tmp_path / "b", 4)
 
     # a resume with another model width is refused before anything loads, naming the flag
     with pytest.raises(SystemExit) as exit_info:

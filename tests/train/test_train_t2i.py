@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import assert_same_checkpoints
 
 from mmspec.data.captions import (
     DIGIT_WORDS,
@@ -132,7 +133,7 @@ def test_tiny_t2i_run_end_to_end_and_resume(tmp_path, caplog):
     from mmspec.models.llamagen.gpt import LlamaGenGPT
     from mmspec.train import t2i
     from mmspec.train.captions import build_captions, load_captions
-    from mmspec.train.common import load_checkpoint, save_checkpoint
+    from mmspec.train.common import save_checkpoint
 
     # a codes file of the val split with random codes (the training mechanics only)
     _, labels = load_mnist("val")
@@ -157,13 +158,7 @@ def test_tiny_t2i_run_end_to_end_and_resume(tmp_path, caplog):
         t2i.run(_t2i_args(tmp_path / "a", data, captions, 6, sample_size))
     assert "resuming from" in caplog.text and "at step 4 / 6" in caplog.text
     t2i.run(_t2i_args(tmp_path / "b", data, captions, 6, 0))
-    resumed, straight = (
-        load_checkpoint(tmp_path / "a" / "checkpoint.pt"),
-        load_checkpoint(tmp_path / "b" / "checkpoint.pt"),
-    )
-    assert resumed["step"] == straight["step"] == 6
-    for key, value in straight["model"].items():
-        assert torch.equal(resumed["model"][key], value), key
+    assert_same_checkpoints(tmp_path / "a", tmp_path / "b", 6)
 
     stale = _t2i_args(tmp_path / "c", data, captions, 2, 0)
     stale.prompts_per_image = 4

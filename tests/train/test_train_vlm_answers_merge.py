@@ -1,9 +1,8 @@
 """`vlm-answers --merge`: finished answer files concatenated in order; unfinished or missing inputs refused first."""
 
-import argparse
-
 import pytest
 import torch
+from factories import parse_flags
 
 from mmspec.train import vlm_answers
 
@@ -19,10 +18,7 @@ def _record(rows, prompt_len, kind, fill):
 
 
 def _parse(*argv):
-    parser = argparse.ArgumentParser()
-    vlm_answers.add_arguments(parser)
-    args = parser.parse_args(list(argv))
-    return parser, args
+    return parse_flags(vlm_answers.add_arguments, *argv)
 
 
 def test_merge_concatenates_rows_in_order_and_pads(tmp_path):

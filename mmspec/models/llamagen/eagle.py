@@ -23,7 +23,7 @@ import torch.nn as nn
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from mmspec.cache import ConcatKV, StaticKVCache, chain_inputs
+from mmspec.cache import ConcatKV, StaticKVCache, forward_inputs
 from mmspec.models.config_fields import check_fields
 from mmspec.models.llamagen.gpt import LlamaGenGPT, TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
 
@@ -197,16 +197,10 @@ class EagleHead(ModelMixin, ConfigMixin):
         rows, m = input_ids.shape
         if not isinstance(cache, StaticKVCache) or cache.k.shape[0] != 1 or cache.rows != rows:
             raise ValueError("cache must be this head's StaticKVCache (setup_cache) with one row per input row")
-        if input_pos is None:
-            input_pos, default_slots, default_mask = chain_inputs(cache.lengths, m)
-            write_slots = default_slots if write_slots is None else write_slots
-            if attention_mask is None and cache_mask is None:
-                attention_mask = default_mask
-        if write_slots is None:
-            write_slots = input_pos
+        input_pos, write_slots, attention_mask = forward_inputs(
+            cache.lengths, (rows, m), input_pos, write_slots, attention_mask, cache_mask, input_ids.device
+        )
         if cache_mask is None:
-            if attention_mask is None:
-                attention_mask = torch.ones(m, m, dtype=torch.bool, device=input_ids.device).tril().expand(rows, m, m)
             if attention_mask.shape != (rows, m, m) or attention_mask.dtype != torch.bool:
                 raise ValueError(f"attention_mask must be bool [rows={rows}, M={m}, M={m}]")
             cache.check_slots(write_slots, values=validate)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from mmspec.cache import StaticKVCache, chain_inputs
+from mmspec.cache import StaticKVCache, forward_inputs
 from mmspec.models.config_fields import check_fields
 
 
@@ -508,15 +508,9 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         if not isinstance(cache, StaticKVCache):
             raise ValueError(f"cache must be a StaticKVCache (see setup_cache), got {type(cache).__name__}")
         rows, m = input_ids.shape
-        if input_pos is None:
-            input_pos, default_slots, default_mask = chain_inputs(cache.lengths, m)
-            write_slots = default_slots if write_slots is None else write_slots
-            if attention_mask is None and cache_mask is None:
-                attention_mask = default_mask
-        if write_slots is None:
-            write_slots = input_pos
-        if attention_mask is None and cache_mask is None:
-            attention_mask = torch.ones(m, m, dtype=torch.bool, device=input_ids.device).tril().expand(rows, m, m)
+        input_pos, write_slots, attention_mask = forward_inputs(
+            cache.lengths, (rows, m), input_pos, write_slots, attention_mask, cache_mask, input_ids.device
+        )
         self.check_inputs(input_ids, cache, input_pos, write_slots, attention_mask, cache_mask, values=validate)
         if cache_mask is None:
             cache_mask = cache.visibility(write_slots, attention_mask)

@@ -16,11 +16,11 @@ def install(folder="tiny-janus"):
     tiny_processor().save_pretrained(folder)
     load_parts = SpeculativeJanusPipeline._load_parts
 
-    def from_hub(name, source, torch_dtype, kwargs):
+    def from_hub(name, source, torch_dtype, kwargs, **options):
         if not Path(source).exists():  # a hub id: it must be one transformers can read (an alias target)
             if "/" not in source or source in HUB_ALIASES:
                 raise AssertionError(f"the pipeline would download {source!r}, not a transformers Janus conversion")
             source = str(folder)
-        return load_parts(name, source, torch_dtype, kwargs)
+        return load_parts(name, source, torch_dtype, kwargs, **options)
 
     SpeculativeJanusPipeline._load_parts = staticmethod(from_hub)

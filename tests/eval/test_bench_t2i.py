@@ -26,7 +26,7 @@ def _refuse(*args, **kwargs):
         (["--methods", "grouped", "--temperature", "0"], "argument --temperature: 0 (greedy) does not work"),
         (["--batch-size", "3", "--num-images", "4"], "argument --batch-size: 3 does not divide --num-images 4"),
         (["--num-images", "0"], "argument --num-images: must be an integer >= 1"),
-        (["--guidance-scale", "nan"], "argument --guidance-scale: guidance_scale must be finite"),
+        (["--guidance-scale", "nan"], "argument --guidance-scale: guidance_scale must be in [0, 10000]"),
         (["--jacobi-window", "0"], "jacobi_window must be in [1, 1024]"),
         (["--device", "warp:0"], "argument --device"),
         (["--zoo", "{tmp}/nozoo"], "argument --zoo"),

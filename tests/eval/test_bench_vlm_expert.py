@@ -22,7 +22,7 @@ def test_unknown_expert_and_expert_without_the_row_are_usage_errors(capsys):
 
 def test_forced_expert_reaches_the_head_and_the_report():
     from test_vision_drafters import vision_head
-    from test_vision_seam_bench import _args, setup  # noqa: F401
+    from test_bench_vlm_vision import _args, setup  # noqa: F401
 
     pipe, canvases = quick_eagle_pipe()
     heads = {"specvlm": vision_head(pipe.eagle_head, pipe.model, "specvlm")}
@@ -37,7 +37,7 @@ def test_forced_expert_reaches_the_head_and_the_report():
 def test_sampled_speedups_compare_time_per_generated_token():
     """Sampled answers differ in length between methods (the same law, other draws): a sampled run's speedup is plain's
     time per generated token over the method's, not a ratio of latencies over different answers."""
-    from test_vision_seam_bench import _args
+    from test_bench_vlm_vision import _args
 
     pipe, canvases = quick_eagle_pipe()
     args = _args("--methods", "plain,eagle", "--do-sample", "--temperature", "0.7", "--max-new-tokens", "24")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from vlm_fixtures import tiny_lm, tiny_tokenizer
 
-from mmspec.models.hf.target import smollm2
+from mmspec.models.hf import smollm2
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 SCREENSHOT = Path(__file__).resolve().parents[2] / "assets" / "demo" / "screenshot.png"
-KNOBS_DEFAULT = (None, None, 1, 16, 0.2, None, 25, 0.15, 1.0, 16, "repeat", True, 1, 3, "optimal")  # registry order
+KNOBS_DEFAULT = (None, 24, None, 1, 16, 0.2, None, 25, 0.15, 1.0, 16, "repeat", True, 1, 3, "optimal")  # fmt: skip
 
 
 def _free_port():
@@ -79,7 +79,7 @@ def test_gradio_client_every_tab(served):
                                                                api_name="/generate_continuous")  # fmt: skip
     assert _is_image(spec) and _is_image(amap, varied=False) and "acceptance rate" in summary and "resampled" in legend
     image, answer, plain_text, summary = client.predict(
-        None, 0, "Describe the image.", "greedy", "eagle", 6, "0", False, 1.0, None, None, 1, api_name="/ask_vlm"
+        None, 0, "Describe the image.", "greedy", "eagle", 6, "0", False, 1.0, None,  24, None, 1, api_name="/ask_vlm"
     )  # fmt: skip
     assert _is_image(image) and "tok-accepted" in answer and plain_text and "τ" in summary
     assert cache.loads == 4  # one load per tab, not per call
@@ -90,15 +90,17 @@ def test_gradio_client_bad_inputs_get_a_message_and_the_server_keeps_serving(ser
     client = gradio_client.Client(url, verbose=False)
     with pytest.raises(Exception, match="seed must be a whole number, got 'abc'"):
         client.predict(3, "exact", "auto", "abc", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i")
+    from mmspec.methods import KNOBS
+
     knobs = list(KNOBS_DEFAULT)
-    knobs[1] = 0  # tree_depth
+    knobs[list(KNOBS).index("tree_depth")] = 0
     with pytest.raises(Exception, match=r"tree_depth must be in \[1, 32\]"):
         client.predict(3, "exact", "auto", "0", 2.0, *knobs, api_name="/generate_c2i")
     text = tmp_path / "notes.txt"
     text.write_text("not an image")
     with pytest.raises(Exception, match="is not an image"):
         client.predict(gradio_client.handle_file(str(text)), 0, "hi", "greedy", "auto", 4, "0", False, 1.0, None,
-                       None, 1, api_name="/ask_vlm")  # fmt: skip
+                        24, None, 1, api_name="/ask_vlm")  # fmt: skip
     _, spec, amap, _, summary, _ = client.predict(
         3, "exact", "auto", "1", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i"
     )
@@ -132,7 +134,7 @@ def test_hand_made_file_paths_are_refused_without_naming_a_path(served, tmp_path
         for case, path in paths.items():
             payload = {"path": path, "meta": {"_type": "gradio.FileData"}}
             with pytest.raises(Exception) as err:
-                client.predict(payload, 0, "hi", "greedy", "auto", 2, "0", False, 1.0, None, None, 1,
+                client.predict(payload, 0, "hi", "greedy", "auto", 2, "0", False, 1.0, None, 24, None, 1,
                                api_name="/ask_vlm")  # fmt: skip
             message = str(err.value)
             for leak in ("/", "\\", "passwd", "environ", "no-such-upload", "outside", "Error:", "IsADirectory",
@@ -143,7 +145,7 @@ def test_hand_made_file_paths_are_refused_without_naming_a_path(served, tmp_path
     for path in (str(outside), "/etc/passwd", "/proc/self/environ"):  # nor does Gradio's file route serve them
         assert httpx.get(f"{url}gradio_api/file={path}").status_code == 403, path
     answer = upload_client.predict(gradio_client.handle_file(str(outside)), 0, "How many digits are there?", "greedy",
-                                   "auto", 4, "0", False, 1.0, None, None, 1, api_name="/ask_vlm")  # fmt: skip
+                                   "auto", 4, "0", False, 1.0, None,  24, None, 1, api_name="/ask_vlm")  # fmt: skip
     assert _is_image(answer[0]) and answer[2]  # an uploaded file is served as before
 
 

@@ -21,8 +21,8 @@ def test_unknown_expert_and_expert_without_the_row_are_usage_errors(capsys):
 
 
 def test_forced_expert_reaches_the_head_and_the_report():
-    from test_vision_drafters import vision_head
     from test_bench_vlm_vision import _args, setup  # noqa: F401
+    from test_vision_drafters import vision_head
 
     pipe, canvases = quick_eagle_pipe()
     heads = {"specvlm": vision_head(pipe.eagle_head, pipe.model, "specvlm")}

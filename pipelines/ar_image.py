@@ -1,34 +1,10 @@
 """Speculative decoding for discrete-token AR image models (LlamaGen family): `SpeculativeARImagePipeline`.
 
-One Diffusers-style pipeline over the shared decoding engine (`mmspec.decoding`): a target adapter, a drafter, an
-acceptance rule (`mmspec.verify`) and one loop. Every method is a registry entry (`mmspec.methods`):
-
-| `acceptance` | default `drafter` | method                                                        | lossless |
-|--------------|-------------------|---------------------------------------------------------------|----------|
-| `"none"`     | -                 | plain AR sampling (the baseline)                              | yes      |
-| `"exact"`    | eagle/model/jacobi | speculative sampling (Leviathan 2023; EAGLE-2 trees)          | yes      |
-| `"relaxed"`  | eagle/model/jacobi | LANTERN latent-proximity acceptance (Jang et al. 2024)       | no (bound below) |
-| `"grouped"`  | jacobi            | GSD grouped acceptance (So et al. 2025) on Jacobi drafts      | no       |
-| `"jacobi"`   | jacobi            | SJD (Teng et al. 2024), optional SCD coupling                 | yes      |
-
-How far `"relaxed"` may move each token's law from `p_target` (total variation, per emitted token, given the
-prefix) depends on the drafts it relaxes: `<= delta` for point-mass drafts (Jacobi fresh tokens, a tree's single
-top-1 child); `<= sum_v min(q_draft(v), delta)` for drafts sampled from `q_draft` (EAGLE / model chains: up to
-`min(1, V * delta)`, measured up to ~11 delta on the MNIST zoo); LANTERN++'s `relaxation_lambda` bounds the ratio
-instead: `<= (lambda - 1) * sum_{q > p} p`. `tests/pipelines/test_pipeline_ar_image.py` measures the first two through the
-pipeline. An EAGLE-2 tree with `m` deterministic siblings per node can pass on `delta` at every rejected sibling (up
-to `m * delta`; 2.8 delta measured with 4 siblings).
-
-Drafters: `"model"` (a small `LlamaGenGPT` drafts a chain of `num_draft_tokens`), `"eagle"` (an `EagleHead` drafts
-a chain of `tree_depth` tokens sampled from its `q_draft` when `tree_top_k=1`, the default, or an EAGLE-2 dynamic
-tree of `tree_nodes` nodes, `tree_depth` levels and `tree_top_k` deterministic children per node),
-`"jacobi"` (the target drafts for itself: a window of `jacobi_window` tokens from its previous iteration).
-
-Classifier-free guidance: with `guidance_scale != 1` every forward scores both streams (rows `[cond; uncond]`, same
-tokens, same cache commits) and `p_target` / `q_draft` are the guided, temperature/top-k/top-p processed
-distributions, exactly what plain sampling draws from; with `guidance_scale == 1` only the conditional stream runs.
-Batches are ragged: every row accepts its own number of tokens per round and keeps its own cache length; a finished
-row is compacted out of the target/draft caches and later forwards (the call returns when every row is done).
+The LlamaGen side of `pipelines.token_image.TokenImagePipeline` (one call over the shared engine: a target adapter,
+a drafter, an acceptance rule and one loop): model loading (`from_zoo`, `from_pretrained`, `from_official`), the
+class / caption condition, the `LlamaGenTarget` adapter, the draft model and EAGLE head, and VQ decoding. Which
+acceptance runs on which drafter, what each costs and how far the relaxed ones move the law are in
+docs/methods.md ("Token images"); every knob's default and bound is in the registry (`mmspec.methods`).
 """
 
 import logging

@@ -1,47 +1,15 @@
 """The masked-AR loop for continuous tokens (MAR), plain and with CSpD continuous speculative decoding.
 
-MAR reveals tokens in a random order per image; step ``s`` of ``num_ar_steps`` reveals ``counts[s]`` of them
-(MaskGIT's cosine schedule, `mar_schedule`) and samples each with the diffusion head, conditioned on the canvas of
-every earlier step (tokens of one step are conditionally independent). All randomness of an image is drawn once,
-up front, from its generator and indexed by token position (`ImageNoise`: order, ``x_T``, per-step head noise), so
-the draft and the target follow aligned denoising trajectories (CSpD's trajectory alignment) and an image does not
-depend on its batch.
-
     plain:  for each step: z = target(canvas); tokens = head(z[step's positions], noise)
     CSpD:   target-only pre-fill steps, then blocks of K steps:
               draft runs the K steps (its own canvas, its own head, the same noise)
               target verifies the block's tokens (`verify_mode`) at the last *stochastic* denoising step
               every emitted value gets the target's deterministic final step (one batched head call)
 
-The rule (derived in `mmspec.verify.continuous`): given the shared earlier noise, the last stochastic step of a head
-is Gaussian, ``p_target = N(mu_p, sigma_p^2)`` and ``q_draft = N(mu_q, sigma_q^2)``; speculative sampling on that
-step (accept ``y ~ q`` w.p. ``min(1, p(y)/q(y))``, else draw from ``norm([p - q]_+)``) returns ``y ~ p`` exactly, given
-the earlier noise, which is distributed as in the target's own sampler; finishing ``y`` with the target's noise-free
-final step gives exactly the target's token law. The CSpD release instead verifies the final, noise-free step (a
-point, whose "density" needs its inner temperature of 42 to accept anything), multiplies the ratio by
-``prod sigma_p / sigma_q`` over the earlier steps (a correction with no counterpart in the exact ratio, which is
-1 given shared noise), and leaves a token at zero when residual sampling fails 100 times (here: a plain draw from
-``p_target``, counted as a fallback).
-
-`verify_mode`:
-
-* ``"block"`` (the release's schedule): the target scores the whole block in ONE pass on the canvas at the block's
-  start, verifying at the last stochastic step as above. Each emitted token is then distributed exactly as the
-  target's token given that canvas, independently of the block's other tokens: the output law is that of the target
-  alone on the *merged* schedule where each block's steps reveal their tokens together (same order, each token its
-  own step's CFG scale). It is not the plain schedule's law -- the target conditions on fewer tokens than it would
-  step by step -- and the draft does not change the law at all (it only decides how often the residual is sampled):
-  block mode is a coarser target schedule plus the draft's cost (`tests/pipelines/test_pipeline_continuous.py` checks both).
-* ``"exact"``: lossless w.r.t. the plain schedule. The target scores step ``j`` of the block on its own nested canvas
-  (the committed tokens plus the drafts of the block's steps ``< j``; ``K`` canvases per image in one batched pass)
-  and steps are accepted in order. A nested canvas holds the draft's *finished* values, so what is verified must be
-  the finished value itself (verifying ``y`` and finishing it with the target's final step would emit a value that
-  differs from the one later canvases were conditioned on). The rule is therefore the exact one on finished values:
-  accept ``x_q = f_q(y_q)`` with ``min(1, p_x(x_q) / q_x(x_q))``, both densities by change of variables through the
-  final step (`mmspec.decoding.final_step`: Newton inverse of the target's ``f_p``, ``D x D`` Jacobians), residual
-  ``norm([p_x - q_x]_+)`` by acceptance-rejection with proposal ``p_x``. An image keeps its fully accepted leading
-  steps plus the first step with a rejection (its rejected tokens redrawn); later steps are discarded. Images
-  advance by different amounts (ragged), each at its own step.
+All randomness of an image is drawn once, up front, from its generator and indexed by token position
+(`ImageNoise`), so draft and target follow aligned trajectories and an image does not depend on its batch. The rule,
+why it is exact given the shared noise, and what ``verify_mode="block"`` / ``"exact"`` each guarantee are derived in
+docs/methods.md ("CSpD: the masked loop").
 """
 
 from dataclasses import dataclass

@@ -34,7 +34,7 @@ from mmspec.models.loading import (
 )
 
 
-__all__ = ["DEFAULT_ZOO", "MODEL_CLASSES", "MOVED", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "ZOO_PARTS",
+__all__ = ["DEFAULT_ZOO", "MODEL_CLASSES", "MOVED", "family_getattr", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "ZOO_PARTS",
            "ZOO_REQUIRED", "check_weights", "load", "read_config", "zoo_folders"]  # fmt: skip
 
 # module path before the family folders -> where it lives now
@@ -57,6 +57,19 @@ MOVED = {
     "mmspec.models.smollm2": "mmspec.models.hf.smollm2",
     "mmspec.models.vision_eagle": "mmspec.drafters.vision_eagle",
 }
+
+
+def family_getattr(package, lazy, former):
+    """A family package's module `__getattr__`: `lazy` maps names to the submodule that defines them; any other
+    public name comes from `former`, the module the package was before the family folders (saved pipelines'
+    `model_index.json`, read by diffusers, name that path)."""
+
+    def __getattr__(name):
+        if name.startswith("_"):
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{lazy.get(name, former)}"), name)
+
+    return __getattr__
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

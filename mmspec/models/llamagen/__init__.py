@@ -3,15 +3,11 @@
 
 The main classes are offered here lazily (`mmspec.models.llamagen.LlamaGenGPT`, the path saved pipelines name)."""
 
-import importlib
+from mmspec.models import family_getattr
 
 
 _LAZY = {"LlamaGenGPT": "gpt", "LlamaGenVQ": "vq", "EagleHead": "eagle", "LlamaGenTarget": "target"}
 
 
-def __getattr__(name):
-    """The names above, and any other public name of `gpt.py`: `mmspec.models.llamagen` was that module before the
-    family folders, and saved pipelines' `model_index.json` (read by diffusers) name it."""
-    if name.startswith("_"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_LAZY.get(name, 'gpt')}"), name)
+# the names above, and any other public name of `gpt.py` (what `mmspec.models.llamagen` was before the family folders)
+__getattr__ = family_getattr(__name__, _LAZY, "gpt")

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmspec.sampling import GUIDANCE_MAX, TEMPERATURE_RANGE
+from mmspec.sampling import GUIDANCE_MAX, TEMPERATURE_RANGE, TOP_K_MAX
 from mmspec.verify import RESAMPLES, RULE_CLASSES, Exact, Grouped, Lantern
 
 
@@ -188,7 +188,7 @@ IMAGE_LIMITS = {
 
 # `top_k` keeps the k most likely tokens: past the largest vocabulary in use (Gemma: 262k tokens) it is a typo; the
 # pipelines refuse a `top_k` above their model's vocabulary before the first forward, the CLI before loading.
-SAMPLING_LIMITS = {"top_k": 2**20, "temperature": TEMPERATURE_RANGE, "guidance_scale": GUIDANCE_MAX}
+SAMPLING_LIMITS = {"top_k": TOP_K_MAX, "temperature": TEMPERATURE_RANGE, "guidance_scale": GUIDANCE_MAX}
 
 # Bounds of the continuous (MAR) pipeline's knobs, read by `pipelines.continuous` (as `LIMITS`) and by
 # `mmspec bench continuous`: guidance_scale and temperature scale the diffusion head's epsilon and noise; far past

@@ -21,7 +21,7 @@ numbers, ``top_k`` must be an int), a value out of range a ``ValueError`` naming
 * ``guidance_scale``: in [0, ``GUIDANCE_MAX``]. 1 = no guidance (conditional logits), 0 = the unconditional logits
   exactly, > 1 the usual CFG; negative scales (anti-guidance) are rejected.
 * ``temperature``: 0 (greedy) or in ``TEMPERATURE_RANGE`` (``inf`` is rejected rather than read as "uniform").
-* ``top_k``: None or an int >= 1; ``top_p``: None or a number in (0, 1]; ``do_sample``: a bool.
+* ``top_k``: None or an int in [1, ``TOP_K_MAX``]; ``top_p``: None or a number in (0, 1]; ``do_sample``: a bool.
 
 The bounds keep the knobs where float32 holds ordinary logits (a temperature of 1e-40 or a guidance scale of 1e30 turn
 them into inf; far inside the bounds, real samplers use temperatures of 0.1-2 and guidance scales of 1-10): the CLI
@@ -109,6 +109,9 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 # below the range or a guidance scale above it only turns ordinary logits into overflow
 TEMPERATURE_RANGE = (1e-4, 1e4)
 GUIDANCE_MAX = 1e4
+# past the largest vocabulary in use (Gemma: 262k tokens) a top-k is a typo; pipelines also refuse one above their
+# model's vocabulary
+TOP_K_MAX = 2**20
 
 
 def _is_real(value) -> bool:
@@ -144,6 +147,8 @@ def _validate_knobs(
         top_k = int(top_k)
         if top_k < 1:
             raise ValueError(f"top_k must be an int >= 1 or None, got {top_k}")
+        if top_k > TOP_K_MAX:
+            raise ValueError(f"top_k must be at most {TOP_K_MAX} (and the model's vocabulary), got {top_k}")
     if top_p is not None:
         top_p = float(top_p)
         if not 0 < top_p <= 1:  # also rejects NaN

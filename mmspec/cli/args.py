@@ -204,9 +204,6 @@ def probability(text):
     return value
 
 
-SAMPLING_LIMITS_KEYS = ("top_k",)  # the keys of mmspec.methods.SAMPLING_LIMITS (no registry import at import time)
-
-
 def sampling_type(name, kind):
     """argparse `type` for a `mmspec.sampling.SamplingParams` field: parsed as `kind`, checked by SamplingParams
     itself (so the CLI accepts exactly what the pipeline does)."""
@@ -224,13 +221,6 @@ def sampling_type(name, kind):
             SamplingParams(**{name: value})
         except (TypeError, ValueError) as err:
             raise argparse.ArgumentTypeError(str(err)) from None
-        if name in SAMPLING_LIMITS_KEYS:
-            from mmspec.methods import SAMPLING_LIMITS
-
-            if value > SAMPLING_LIMITS[name]:
-                raise argparse.ArgumentTypeError(
-                    f"{name} must be at most {SAMPLING_LIMITS[name]} (and the model's vocabulary), got {value}"
-                )
         return value
 
     parse.__name__ = name

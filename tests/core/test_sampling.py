@@ -7,6 +7,7 @@ import torch
 from mmspec.sampling import (
     GUIDANCE_MAX,
     TEMPERATURE_RANGE,
+    TOP_K_MAX,
     SamplingParams,
     cfg_combine,
     cfg_combine_stacked,
@@ -252,3 +253,10 @@ def test_sample_never_picks_zero_probability_tokens(method, make_generator):
     probs[:, 0], probs[:, 5] = 0.5, 0.5  # zero-probability tail and interior
     draws = sample(probs, make_generator(3), method)
     assert ((draws == 0) | (draws == 5)).all() and 0.48 < float((draws == 0).float().mean()) < 0.52
+
+
+def test_top_k_past_any_vocabulary_is_refused_by_the_rule_the_cli_shares():
+    """`top_k` above `TOP_K_MAX` is refused by `SamplingParams` itself (the pipelines' check, which the CLI runs)."""
+    assert SamplingParams(top_k=TOP_K_MAX).top_k == TOP_K_MAX
+    with pytest.raises(ValueError, match=rf"top_k must be at most {TOP_K_MAX}"):
+        SamplingParams(top_k=TOP_K_MAX + 1)

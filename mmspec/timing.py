@@ -27,13 +27,15 @@ SPEEDUP_CAVEAT = "depends on the host's load and the torch CPU threads; `mmspec 
 
 @dataclass
 class FairTiming:
-    """`seconds[name]`: the timed runs of each side, in run order; `results[name]`: the last run's return value."""
+    """`seconds[name]`: the timed runs of each side, in run order; `results[name]`: the last run's return value;
+    `order`: the name of every call as it ran, warm-up included."""
 
     names: tuple[str, ...]
     warmup: int
     repeats: int
     seconds: dict[str, list[float]] = field(default_factory=dict)
     results: dict = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
 
     def median(self, name):
         """The median seconds of side `name`."""
@@ -80,9 +82,11 @@ def time_interleaved(fns, repeats=3, warmup=1, clock=time.perf_counter):
     timing = FairTiming(names, warmup, repeats, {name: [] for name in names})
     for _ in range(warmup):
         for name in names:
+            timing.order.append(name)
             timing.results[name] = fns[name]()
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
+            timing.order.append(name)
             start = clock()
             timing.results[name] = fns[name]()
             timing.seconds[name].append(clock() - start)
@@ -105,12 +109,9 @@ def fair_speedup(
         and `a_result` / `b_result` (what the last timed call of each returned).
     """
     timing = time_interleaved({"a": run_a, "b": run_b}, repeats=repeats, warmup=warmup, clock=clock)
-    order = ["a", "b"] * warmup + [
-        label for i in range(repeats) for label in (("a", "b") if i % 2 == 0 else ("b", "a"))
-    ]
     a, b = timing.median("a"), timing.median("b")
     return dict(a_s=timing.seconds["a"], b_s=timing.seconds["b"], a_median_s=a, b_median_s=b,
-                speedup=a / b if b > 0 else None, repeats=repeats, warmup=warmup, order=order,
+                speedup=a / b if b > 0 else None, repeats=repeats, warmup=warmup, order=timing.order,
                 a_result=timing.results["a"], b_result=timing.results["b"])  # fmt: skip
 
 

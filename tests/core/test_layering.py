@@ -34,6 +34,7 @@ LAYERS = (
             "mmspec.checks",
             "mmspec.memory",
             "mmspec.timing",
+            "mmspec.counting",
             "mmspec.data",
         ),
     ),

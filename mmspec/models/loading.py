@@ -78,6 +78,35 @@ def _transformers_class(config):
     return architecture or transformers.AutoModel
 
 
+def _quantised_state(folder, path):
+    """The dequantised `{name: tensor}` of a transformers folder whose `model.safetensors` (or shards) hold int8 /
+    int4 storage (`mmspec.models.storage`), or None for a plain folder (transformers reads it itself)."""
+    from mmspec.models.storage import METADATA_KEY, read_weights
+
+    files = sorted(Path(folder).glob("model*.safetensors"))
+    if not files or not any(METADATA_KEY in _metadata(f, path) for f in files):
+        return None
+    state = {}
+    for file in files:
+        try:
+            state.update(read_weights(file))
+        except ValueError as err:
+            raise ValueError(f"{_where(path)}: cannot read {file.name}: {err}") from err
+    return state
+
+
+def _metadata(file, path):
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, "pt") as handle:
+            return handle.metadata() or {}
+    except Exception as err:  # noqa: BLE001 - a damaged header fails in many ways
+        raise ValueError(
+            f"{_where(path)}: cannot read {file.name}: corrupt or not a safetensors file ({err})"
+        ) from err
+
+
 def _load_transformers(folder, path, dtype):
     import torch
     from safetensors import SafetensorError
@@ -88,10 +117,14 @@ def _load_transformers(folder, path, dtype):
     except (ValueError, KeyError, OSError) as err:
         raise ValueError(f"path={str(path)!r}: not a model type transformers knows ({err})") from err
     cls = _transformers_class(config)
+    state = _quantised_state(folder, path)
+    if state is not None and hasattr(cls, "_model_mapping"):  # an Auto class loads a state only through its model
+        cls = cls._model_mapping[type(config)]
     try:
         model, info = cls.from_pretrained(
-            folder,
+            None if state is not None else folder,
             config=config,
+            state_dict=state,
             trust_remote_code=False,
             local_files_only=True,
             use_safetensors=True,
@@ -214,17 +247,16 @@ def _weight_files(folder, path):
 
 
 def _read_weights(folder, path):
-    """`{name: tensor}` from the folder's safetensors file(s); a corrupt file is a ValueError naming it."""
-    from safetensors.torch import load_file
+    """`{name: tensor}` from the folder's safetensors file(s), quantised storage dequantised; a corrupt file is a
+    ValueError naming it."""
+    from mmspec.models.storage import read_weights
 
     state = {}
     for file in _weight_files(folder, path):
         try:
-            part = load_file(file)
-        except Exception as err:  # noqa: BLE001 - a damaged file can fail in many ways (header, size, dtype)
-            raise ValueError(
-                f"{_where(path)}: cannot read {file.name}: corrupt or not a safetensors file ({err})"
-            ) from err
+            part = read_weights(file)  # int8 / int4 storage dequantised here (`mmspec.models.storage`)
+        except ValueError as err:
+            raise ValueError(f"{_where(path)}: cannot read {file.name}: {err}") from err
         twice = sorted(set(part) & set(state))
         if twice:
             raise ValueError(f"{_where(path)}: key {twice[0]!r} is stored in more than one shard")

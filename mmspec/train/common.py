@@ -65,6 +65,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mmspec.cli.args import DEFAULT_ZOO, MAX_THREADS, int_in_range, limited_float, non_negative_float, seed_int
+from mmspec.models.storage import STORAGE_SCHEMES
 
 
 logger = logging.getLogger(__name__)
@@ -129,13 +130,15 @@ def add_common_arguments(
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
-        "--fp32-weights",
-        dest="fp16_weights",
-        action="store_false",
-        help="save final weights in float32 (default fp16)",
+        "--storage",
+        choices=STORAGE_SCHEMES,
+        default="float16",
+        help="how the final weights are stored (int8 / int4: weight-only, dequantised at load; the zoo uses int4)",
+    )
+    parser.add_argument(
+        "--fp32-weights", dest="storage", action="store_const", const="float32", help="same as --storage float32"
     )
     parser.add_argument("--note", default="", help="free text recorded in the model card (e.g. how a run was resumed)")
-    parser.set_defaults(fp16_weights=True)
     return parser
 
 
@@ -285,7 +288,7 @@ def random_batch_indices(num_items: int, batch_size: int, generator: torch.Gener
 #: Flags that never change what a run computes (where it writes, how it reports, how fast it runs, how the final
 #: weights are stored): a resumed run may change them freely.
 NOT_RUN_DEFINING = frozenset(
-    {"out", "work", "quiet", "note", "threads", "log_every", "checkpoint_every", "fp16_weights", "task"}
+    {"out", "work", "quiet", "note", "threads", "log_every", "checkpoint_every", "storage", "task"}
 )
 #: Flags naming an input file or folder: recorded by the sha256 of their content (a moved copy is the same input, a
 #: retrained model behind the same path is not).
@@ -647,20 +650,34 @@ def train_loop(
 # ----------------------------------------------------------------------------- saving + model card
 
 
-def save_model(model, out_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float16) -> Path:
-    """`model.save_pretrained(out_dir)` (safetensors), optionally with weights cast to `dtype` (default float16).
+def save_model(model, out_dir: str | os.PathLike, storage: str = "float16") -> Path:
+    """`model.save_pretrained(out_dir)` (safetensors), weights stored as `storage`: "float32", "float16" (a cast
+    copy), or "int8" / "int4" (weight-only quantised storage, `mmspec.models.storage`).
 
-    The in-memory `model` is not modified (a copy is cast). `mmspec.models.load` casts weights back to float32.
+    The in-memory `model` is not modified. `mmspec.models.load` dequantises / casts the weights back to float32.
     Returns the output folder.
     """
+    from mmspec.models.storage import convert_folder
+
+    if storage not in STORAGE_SCHEMES:
+        raise ValueError(f"storage must be one of {STORAGE_SCHEMES}, got {storage!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     to_save = model
-    if dtype is not None:
+    if storage != "float32":
         to_save = copy.deepcopy(model)
-        torch.nn.Module.to(to_save, dtype)  # plain module cast (ModelMixin.to warns about fp32 modules)
+        torch.nn.Module.to(to_save, torch.float16)  # plain module cast (ModelMixin.to warns about fp32 modules)
     to_save.save_pretrained(out_dir, safe_serialization=True)
+    if storage in ("int8", "int4"):
+        convert_folder(out_dir, storage)
     return out_dir
+
+
+def storage_line(storage: str) -> str:
+    """The model card's line for how the weights are stored."""
+    if storage in ("int8", "int4"):
+        return f"{storage} weight-only storage (mmspec.models.storage), dequantised to float32 at load"
+    return "float32" if storage == "float32" else f"{storage} (loaded as float32)"
 
 
 def train_with_args(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0.1, **loop_kwargs) -> TrainResult:
@@ -700,14 +717,14 @@ def steps_schedule(segments: list[Mapping[str, int]], flag: str = "--steps") -> 
 
 def train_and_save(model, optimizer, step_fn, args, generator, *, min_lr_ratio=0.1, **loop_kwargs):
     """The shared tail of every diffusers-model training task: `train_with_args`, `save_model` to `args.out`
-    (float16 unless `--fp32-weights`), then the model loaded back as users will load it.
+    (stored as `--storage`, float16 by default), then the model loaded back as users will load it.
 
     Returns `(TrainResult, saved model)`; `loop_kwargs` go to `train_loop` (e.g. `extra_state`, `after_step`).
     """
     from mmspec.models import load
 
     result = train_with_args(model, optimizer, step_fn, args, generator, min_lr_ratio=min_lr_ratio, **loop_kwargs)
-    save_model(model, args.out, dtype=torch.float16 if args.fp16_weights else None)
+    save_model(model, args.out, storage=args.storage)
     return result, load(args.out)
 
 
@@ -785,7 +802,7 @@ def write_model_card(
         if hyperparameters is None:
             hyperparameters = {k: v for k, v in vars(args).items() if not k.startswith("_")}
         extra = dict(extra or {})
-        extra["weights_dtype"] = "float16 (loaded as float32)" if args.fp16_weights else "float32"
+        extra["storage"] = storage_line(args.storage)
         if getattr(args, "note", ""):
             extra["note"] = args.note
         if getattr(args, "_steps_schedule", None):

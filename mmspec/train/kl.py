@@ -179,7 +179,7 @@ def run(args):
     # tokens of unit variance: scale_factor = 1 / std of posterior samples (of the saved, possibly float16, weights)
     std = latent_std(saved, images[: args.scale_images], generator)
     saved.register_to_config(scale_factor=1.0 / std)
-    save_model(saved, args.out, dtype=torch.float16 if args.fp16_weights else None)
+    save_model(saved, args.out, storage=args.storage)
     saved = load(args.out)
     logger.info("latent std %.4g -> scale_factor %.4g", std, saved.config.scale_factor)
 

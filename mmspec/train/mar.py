@@ -166,7 +166,7 @@ def run(args):
     from mmspec.models import load
     from mmspec.train.common import save_model
 
-    save_model(ema.model, args.out, dtype=torch.float16 if args.fp16_weights else None)
+    save_model(ema.model, args.out, storage=args.storage)
     saved = load(args.out)
     metrics = card_metrics(result)
     if args.eval_samples:

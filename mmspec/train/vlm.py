@@ -368,7 +368,7 @@ def run(args):
     logger.info("stage 1 held-out digit-slot accuracy %.4f", stage1_acc)
     stage2 = run_stage2(args, model, processor, images, labels, torch.Generator().manual_seed(args.seed + 1))
     model.eval()
-    save_vlm_parts(model, processor, args.out, dtype=torch.float16 if args.fp16_weights else None)
+    save_vlm_parts(model, processor, args.out, storage=args.storage)
     saved, saved_processor = load_vlm(args.out)
     args._steps_schedule = "; ".join(f"stage {i}: {text}" for i, text in (
         (1, steps_schedule(stage1.segments, "--stage1-steps")), (2, steps_schedule(stage2.segments))) if text)  # fmt: skip

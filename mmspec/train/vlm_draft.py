@@ -103,7 +103,7 @@ def run(args):
     before = evaluate(draft, processor, data, ids, lengths, weight, n_eval)
     result = train_with_args(draft, optimizer, step_fn, args, generator)
     draft.eval()
-    save_draft_delta(draft, args.out, trained, args.num_layers, {"target": str(args.target)})
+    save_draft_delta(draft, args.out, trained, args.num_layers, {"target": str(args.target)}, storage=args.storage)
     after = evaluate(draft, processor, data, ids, lengths, weight, n_eval)
     logger.info("held-out greedy agreement: %.3f before, %.3f after distillation", before["agree"], after["agree"])
     write_model_card(

@@ -208,7 +208,7 @@ def run(args):
 
     result = train_with_args(head, optimizer, step_fn, args, generator)
     head.eval()
-    save_model(head, args.out, dtype=torch.float16 if args.fp16_weights else None)  # loaded in the target's dtype
+    save_model(head, args.out, storage=args.storage)  # loaded in the target's dtype
     width = int(lengths[:n_eval].max())
     metrics = evaluate_text_head(head, model, features[:n_eval, :width], ids[:n_eval, :width], weight[:n_eval, :width])
     logger.info("held-out metrics: %s", metrics)

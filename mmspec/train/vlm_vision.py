@@ -357,7 +357,7 @@ def run(args):
 
     result = train_with_args(head, optimizer, step_fn, args, generator)
     head.eval()
-    save_model(head, args.out, dtype=torch.float16 if args.fp16_weights else None)  # loaded in the target's dtype
+    save_model(head, args.out, storage=args.storage)  # loaded in the target's dtype
     heads = {"": (head, vision)}
     if text_head is not None:  # the stage-1 text head on the same rows, for comparison
         heads["init_"] = (text_head, False)

@@ -121,9 +121,10 @@ def test_processor_expands_64_image_tokens_left_padded(tiny_vlm, test_digits):
 
 @pytest.mark.parametrize("dtype", [None, torch.float16])
 def test_load_vlm_round_trip(tiny_vlm, test_digits, tmp_path, dtype):
+    storage = "float32" if dtype is None else "float16"
     """`load_vlm` gives the saved model's logits exactly (float16 files: the parts rounded to float16)."""
     model, processor = tiny_vlm
-    save_vlm_parts(model, processor, tmp_path, dtype=dtype)
+    save_vlm_parts(model, processor, tmp_path, storage=storage)
     loaded, loaded_processor = load_vlm(tmp_path)
     _, canvases = sample_batch(1, *test_digits, torch.Generator().manual_seed(2))
     prompt = user_prompt(processor, "Describe the image.", expand=False)

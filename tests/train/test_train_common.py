@@ -100,7 +100,7 @@ def test_warmup_cosine_lr():
 def test_model_card_and_fp16_save(tmp_path):
     torch.manual_seed(0)
     model = MNISTClassifier(feature_dim=16)
-    save_model(model, tmp_path, dtype=torch.float16)
+    save_model(model, tmp_path, storage="float16")
     assert model.fc.weight.dtype == torch.float32  # the in-memory model is untouched
     loaded = mmspec.models.load(tmp_path)
     assert loaded.fc.weight.dtype == torch.float32

@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from mmspec.models.hf.inputs import decoder_of
+from mmspec.models.storage import read_weights, write_weights
 
 
 logger = logging.getLogger(__name__)
@@ -45,15 +45,17 @@ def truncated_draft(target, num_layers: int):
     return draft.eval()
 
 
-def save_draft_delta(draft, folder, trained: list[str], num_layers: int, extra: dict | None = None):
-    """Write `draft.json` + `model.safetensors` (float16) holding only the `trained` parameters of `draft`."""
+def save_draft_delta(draft, folder, trained: list[str], num_layers: int, extra: dict | None = None,
+                     storage: str = "float16"):  # fmt: skip
+    """Write `draft.json` + `model.safetensors` (stored as `storage`: float16 by default, or int8 / int4, see
+    `mmspec.models.storage`) holding only the `trained` parameters of `draft`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = dict(draft.named_parameters())
     missing = [n for n in trained if n not in state]
     if missing:
         raise ValueError(f"trained names not in the draft: {missing[:3]}")
-    save_file({n: state[n].detach().to(torch.float16).contiguous() for n in trained}, folder / "model.safetensors")
+    write_weights({n: state[n].detach() for n in trained}, folder / "model.safetensors", storage)
     (folder / "draft.json").write_text(json.dumps({"num_layers": num_layers, "trained": trained, **(extra or {})}))
 
 
@@ -68,10 +70,7 @@ def load_vlm_draft(folder, target):
         num_layers = meta["num_layers"]
     except (OSError, ValueError, KeyError, UnicodeDecodeError) as err:
         raise ValueError(f"{folder / 'draft.json'}: not a readable draft description ({err!r})") from err
-    try:
-        weights = load_file(folder / "model.safetensors")
-    except Exception as err:  # noqa: BLE001 - a damaged file fails in many ways (header, size, dtype)
-        raise ValueError(f"{folder / 'model.safetensors'}: corrupt or not a safetensors file ({err})") from err
+    weights = read_weights(folder / "model.safetensors")  # ValueError naming the file; storage dequantised
     try:
         draft = truncated_draft(target, num_layers)
     except ValueError as err:

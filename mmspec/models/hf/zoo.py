@@ -126,15 +126,15 @@ def parts_state_dict(model) -> dict[str, torch.Tensor]:
     return {f"{part}.{k}": v for part in PARTS for k, v in getattr(model.model, part).state_dict().items()}
 
 
-def save_vlm_parts(model, processor, folder, dtype: torch.dtype | None = torch.float16) -> Path:
-    """Write `config.json`, `WEIGHTS_NAME` (vision tower + projector, cast to `dtype`) and the processor files."""
-    from safetensors.torch import save_file
+def save_vlm_parts(model, processor, folder, storage: str = "float16") -> Path:
+    """Write `config.json`, `WEIGHTS_NAME` (vision tower + projector, stored as `storage`: float32, float16, int8
+    or int4, see `mmspec.models.storage`) and the processor files."""
+    from mmspec.models.storage import write_weights
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(folder)
-    state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in parts_state_dict(model).items()}
-    save_file(state, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+    write_weights({k: v.detach() for k, v in parts_state_dict(model).items()}, folder / WEIGHTS_NAME, storage)
     processor.save_pretrained(folder)
     return folder
 
@@ -151,13 +151,9 @@ def resolve_folder(folder) -> Path:
 
 def read_parts(path: Path, model) -> dict[str, torch.Tensor]:
     """Read and check `path` against the model's vision tower + projector; ValueError naming the file if it does not fit."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from mmspec.models.storage import read_weights
 
-    try:
-        state = load_file(path)
-    except (SafetensorError, OSError, RuntimeError) as err:
-        raise ValueError(f"{str(path)!r} is not a readable safetensors file: {err}") from err
+    state = read_weights(path)  # ValueError naming the file if it is damaged; int8 / int4 storage dequantised
     expected = parts_state_dict(model)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:

@@ -361,7 +361,7 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         if output_type == "pt":
             return images
         if output_type == "np":
-            return images.permute(0, 2, 3, 1).cpu().numpy()
+            return images.permute(0, 2, 3, 1).numpy(force=True)
         from mmspec.pipelines.ar_image import to_pil
 
         return to_pil(images)

@@ -37,6 +37,7 @@ from mmspec.checks import check_device, check_prompts
 from mmspec.memory import check_hf_call_memory
 from mmspec.methods import IMAGE_LIMITS
 from mmspec.models.janus.target import JanusTarget, special_token_ids
+from mmspec.models.loading import quantised_state
 
 from .token_image import OUTPUT_TYPES, Condition, TokenImagePipeline, with_knob_parameters
 
@@ -194,9 +195,11 @@ class SpeculativeJanusPipeline(TokenImagePipeline):
                              "(model_type 'janus'; DeepSeek's 'multi_modality' repositories have transformers "
                              f"conversions: {sorted(HUB_ALIASES.values())})")  # fmt: skip
         try:
+            state = quantised_state(source, name) if Path(source).is_dir() else None  # int4 / int8 storage (the zoo)
             model, info = JanusForConditionalGeneration.from_pretrained(
-                source, config=config, dtype=torch_dtype, output_loading_info=True, trust_remote_code=False, **kwargs
-            )
+                None if state is not None else source, config=config, state_dict=state, dtype=torch_dtype,
+                output_loading_info=True, trust_remote_code=False, **kwargs,
+            )  # fmt: skip
             processor = JanusProcessor.from_pretrained(processor_source, trust_remote_code=False, **kwargs)
         except Exception as err:  # truncated / corrupt files surface as many types (safetensors, json, OSError)
             raise ValueError(

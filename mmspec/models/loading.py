@@ -78,10 +78,13 @@ def _transformers_class(config):
     return architecture or transformers.AutoModel
 
 
-def _quantised_state(folder, path):
+def quantised_state(folder, path=None):
     """The dequantised `{name: tensor}` of a transformers folder whose `model.safetensors` (or shards) hold int8 /
-    int4 storage (`mmspec.models.storage`), or None for a plain folder (transformers reads it itself)."""
+    int4 storage (`mmspec.models.storage`), or None for a plain folder (transformers reads it itself). Load it with
+    `cls.from_pretrained(None, config=config, state_dict=state)` (transformers' own key checks still apply)."""
     from mmspec.models.storage import METADATA_KEY, read_weights
+
+    path = folder if path is None else path
 
     files = sorted(Path(folder).glob("model*.safetensors"))
     if not files or not any(METADATA_KEY in _metadata(f, path) for f in files):
@@ -117,7 +120,7 @@ def _load_transformers(folder, path, dtype):
     except (ValueError, KeyError, OSError) as err:
         raise ValueError(f"path={str(path)!r}: not a model type transformers knows ({err})") from err
     cls = _transformers_class(config)
-    state = _quantised_state(folder, path)
+    state = quantised_state(folder, path)
     if state is not None and hasattr(cls, "_model_mapping"):  # an Auto class loads a state only through its model
         cls = cls._model_mapping[type(config)]
     try:

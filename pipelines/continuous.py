@@ -335,12 +335,15 @@ class SpeculativeContinuousARPipeline(CapturedForwards, DiffusionPipeline):
     @staticmethod
     def _fill_stats(stats, state, speculative, num_ar_steps):
         counts = state.trace.counts()
-        stats.generated_tokens = [int(c) for c in sum(counts.values())]
-        stats.prefill_tokens = [int(c) for c in counts["prefill"]]
-        stats.accepted_tokens = [int(c) for c in counts["accepted"]]
-        stats.drafted_tokens = [int(n) for n in state.drafted]  # verified drafts (exact: incl. discarded steps)
-        rounds = (state.trace.round.max(1).values + 1).tolist()
-        stats.rounds = [int(r) for r in rounds]
+        # one host read for every per-row count
+        generated, prefill, accepted, drafted, rounds = torch.stack([
+            sum(counts.values()), counts["prefill"], counts["accepted"],
+            torch.as_tensor(state.drafted, device=counts["prefill"].device).to(counts["prefill"].dtype),
+            state.trace.round.max(1).values + 1,
+        ]).tolist()  # fmt: skip
+        stats.generated_tokens, stats.prefill_tokens, stats.accepted_tokens = generated, prefill, accepted
+        stats.drafted_tokens = drafted  # verified drafts (exact: incl. discarded steps)
+        stats.rounds = rounds
         drafted = sum(stats.drafted_tokens)
         stats.extra.update(
             acceptance_rate=(sum(stats.accepted_tokens) / drafted) if drafted else None,
@@ -364,7 +367,7 @@ class SpeculativeContinuousARPipeline(CapturedForwards, DiffusionPipeline):
         if output_type == "pt":
             return images
         if output_type == "np":
-            return images.permute(0, 2, 3, 1).cpu().numpy()
+            return images.permute(0, 2, 3, 1).numpy(force=True)
         from mmspec.pipelines.ar_image import to_pil
 
         return to_pil(images)

@@ -37,6 +37,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
+from mmspec.counting import host_checks_enabled
 from mmspec.decoding.cached_target import CachedTarget
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
@@ -51,7 +52,7 @@ __all__ = ["WINDOW_BUCKET", "HFTarget", "Positions", "StaticCache", "attention_w
 WINDOW_BUCKET = 128
 
 
-def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None) -> int:
+def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None, can_grow: bool = False) -> int:
     """Slots a forward touches: every row's committed prefix and the slots `key_slots [rows, K]` it writes or attends
     to, of which the last `new_slots` (default all `K`) per row are new.
 
@@ -59,17 +60,21 @@ def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None 
     sync: every forward writes its slots right after what is already touched (committed prefix, then the chain or
     the tree's levels in order), so the touched span grows by at most `new_slots` per forward; the device is read
     only when that bound outgrows the window of the last read (about once per `WINDOW_BUCKET` slots). The CPU path
-    checks that bound on every forward, so the tests prove it holds for every drafter."""
+    checks that bound on every forward, so the tests prove it holds for every drafter.
+
+    In the last bucket of a cache that cannot grow (`can_grow` False) the window is the whole cache once a read has
+    reached it, whatever the bound: the bound is then capped at `max_seq` without a read, also when `max_seq` is
+    not a multiple of `WINDOW_BUCKET` (a partial last bucket)."""
     width = key_slots.shape[1] if new_slots is None else int(new_slots)
     bound = getattr(cache, "touched_bound", None)
     bound = None if bound is None else bound + width
-    if (
-        bound is not None
-        and not _free_reads(key_slots)
-        and _round_up(bound) <= min(cache.touched_window, cache.max_seq)
-    ):
-        cache.touched_bound = bound
-        return bound
+    if bound is not None and not _free_reads(key_slots):
+        if _round_up(bound) <= min(cache.touched_window, cache.max_seq):
+            cache.touched_bound = bound
+            return bound
+        if not can_grow and cache.touched_window >= cache.max_seq:  # the last bucket, partial or not
+            cache.touched_bound = min(bound, cache.max_seq)
+            return cache.touched_bound
     exact = _read_slots_in_use(cache, key_slots)
     if bound is not None and exact > bound:
         raise RuntimeError(f"cache slots in use ({exact}) past their host-side bound ({bound}): a forward wrote slots "
@@ -84,8 +89,9 @@ def _read_slots_in_use(cache: StaticKVCache, key_slots: Tensor) -> int:
 
 
 def _free_reads(t: Tensor) -> bool:
-    """Whether reading `t` on the host costs no device sync (CPU tensors)."""
-    return t.device.type == "cpu"
+    """Whether reading `t` on the host costs no device sync (CPU tensors; not inside `mmspec.counting.HostReads`,
+    which takes the accelerator branches)."""
+    return host_checks_enabled(t.device)
 
 
 def attention_window(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None) -> int:
@@ -251,7 +257,8 @@ class HFTarget(CachedTarget):
         [rows, K]` (default `slots`) may also list uncommitted slots of earlier forwards, `mask` is then
         `[rows, M, K]` (`StaticKVCache.visibility`)."""
         key_slots = slots if key_slots is None else key_slots
-        needed = slots_needed(cache, key_slots, slots.shape[1])
+        can_grow = cache is self.cache and cache.max_seq < self.max_slots
+        needed = slots_needed(cache, key_slots, slots.shape[1], can_grow=can_grow)
         if needed > cache.max_seq and cache is self.cache:  # allocated in chunks, up to what prefill was asked for
             if needed > self.max_slots:
                 raise ValueError(

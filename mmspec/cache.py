@@ -131,7 +131,11 @@ class StaticKVCache:
 
     def _run_start(self, write_slots):
         """`contiguous_run(write_slots)`, remembered for the tensor (and its version) last asked about: every layer
-        of a forward writes the same `write_slots`, so the check runs once per forward, not once per layer."""
+        of a forward writes the same `write_slots`, so the check runs once per forward, not once per layer. While
+        compiling there is no run (`contiguous_run` reads the slots on the host) and no memo: its `_version` guard
+        would break the graph at every layer."""
+        if torch.compiler.is_compiling():
+            return None
         memo = getattr(self, "_run_memo", None)
         if memo is not None and memo[0] is write_slots and memo[1] == write_slots._version:
             return memo[2]

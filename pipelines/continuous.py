@@ -28,6 +28,8 @@ from mmspec.models.mar.runner import MARRunner
 from mmspec.random import check_generator
 from mmspec.stats import SpecStats
 
+from .captured import CapturedForwards
+
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class SpeculativeContinuousOutput(BaseOutput):
     trace: DecodeTrace
 
 
-class SpeculativeContinuousARPipeline(DiffusionPipeline):
+class SpeculativeContinuousARPipeline(CapturedForwards, DiffusionPipeline):
     """MAR sampling, plain or with CSpD (module docstring)."""
 
     model_cpu_offload_seq = "transformer->vae"
@@ -308,6 +310,7 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         noise = ImageNoise.draw(batch, seq_len, dim, steps, generator, device, draft=own_draft_noise)
         target = MARRunner(self.transformer, labels, guided, name="transformer")
         draft = MARRunner(self.draft_transformer, labels, guided, name="draft_transformer") if speculative else None
+        self.attach_compiler(target, draft)
         stats = SpecStats(batch, params.num_draft_steps if speculative else 0)
         callback = None
         if callback_on_step_end is not None:

@@ -124,7 +124,7 @@ class FeedForward(nn.Module):
 def _xformers_attention(q, k, v, mask):
     """memory_efficient_attention with an additive bias; returns None if unavailable or it fails (then SDPA)."""
     global _XFORMERS_FAILED
-    if _xops is None or _XFORMERS_FAILED or not q.is_cuda or mask is None:
+    if _xops is None or _XFORMERS_FAILED or not q.is_cuda or mask is None or torch.compiler.is_compiling():
         return None
     try:
         s = k.shape[2]

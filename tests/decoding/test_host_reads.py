@@ -44,9 +44,14 @@ BUDGETS = {
     "vlm/vispec": (1, 33),
     "vlm/specvlm": (1, 69),
     "vlm/msd": (1, 32),
-    "mar/plain": (1, 3),
-    # CSpD's exact verification still reads per AR step (mmspec/decoding/masked.py: open, see docs/architecture.md)
-    "mar/cspd": (25, 8),
+    # MAR: the schedule tells the model its visible counts, no read per step. Outside the rounds: the finite flags,
+    # the stats (one read), the labels' range. CSpD (a round verifies up to K AR steps): the exact mode reads the
+    # round's decision (accepted steps, rejected tokens per image) once, + one per chunk of residual tries; the block
+    # mode one read per chunk of residual tries (the first: whether any is needed), + the draw counts once with
+    # per-image generators
+    "mar/plain": (0, 3),
+    "mar/cspd-exact": (2, 3),
+    "mar/cspd-block": (3, 3),
 }
 
 
@@ -198,9 +203,13 @@ def mar_pipe():
     return pipe
 
 
+@pytest.mark.parametrize("generators", [False, True], ids=["one_generator", "per_image_generators"])
 @pytest.mark.parametrize("labels", [[1], [0, 1, 2]], ids=["batch1", "batch3"])
-@pytest.mark.parametrize("method", ["mar/plain", "mar/cspd"])
-def test_mar_reads_at_most_one_per_round(mar_pipe, method, labels):
-    kw = dict(acceptance="continuous", verify_mode="exact") if method == "mar/cspd" else {}
+@pytest.mark.parametrize("method", ["mar/plain", "mar/cspd-exact", "mar/cspd-block"])
+def test_mar_reads_at_most_one_per_round(mar_pipe, method, labels, generators):
+    kw = dict(acceptance="continuous", verify_mode=method.split("-")[1]) if "cspd" in method else {}
+    gen = [torch.Generator().manual_seed(i) for i in range(len(labels))] if generators else torch.Generator()
+    if not generators:
+        gen.manual_seed(0)
     run_counted(method, lambda: mar_pipe(labels, num_ar_steps=4, num_inference_steps=4, output_type="latent",
-                                         generator=torch.Generator().manual_seed(0), **kw))  # fmt: skip
+                                         generator=gen, **kw))  # fmt: skip

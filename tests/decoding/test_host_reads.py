@@ -213,3 +213,28 @@ def test_mar_reads_at_most_one_per_round(mar_pipe, method, labels, generators):
         gen.manual_seed(0)
     run_counted(method, lambda: mar_pipe(labels, num_ar_steps=4, num_inference_steps=4, output_type="latent",
                                          generator=gen, **kw))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "method", ["vlm/plain", "vlm/draft-chain", "vlm/eagle-chain", "vlm/eagle2-tree", "vlm/specvlm"]
+)
+def test_vlm_window_crosses_buckets_without_reads(vlm_pipes, method, monkeypatch):
+    """The transformers adapter's attention window across many buckets (8 slots each here): its host-side bound is
+    re-synced from the loop's one read per round (`HFTarget.sync_host`), so crossing a bucket edge reads nothing;
+    the per-call budget is the method's own. The tokens are those of the CPU path (exact windows)."""
+    from vlm_fixtures import images, prompts
+
+    import mmspec.models.hf.target as hf_target
+
+    monkeypatch.setattr(hf_target, "WINDOW_BUCKET", 8)
+    drafter, knobs = VLM_METHODS[method]
+    kw = dict(images=images(3), prompt=prompts(3), max_new_tokens=40, acceptance="none" if drafter is None else "exact",
+              drafter=drafter, output_type="ids", do_sample=False, **knobs)  # fmt: skip
+    reads, rounds = run_counted(method, lambda: vlm_pipes[method](**kw))
+    assert rounds >= 10, rounds
+    assert torch.equal(vlm_pipes[method](**kw).sequences, _ids_of(vlm_pipes[method], kw))
+
+
+def _ids_of(pipe, kw):
+    with torch.no_grad(), HostReads():
+        return pipe(**kw).sequences

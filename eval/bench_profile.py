@@ -68,7 +68,9 @@ def check_args(parser, args):
         known = {m for p in args.pipeline for m in METHODS[p]}
         bad = [m for m in args.methods if m not in known]
         if bad:
-            parser.error(f"argument --methods: {','.join(bad)} is not a method of --pipeline {','.join(args.pipeline)}")
+            parser.error(
+                f"argument --methods: {','.join(bad)} is not a method of --pipeline {','.join(args.pipeline)}"
+            )
     for p in args.pipeline:
         have = available_methods(p, args.zoo)
         if args.methods is not None and not set(args.methods) & set(have):
@@ -283,6 +285,13 @@ def run(args):
         "torch": torch.__version__,
         "python": platform.python_version(),
         "projection": "launch_bound_speedup = tau / tau(plain) * ops_per_round.total(plain) / ops_per_round.total",
-        "rows": profile(args.pipeline, args.methods, args.batch_size, args.zoo, args.max_new_tokens,
-                        args.num_ar_steps, quiet=args.quiet),  # fmt: skip
+        "rows": profile(
+            args.pipeline,
+            args.methods,
+            args.batch_size,
+            args.zoo,
+            args.max_new_tokens,
+            args.num_ar_steps,
+            quiet=args.quiet,
+        ),  # fmt: skip
     }

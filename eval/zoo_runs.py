@@ -70,7 +70,13 @@ class ZooRun:
     """
 
     def __init__(self, pipeline, methods, pipes, device, call):
-        self.pipeline, self.methods, self.pipes, self.device, self._call = pipeline, tuple(methods), pipes, device, call
+        self.pipeline, self.methods, self.pipes, self.device, self._call = (
+            pipeline,
+            tuple(methods),
+            pipes,
+            device,
+            call,
+        )
 
     def call(self, method, batch, seed=0):
         if method not in self.methods:
@@ -158,7 +164,9 @@ def build(pipeline, zoo, device="cpu", methods=None, max_new_tokens=16, num_ar_s
             pipes[name].set_progress_bar_config(disable=True)
     greedy = dict(acceptance="greedy")
     kwargs = {"plain": dict(acceptance="none"), "draft-model": dict(greedy, drafter="model", num_draft_tokens=4)}
-    kwargs |= {m: dict(greedy, drafter="eagle", tree_depth=6, tree_top_k=1) for m in ("eagle", "vispec", "specvlm", "msd")}
+    kwargs |= {
+        m: dict(greedy, drafter="eagle", tree_depth=6, tree_top_k=1) for m in ("eagle", "vispec", "specvlm", "msd")
+    }
     canvases = []
 
     def call(method, batch, seed):

@@ -279,16 +279,15 @@ def build_arch(name, spec, smoke, dtype, device):
 
     spec = dict(spec, **SMOKE_ARCH) if smoke else dict(spec)
     if spec["kind"] == "llamagen":
-        from mmspec.models.llamagen.gpt import ffn_hidden_dim
-
-        spec["intermediate"] = ffn_hidden_dim(spec["hidden"])  # LlamaGen's SwiGLU width (3584 for dim 1280)
+        # LlamaGen's SwiGLU width, find_multiple(int(2 * 4 * dim / 3), 256) (gpt.py `ffn_hidden_dim`): 3584 for 1280
+        spec["intermediate"] = -(-int(2 * 4 * spec["hidden"] / 3) // 256) * 256
         if smoke:
             spec["block_size"] = 16
             spec["context"] = 17
         try:
             from mmspec.models.llamagen.gpt import LlamaGenGPT
         except ImportError as err:  # the class is a diffusers ModelMixin: same shapes through transformers' Llama
-            impl = f"transformers LlamaForCausalLM with LlamaGen's shapes (mmspec's LlamaGenGPT needs {err.name})"
+            impl = f"transformers LlamaForCausalLM with LlamaGen's shapes (mmspec's LlamaGenGPT: {err})"
             model, config = _llama(spec, spec["layers"], dtype, device)
             full = _HFForward(model, config, spec["rows"], spec["context"], device)
         else:

@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from mmspec.counting import host_checks_enabled
+
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,12 @@ class StaticKVCache:
         outside `[0, max_seq)`."""
         if write_slots.dim() != 2 or write_slots.shape[0] != self.rows:
             raise ValueError(f"write_slots must be [rows={self.rows}, M], got {tuple(write_slots.shape)}")
-        if values and not torch.compiler.is_compiling() and write_slots.numel() > 0:
+        if (
+            values
+            and host_checks_enabled(write_slots.device)
+            and not torch.compiler.is_compiling()
+            and write_slots.numel()
+        ):
             lo, hi = int(write_slots.min()), int(write_slots.max())
             if lo < 0 or hi >= self.max_seq:
                 raise ValueError(
@@ -124,7 +131,11 @@ class StaticKVCache:
 
     def _run_start(self, write_slots):
         """`contiguous_run(write_slots)`, remembered for the tensor (and its version) last asked about: every layer
-        of a forward writes the same `write_slots`, so the check runs once per forward, not once per layer."""
+        of a forward writes the same `write_slots`, so the check runs once per forward, not once per layer. While
+        compiling there is no run (`contiguous_run` reads the slots on the host) and no memo: its `_version` guard
+        would break the graph at every layer."""
+        if torch.compiler.is_compiling():
+            return None
         memo = getattr(self, "_run_memo", None)
         if memo is not None and memo[0] is write_slots and memo[1] == write_slots._version:
             return memo[2]
@@ -225,7 +236,7 @@ def contiguous_run(write_slots):
     """`s` if every row of `write_slots [rows, M]` is `s, s + 1, ..., s + M - 1` (the same slots in every row), else
     None. Decided only where reading the slots on the host is free (CPU tensors, not while compiling): elsewhere
     None, so an accelerator never syncs for it and takes the general write."""
-    if write_slots.device.type != "cpu" or torch.compiler.is_compiling() or write_slots.numel() == 0:
+    if not host_checks_enabled(write_slots.device) or torch.compiler.is_compiling() or write_slots.numel() == 0:
         return None
     first = write_slots[:1, :1]
     run = first + torch.arange(write_slots.shape[1], dtype=write_slots.dtype)[None, :]
@@ -270,6 +281,8 @@ def check_parents(parents):
     if parents.dim() != 2:
         raise ValueError(f"parents must be [rows, M], got shape {tuple(parents.shape)}")
     idx = torch.arange(parents.shape[1], device=parents.device)
+    if not host_checks_enabled(parents.device):  # an accelerator: a host read; the engine's layouts are its own
+        return
     if parents.numel() and bool(((parents < -1) | (parents >= idx[None, :])).any()):
         raise ValueError("parents must satisfy -1 <= parents[r, i] < i (topological order, -1 = committed prefix)")
 
@@ -283,8 +296,9 @@ def tree_ancestry(parents, max_depth=None):
     Args:
         parents: `[rows, M]` topologically ordered forest (`check_parents`).
         max_depth: an upper bound on every node's depth (0 for a child of the prefix; e.g. from the knobs): then
-            exactly `max_depth` vectorised steps and no host read; None: steps until no node has an ancestor left (one host
-            read per level). Nodes deeper than `max_depth` would get a wrong depth: pass a true bound.
+            exactly `max_depth` vectorised steps; None: `ceil(log2(M))` squarings of the parent relation (a fixed
+            number of device ops for any tree). Never a host read. Nodes deeper than `max_depth` would get a wrong
+            depth: pass a true bound.
     """
     check_parents(parents)
     rows, m = parents.shape
@@ -295,15 +309,29 @@ def tree_ancestry(parents, max_depth=None):
     # Chase every node's ancestors one level per step: `ancestor` is the ancestor at distance d (or -1), so the loop
     # runs max-depth times (a few), not once per node. Each step marks mask[r, i, ancestor[r, i]] with one scatter
     # (rows whose chain has ended mark their own, already True, diagonal).
+    if max_depth is None:
+        return _ancestry_by_squaring(parents, mask)
     ancestor = parents.clone()
-    step = 0
-    while (step < max_depth) if max_depth is not None else bool((ancestor >= 0).any()):
+    for _ in range(max_depth):
         found = ancestor >= 0  # [rows, M]
         mask.scatter_(2, torch.where(found, ancestor, self_index)[..., None], True)
         depth += found.long()
         ancestor = torch.where(found, parents.gather(1, ancestor.clamp(min=0)), -1)
-        step += 1
     return depth, mask
+
+
+def _ancestry_by_squaring(parents, mask):
+    """`tree_ancestry` without a depth bound: the ancestor-or-self relation is the reflexive-transitive closure of
+    the parent relation, reached by squaring it `ceil(log2(M))` times (each squaring doubles the path length
+    covered; a depth is at most `M - 1`). Exact: the counts are small integers in float32."""
+    rows, m = parents.shape
+    rel = mask.float()
+    rel.scatter_add_(2, parents.clamp(min=0)[..., None], (parents >= 0).float()[..., None])
+    rel = rel.clamp(max=1)
+    for _ in range(max(m - 1, 1).bit_length()):
+        rel = torch.bmm(rel, rel).clamp(max=1)
+    mask = rel > 0
+    return mask.sum(-1) - 1, mask
 
 
 def tree_inputs(parents, lengths, max_depth=None):

@@ -41,6 +41,8 @@ __all__ = [
     "PIPELINES",
     "PRESETS",
     "TREE_DRAFTERS",
+    "COMPILE_BACKENDS",
+    "COMPILE_MODES",
     "CONTINUOUS_DEFAULTS",
     "CONTINUOUS_LIMITS",
     "IMAGE_LIMITS",
@@ -51,6 +53,7 @@ __all__ = [
     "Knob",
     "MethodSettings",
     "acceptance_names",
+    "check_compile",
     "check_knob",
     "check_knobs",
     "resolve_drafter",
@@ -166,6 +169,24 @@ class Knob:
 # (`SpeculativeVLMPipeline.from_zoo(eagle=k)`, `mmspec vlm --eagle-head k`, `bench vlm` rows, `train vlm-vision`)
 VISION_POLICIES = ("vispec", "specvlm", "msd")
 EAGLE_HEADS = ("eagle", *VISION_POLICIES)
+
+# Captured forwards (`pipe.enable_compile(mode=None, backend=None)`, `mmspec.decoding.compiled`): the
+# `torch.compile` modes and backends it accepts. mode None: "reduce-overhead" (CUDA graphs) on CUDA, plain inductor
+# elsewhere; backend None: inductor. "eager" / "aot_eager" trace and count graphs without generating code (tests).
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = (None, "inductor", "eager", "aot_eager")
+
+
+def check_compile(mode=None, backend=None):
+    """Raise ValueError naming the argument unless `mode` is one of `COMPILE_MODES` and `backend` one of
+    `COMPILE_BACKENDS` (a mode other than None/"default" needs the inductor backend)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"backend must be one of {COMPILE_BACKENDS}, got {backend!r}")
+    if mode not in (None, "default") and backend not in (None, "inductor"):
+        raise ValueError(f"mode={mode!r} is an inductor mode; it needs backend=None or 'inductor', got {backend!r}")
+
 
 VLM_LIMITS = {"num_draft_tokens": 256, "tree_nodes": 256, "tree_depth": 32, "tree_top_k": 32, "max_new_tokens": 32768}
 

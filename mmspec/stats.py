@@ -98,11 +98,14 @@ class SpecStats:
         sums = torch.zeros(4, self.batch_size, dtype=torch.long, device=device)
         for i, value in enumerate((drafted, accepted, generated, torch.ones_like(accepted))):
             sums[i].index_add_(0, rows.to(device), value.to(device).long())
-        hist = torch.bincount(accepted.long().clamp(max=len(self.accept_histogram) - 1),
-                              minlength=len(self.accept_histogram))  # fmt: skip
-        for attr, add in zip(("drafted_tokens", "accepted_tokens", "generated_tokens", "rounds"), sums.tolist()):
+        bins = len(self.accept_histogram)
+        hist = torch.zeros(bins, dtype=torch.long, device=device)  # a bincount without its data-dependent length
+        hist.index_add_(0, accepted.long().clamp(max=bins - 1).to(device), torch.ones_like(accepted, dtype=torch.long))
+        values = torch.cat([sums.reshape(-1), hist]).tolist()  # the one host read
+        for i, attr in enumerate(("drafted_tokens", "accepted_tokens", "generated_tokens", "rounds")):
+            add = values[i * self.batch_size : (i + 1) * self.batch_size]
             setattr(self, attr, [a + b for a, b in zip(getattr(self, attr), add)])
-        self.accept_histogram = [a + b for a, b in zip(self.accept_histogram, hist.tolist())]
+        self.accept_histogram = [a + b for a, b in zip(self.accept_histogram, values[4 * self.batch_size :])]
         return self
 
     def phase(self, phase, device=None):

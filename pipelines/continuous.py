@@ -28,6 +28,8 @@ from mmspec.models.mar.runner import MARRunner
 from mmspec.random import check_generator
 from mmspec.stats import SpecStats
 
+from .captured import CapturedForwards
+
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class SpeculativeContinuousOutput(BaseOutput):
     trace: DecodeTrace
 
 
-class SpeculativeContinuousARPipeline(DiffusionPipeline):
+class SpeculativeContinuousARPipeline(CapturedForwards, DiffusionPipeline):
     """MAR sampling, plain or with CSpD (module docstring)."""
 
     model_cpu_offload_seq = "transformer->vae"
@@ -308,6 +310,7 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         noise = ImageNoise.draw(batch, seq_len, dim, steps, generator, device, draft=own_draft_noise)
         target = MARRunner(self.transformer, labels, guided, name="transformer")
         draft = MARRunner(self.draft_transformer, labels, guided, name="draft_transformer") if speculative else None
+        self.attach_compiler(target, draft)
         stats = SpecStats(batch, params.num_draft_steps if speculative else 0)
         callback = None
         if callback_on_step_end is not None:
@@ -332,12 +335,15 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
     @staticmethod
     def _fill_stats(stats, state, speculative, num_ar_steps):
         counts = state.trace.counts()
-        stats.generated_tokens = [int(c) for c in sum(counts.values())]
-        stats.prefill_tokens = [int(c) for c in counts["prefill"]]
-        stats.accepted_tokens = [int(c) for c in counts["accepted"]]
-        stats.drafted_tokens = [int(n) for n in state.drafted]  # verified drafts (exact: incl. discarded steps)
-        rounds = (state.trace.round.max(1).values + 1).tolist()
-        stats.rounds = [int(r) for r in rounds]
+        # one host read for every per-row count
+        generated, prefill, accepted, drafted, rounds = torch.stack([
+            sum(counts.values()), counts["prefill"], counts["accepted"],
+            torch.as_tensor(state.drafted, device=counts["prefill"].device).to(counts["prefill"].dtype),
+            state.trace.round.max(1).values + 1,
+        ]).tolist()  # fmt: skip
+        stats.generated_tokens, stats.prefill_tokens, stats.accepted_tokens = generated, prefill, accepted
+        stats.drafted_tokens = drafted  # verified drafts (exact: incl. discarded steps)
+        stats.rounds = rounds
         drafted = sum(stats.drafted_tokens)
         stats.extra.update(
             acceptance_rate=(sum(stats.accepted_tokens) / drafted) if drafted else None,
@@ -361,7 +367,7 @@ class SpeculativeContinuousARPipeline(DiffusionPipeline):
         if output_type == "pt":
             return images
         if output_type == "np":
-            return images.permute(0, 2, 3, 1).cpu().numpy()
+            return images.permute(0, 2, 3, 1).numpy(force=True)
         from mmspec.pipelines.ar_image import to_pil
 
         return to_pil(images)

@@ -24,6 +24,8 @@ from mmspec.sampling import SamplingParams, sample
 from mmspec.stats import SpecStats
 from mmspec.verify import Exact, Grouped, Lantern, codebook_neighbours
 
+from .captured import CapturedForwards
+
 
 __all__ = ["OUTPUT_TYPES", "Condition", "SpeculativeImageOutput", "TokenImagePipeline", "with_knob_parameters"]
 
@@ -77,7 +79,7 @@ def _check_bool(name, value):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
-class TokenImagePipeline(DiffusionPipeline):
+class TokenImagePipeline(CapturedForwards, DiffusionPipeline):
     """The shared call of the token-image pipelines (module docstring). Subclasses implement `prepare`,
     `make_target`, `prefill`, `check_call`, `codebook` and `postprocess`, and may override `loaded_drafters`,
     `make_drafter`, `check_guidance` and `call_device`."""
@@ -203,6 +205,7 @@ class TokenImagePipeline(DiffusionPipeline):
         check_generator(generator, batch, device)
         target = self.make_target(guidance)
         draft = self.make_drafter(method, guidance, target, cond)
+        self.attach_compiler(target, draft)
         scratch = 1 + (draft.max_width if draft else 0)
         self.check_call(target, cond, method, guidance, draft, scratch, num_images_per_prompt, device)
         rule = self.make_rule(acceptance, method)

@@ -57,6 +57,8 @@ from mmspec.sampling import SamplingParams, sample
 from mmspec.stats import SpecStats
 from mmspec.verify import Exact
 
+from .captured import CapturedForwards
+
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class SpeculativeVLMOutput(BaseOutput):
     trace: DecodeTrace | None = None
 
 
-class SpeculativeVLMPipeline(DiffusionPipeline):
+class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
     """Speculative decoding for a transformers VLM / causal LM (see the module docstring).
 
     Args:
@@ -398,6 +400,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                              acceptance=rule_name, drafter=drafter, knobs=knobs, device=device,
                              settings={"max_new_tokens": max_new_tokens},
                              draft_model=self.draft_model if drafter == "model" else None)  # fmt: skip
+        self.attach_compiler(target)
         stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 
         # 3. prefill: prompt + image features of every row; the first token comes from the target alone

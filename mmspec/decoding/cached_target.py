@@ -29,6 +29,7 @@ class CachedTarget:
     def __init__(self, guidance: Guidance):
         self.guidance = guidance
         self.cache: StaticKVCache | None = None
+        self.compiler = None  # a `mmspec.decoding.compiled.Compiler`: the forwards run captured (enable_compile)
 
     def commit(self, num_tokens: Tensor, path: Tensor | None = None) -> None:
         """Commit the first `num_tokens [B]` scored tokens of a chain, or the tree nodes `path [B, P]`, in every

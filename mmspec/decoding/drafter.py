@@ -35,6 +35,9 @@ class Proposal:
         parents: `[B, K]` tree parents (topological order, -1 = child of the pending token), None for a chain.
         jacobi_coupling: set by self-drafting (Jacobi) drafters: verification also re-drafts the window from this
             round's `p_target` (`mmspec.verify.verify_jacobi`; True = SCD maximal coupling).
+        bounds: for a tree, host-known upper bounds `(depth, children per node)` (e.g. `tree_depth`, `tree_top_k`):
+            the verifier's loops then need no host read for their extents on an accelerator.
+        layout: for a tree whose shape is the same every row and round (SJD-PAC), `parents[0]` as a host list.
     """
 
     tokens: Tensor
@@ -42,6 +45,8 @@ class Proposal:
     q_draft: Tensor | None = None
     parents: Tensor | None = None
     jacobi_coupling: bool | None = None
+    bounds: tuple[int, int] | None = None
+    layout: list[int] | None = None
 
     @staticmethod
     def empty(batch: int, device=None) -> "Proposal":

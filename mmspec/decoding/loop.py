@@ -47,10 +47,12 @@ def verify_proposal(rule, proposal: Proposal, p_target, generator, greedy: bool)
         return VerifyResult(num_accepted=none, accept_mask=proposal.tokens.bool(), tokens=token[:, None])
     if proposal.parents is not None and proposal.jacobi_coupling is not None:  # SJD-PAC: Jacobi tree + re-draft
         return verify_jacobi_tree(proposal.tokens, proposal.parents, p_target, proposal.q_draft, rule=rule,
-                                  generator=generator, coupling=proposal.jacobi_coupling, validate=False)  # fmt: skip
+                                  generator=generator, coupling=proposal.jacobi_coupling, validate=False,
+                                  layout=proposal.layout)  # fmt: skip
     if proposal.parents is not None:
         return verify_tree(proposal.tokens, proposal.parents, p_target, proposal.q_draft, rule=rule,
-                           mode="deterministic", generator=generator, greedy=greedy, validate=False)  # fmt: skip
+                           mode="deterministic", generator=generator, greedy=greedy, validate=False,
+                           bounds=proposal.bounds)  # fmt: skip
     if proposal.jacobi_coupling is not None:
         return verify_jacobi(proposal.tokens, p_target, proposal.q_draft, rule=rule, generator=generator,
                              coupling=proposal.jacobi_coupling, num_draft=proposal.num_draft, validate=False)  # fmt: skip
@@ -75,7 +77,9 @@ def _drop_finished(state, target, drafter):
     remaining = torch.where(active, state.remaining(), 0).max()
     left, generated, state.max_remaining = torch.stack([active.sum(), state.total_generated(), remaining]).tolist()
     if 0 < left < state.batch_size:
-        index = active.nonzero()[:, 0]
+        # the surviving rows in order, without a second read: `left` is known on the host, and a stable sort puts
+        # the active rows (key 0) first in their original order
+        index = torch.sort((~active).to(torch.uint8), stable=True).indices[:left]
         state.keep(index)
         target.select_rows(index)
         if drafter is not None:

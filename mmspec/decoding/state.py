@@ -53,6 +53,7 @@ class SequenceState:
         self.max_remaining = self.max_length - 1  # refreshed by the loop once per round (one host sync)
         self._grid = self.tokens.clone()  # rows that left keep their tokens here
         self._left_generated = torch.zeros((), dtype=torch.long, device=device)  # tokens of rows that left
+        self._widest = 0
         self._log = []  # per round: (ids, count before, tokens emitted, index of the closing token, bonus flags)
 
     # ------------------------------------------------------------------ per-row views
@@ -111,6 +112,7 @@ class SequenceState:
         self.tokens.scatter_(1, cols, new_tokens)
         self.rounds += 1
         self._log.append((self.ids, self.count, num, num_new - 1, bonus))
+        self._widest = max(self._widest, m)  # host-known: the widest round, for `full_trace`
         self.count = self.count + num
         return num
 
@@ -132,16 +134,27 @@ class SequenceState:
 
     def full_trace(self) -> DecodeTrace:
         """The `DecodeTrace` of every row of the call, assembled from the per-round log."""
-        trace = DecodeTrace.empty(self._grid.shape[0], self.max_length, self._grid.device)
+        batch, n = self._grid.shape
+        device = self._grid.device
+        trace = DecodeTrace.empty(batch, n, device)
         trace.round[:, 0], trace.origin[:, 0] = 0, PREFILL
-        for r, (ids, start, num, last, bonus) in enumerate(self._log, 1):
-            j = torch.arange(int(num.max()) if num.numel() else 0, device=ids.device)
-            keep = j[None, :] < num[:, None]
-            rows, cols = ids[:, None].expand_as(keep)[keep], (start[:, None] + j[None, :])[keep]
-            bonus = torch.ones_like(num, dtype=torch.bool) if bonus is None else bonus
-            origin = torch.where(j[None, :] < last[:, None], ACCEPTED, torch.where(bonus, BONUS, RESAMPLED)[:, None])
-            trace.round[rows, cols] = r
-            trace.origin[rows, cols] = origin[keep].to(trace.origin.dtype)
+        if not self._log:
+            return trace
+        # every round at once (no host read: the widest round is known on the host); tokens not kept go to a dump
+        # column `n` that is cut off
+        ids, start, num, last = (torch.cat([entry[i] for entry in self._log]) for i in range(4))
+        bonus = torch.cat([torch.ones_like(e[2], dtype=torch.bool) if e[4] is None else e[4] for e in self._log])
+        index = torch.cat([torch.full_like(e[2], r) for r, e in enumerate(self._log, 1)])
+        j = torch.arange(self._widest, device=device)
+        keep = j[None, :] < num[:, None]
+        rows = ids[:, None].expand_as(keep)
+        cols = torch.where(keep, start[:, None] + j[None, :], n)
+        origin = torch.where(j[None, :] < last[:, None], ACCEPTED, torch.where(bonus, BONUS, RESAMPLED)[:, None])
+        round_ = torch.cat([trace.round, trace.round[:, :1]], dim=1)
+        origin_ = torch.cat([trace.origin, trace.origin[:, :1]], dim=1)
+        round_.index_put_((rows, cols), index[:, None].expand_as(keep).to(round_.dtype))
+        origin_.index_put_((rows, cols), origin.to(origin_.dtype))
+        trace.round, trace.origin = round_[:, :n].contiguous(), origin_[:, :n].contiguous()
         return trace
 
     def total_generated(self) -> Tensor:

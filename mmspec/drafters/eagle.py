@@ -259,7 +259,8 @@ class EagleDrafter:
                           top_k=self.top_k, total=self.total, validate=False,
                           guidance_scale=g.sampling.guidance_scale if g.streams == 2 else None)  # fmt: skip
         self.draft_forwards += self.depth
-        return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents)
+        return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents,
+                        bounds=(self.depth, self.top_k))  # fmt: skip
 
     def commit(self, result, target_out, state):
         """Next head input: pairs (h[pending], a_1), ..., (h[a_k], next token) along the accepted chain / path."""

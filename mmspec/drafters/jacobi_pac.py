@@ -81,12 +81,13 @@ class ProactiveJacobiDrafter(JacobiDrafter):
             )
         self.width, self.depth = int(width), int(depth)
         self.max_width = len(tree_layout(width, depth, self.window)[0])
-        self._layouts = {}
+        self._layouts, self._host_layouts = {}, {}
 
     def _layout(self, window, device):
         key = (window, device)
         if key not in self._layouts:
             parents, position, starts = tree_layout(self.width, self.depth, window)
+            self._host_layouts[window] = list(parents)  # the verifier's host copy (no read of the tensor)
             self._layouts[key] = (
                 torch.tensor(parents, dtype=torch.long, device=device),
                 torch.tensor(position, dtype=torch.long, device=device),
@@ -148,9 +149,9 @@ class ProactiveJacobiDrafter(JacobiDrafter):
         is_main = torch.zeros(n, dtype=torch.bool, device=drafts.device)
         is_main[starts] = True
         q_nodes = torch.where(is_main[None, :, None], q.gather(1, index), q_side.gather(1, index))
-        return Proposal(
-            tokens, num_draft, q_draft=q_nodes, parents=parents[None].expand(batch, n), jacobi_coupling=self.coupling
-        )
+        layout = self._host_layouts[window]
+        return Proposal(tokens, num_draft, q_draft=q_nodes, parents=parents[None].expand(batch, n),
+                        jacobi_coupling=self.coupling, layout=layout)  # fmt: skip
 
 
 def make_jacobi_drafter(vocab_size, settings):

@@ -49,6 +49,7 @@ class ModelDrafter:
         self.max_width = self.k
         self.cache = None
         self.draft_forwards = 0
+        self.compiler = None  # `mmspec.decoding.compiled.Compiler`: the draft forwards run captured
 
     @staticmethod
     def check_compatible(model, target):
@@ -72,11 +73,15 @@ class ModelDrafter:
     def propose(self, state):
         """Draft `min(K, remaining)` tokens after each row's pending token."""
         g = self.guidance
+        model = self.model
+        if self.compiler is not None:
+            self.compiler.static(self.cache.k, self.cache.v)
+            model = self.compiler.forward("drafter", self.model)
         num_draft = state.remaining().clamp(min=1, max=self.k)
         length = min(self.k, state.max_remaining)  # no drafts past the last token of any row
 
         def step(feed):  # `[last committed, pending]` / `[pending]`, then each draft: fed and committed
-            logits = self.model(g.rows(feed), self.cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
+            logits = model(g.rows(feed), self.cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
             self.cache.commit(feed.shape[1])
             return logits
 

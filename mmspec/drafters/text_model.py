@@ -113,7 +113,8 @@ class TextModelDrafter:
                          total=self.k)  # fmt: skip
         self.draft_forwards += self.depth
         self.last_tree = tree  # the `DraftTree` with its cumulative draft log-probabilities (inspection, tests)
-        return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents)
+        return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents,
+                        bounds=(self.depth, self.top_k))  # fmt: skip
 
     def commit(self, result, target_out, state):
         lengths = self.prompt_lengths + state.count - 2

@@ -20,6 +20,8 @@ before position ``j``; position ``L+1`` is a fresh sample of ``p_target`` after 
 (`mmspec.verify.jacobi.coupled_redraft`, SCD: So et al., arXiv 2510.24211), whatever branch the accepted path took.
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,17 @@ def main_branch(parents: Tensor | list[int]) -> list[int]:
     return nodes
 
 
+@functools.lru_cache(maxsize=64)
+def _layout_bounds(layout: tuple[int, ...]) -> tuple[int, int]:
+    """``(max depth, max children per node)`` of a host layout (depth 1 = a child of the pending token): the
+    `verify_tree` loop bounds, computed once per layout."""
+    depth, kids = [], {}
+    for par in layout:
+        depth.append(1 if par < 0 else depth[par] + 1)
+        kids[par] = kids.get(par, 0) + 1
+    return max(depth, default=0), max(kids.values(), default=0)
+
+
 def _chain_tail(layout: list[int], main: list[int]) -> int:
     """Number of trailing nodes that form a chain under the main branch: each the next main node, the last nodes
     of the layout, and the only child of its parent."""
@@ -62,22 +75,23 @@ def _chain_tail(layout: list[int], main: list[int]) -> int:
     return tail
 
 
-def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, rule, validate):
+def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, rule, validate, layout_list=None):
     """`verify_tree` (without replacement) over the whole Jacobi tree, computed as the tree part followed, for the
     rows whose path reached the main node the chain hangs from (the anchor), by `verify_chain` over the chain: the
     same recursion (a chain is a tree of single children), without a Python step per chain node and sibling slot.
     The tree part's emitted token of the rows that go on into the chain is discarded (an independent draw)."""
     batch, n = tokens.shape
-    layout_list = layout.tolist()
+    layout_list = layout.tolist() if layout_list is None else layout_list
     tail = _chain_tail(layout_list, main)
     if tail == 0:
         return verify_tree(tokens, layout, p_target, q_draft, mode="without_replacement", generator=generator,
-                           rule=rule, validate=validate)  # fmt: skip
+                           rule=rule, validate=validate, bounds=_layout_bounds(tuple(layout_list)))  # fmt: skip
     n0 = n - tail  # tree-part nodes
     anchor = main[len(main) - tail - 1]  # the main node the chain hangs from
     depth = len(main) - tail  # its depth
     tree = verify_tree(tokens[:, :n0], layout[:n0], p_target[:, : n0 + 1], q_draft[:, :n0],
-                       mode="without_replacement", generator=generator, rule=rule, validate=validate)  # fmt: skip
+                       mode="without_replacement", generator=generator, rule=rule, validate=validate,
+                       bounds=_layout_bounds(tuple(layout_list[:n0])))  # fmt: skip
     reached = tree.path.gather(1, tree.num_accepted[:, None])[:, 0] == anchor + 1  # [B]
     chain_tokens = tokens[:, n0:]
     present = (chain_tokens >= 0).long().cumprod(1).sum(1)
@@ -115,6 +129,7 @@ def verify_jacobi_tree(
     coupling: bool = True,
     rule: AcceptanceRule | None = None,
     validate: bool = True,
+    layout: list[int] | None = None,
 ) -> JacobiResult:
     """One SJD-PAC step: verify a Jacobi tree, then re-draft the main branch (module docstring).
 
@@ -131,6 +146,8 @@ def verify_jacobi_tree(
             (on the main branch: the window's ``q_j``, the main draft first).
         generator: one ``torch.Generator`` or one per row; coupling: maximal-coupling re-draft (SCD) or independent
             samples (SJD); rule: the acceptance rule (default `Exact`); validate: as `verify_tree`.
+        layout: the layout ``parents[0]`` as a host list, when the caller has it (the drafter built it): then the
+            step reads nothing from the device for the tree's shape (main branch, loop bounds).
 
     Returns:
         `JacobiResult` with ``path`` (as `verify_tree`: rows of ``p_target`` on the accepted path, for the target's
@@ -139,11 +156,14 @@ def verify_jacobi_tree(
     """
     rule = resolve_rule(rule, "exact", "optimal", {})
     batch, n = tree_tokens.shape
-    layout = parents if parents.ndim == 1 else parents[0]
-    if validate and parents.ndim == 2 and not bool((parents == layout).all()):
+    parents_row = parents if parents.ndim == 1 else parents[0]
+    if validate and parents.ndim == 2 and not bool((parents == parents_row).all()):
         raise ValueError("parents: a Jacobi tree has one layout for every row (absent nodes are tree_tokens -1)")
-    main_list = main_branch(layout)
-    res = _verify_tree_then_chain(tree_tokens, layout, main_list, p_target, q_draft, generator, rule, validate)
+    if layout is not None and validate and parents_row.tolist() != list(layout):
+        raise ValueError("layout must be parents[0] as a list")
+    main_list = main_branch(parents_row if layout is None else list(layout))
+    res = _verify_tree_then_chain(tree_tokens, parents_row, main_list, p_target, q_draft, generator, rule, validate,
+                                  None if layout is None else list(layout))  # fmt: skip
     vocab = p_target.shape[-1]
     main = torch.tensor(main_list, dtype=torch.long, device=tree_tokens.device)  # [L]
     k = main.numel()

@@ -12,6 +12,7 @@ token is distributed as ``p_target`` (exact rule), because the tree shape never 
 import torch
 from torch import Tensor
 
+from mmspec.counting import host_checks_enabled
 from mmspec.random import Generators, check_generator, rand
 from mmspec.sampling import prob_dtype, sample
 from mmspec.verify.checks import (
@@ -33,9 +34,13 @@ __all__ = ["TREE_MODES", "verify_tree"]
 TREE_MODES = ("deterministic", "iid", "without_replacement")
 
 
-def _tree_children(parents: Tensor, present: Tensor, validate: bool, checks: Checks) -> tuple[Tensor, int]:
+def _tree_children(
+    parents: Tensor, present: Tensor, validate: bool, checks: Checks, bounds: tuple[int, int] | None = None
+) -> tuple[Tensor, int]:
     """-> (children [B, N+1, C]: node indices of the children of each p_target row in index order, -1 padded;
-    max depth). One host sync (validation flags + loop bounds)."""
+    max depth). One host sync (validation flags + loop bounds) -- none where `bounds` (host-known upper bounds on
+    the depth and the children per node) are given, nothing is validated and a read is not free (an accelerator):
+    the loops then run to the bounds (the extra steps try no child)."""
     batch, n = present.shape
     node = torch.arange(n, device=parents.device)
     if validate:
@@ -49,18 +54,23 @@ def _tree_children(parents: Tensor, present: Tensor, validate: bool, checks: Che
     for i in range(n):  # parents[i] < i, so depth[parent] is ready
         par = parents[:, i].clamp(min=0)
         depth[:, i] = torch.where(parents[:, i] >= 0, depth.gather(1, par[:, None]).squeeze(1) + 1, 1)
-    zero = torch.zeros((), dtype=torch.long, device=parents.device)
-    max_depth = torch.where(present, depth, 0).amax() if n else zero
-    max_children = torch.where(present, rank + 1, 0).amax() if n else zero
-    values = torch.stack([f.to(torch.long) for f in checks.flags] + [max_depth, max_children]).tolist()
-    raise_first(values[:-2], checks.messages)
-    width = int(values[-1])
+    if bounds is not None and not validate and not host_checks_enabled(parents.device):
+        depth_bound, width = min(int(bounds[0]), n), min(int(bounds[1]), n)
+    else:
+        zero = torch.zeros((), dtype=torch.long, device=parents.device)
+        max_depth = torch.where(present, depth, 0).amax() if n else zero
+        max_children = torch.where(present, rank + 1, 0).amax() if n else zero
+        values = torch.stack([f.to(torch.long) for f in checks.flags] + [max_depth, max_children]).tolist()
+        raise_first(values[:-2], checks.messages)
+        width, depth_bound = int(values[-1]), int(values[-2])
+        if bounds is not None and (depth_bound > bounds[0] or width > bounds[1]):
+            raise ValueError(f"bounds {tuple(bounds)} below the tree's depth {depth_bound} / children {width}")
     # children[b, row, slot]; absent nodes are written to a dump slot that is cut off.
     children = torch.full((batch, (n + 1) * (width + 1)), -1, dtype=torch.long, device=parents.device)
     flat = torch.where(present, (parents + 1) * (width + 1) + rank, (width + 1) * (n + 1) - 1)
     children.scatter_(1, flat, torch.where(present, node, -1).expand(batch, n).contiguous())
     children = children.view(batch, n + 1, width + 1)[..., :width]
-    return children, int(values[-2])
+    return children, depth_bound
 
 
 def verify_tree(
@@ -76,6 +86,7 @@ def verify_tree(
     acceptance: str = "exact",
     resample: str = "optimal",
     validate: bool = True,
+    bounds: tuple[int, int] | None = None,
     **knobs,
 ) -> VerifyResult:
     """Tree verification by recursive rejection sampling over siblings (module docstring).
@@ -108,6 +119,11 @@ def verify_tree(
         rule: the acceptance rule; or the string form ``acceptance`` / ``resample`` / ``knobs`` (`make_rule`),
             kept for compatibility.
         generator, validate: as `verify_chain`.
+        bounds: optional host-known ``(max depth, max children per node)`` of the tree (e.g. the drafter's
+            ``tree_depth`` / ``tree_top_k``): with ``validate=False`` on an accelerator the loop runs to these
+            bounds instead of reading the tree's (no host read); where a read is free (CPU) the exact bounds are read
+            and checked against them. A row's draws do not depend on the bounds with per-row generators; with one
+            generator the extra steps draw coins (same law, another stream than the exact bounds').
 
     Returns:
         `VerifyResult` with ``path [B, D+1]`` (rows of ``p_target``: 0 = root, then ``1 + node`` per accepted
@@ -155,7 +171,7 @@ def verify_tree(
             dup = sib & (tokens[:, :, None] == tokens[:, None, :])
             dup = dup & ~torch.eye(n, dtype=torch.bool, device=p.device)
             checks.add(dup.any(), "mode='without_replacement' needs distinct siblings")
-    children, max_depth = _tree_children(parents, present, validate, checks)  # [B, N+1, C]
+    children, max_depth = _tree_children(parents, present, validate, checks, bounds)  # [B, N+1, C]
     width = children.shape[-1]
 
     rows = torch.arange(batch, device=p.device)

@@ -37,7 +37,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
+from mmspec.counting import host_checks_enabled
 from mmspec.decoding.cached_target import CachedTarget
+from mmspec.decoding.compiled import bucket_width, pad_block
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
 from mmspec.models.hf.inputs import capture_decoder_inputs, decoder_of, image_token_mask
@@ -51,7 +53,7 @@ __all__ = ["WINDOW_BUCKET", "HFTarget", "Positions", "StaticCache", "attention_w
 WINDOW_BUCKET = 128
 
 
-def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None) -> int:
+def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None, can_grow: bool = False) -> int:
     """Slots a forward touches: every row's committed prefix and the slots `key_slots [rows, K]` it writes or attends
     to, of which the last `new_slots` (default all `K`) per row are new.
 
@@ -59,17 +61,21 @@ def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None 
     sync: every forward writes its slots right after what is already touched (committed prefix, then the chain or
     the tree's levels in order), so the touched span grows by at most `new_slots` per forward; the device is read
     only when that bound outgrows the window of the last read (about once per `WINDOW_BUCKET` slots). The CPU path
-    checks that bound on every forward, so the tests prove it holds for every drafter."""
+    checks that bound on every forward, so the tests prove it holds for every drafter.
+
+    In the last bucket of a cache that cannot grow (`can_grow` False) the window is the whole cache once a read has
+    reached it, whatever the bound: the bound is then capped at `max_seq` without a read, also when `max_seq` is
+    not a multiple of `WINDOW_BUCKET` (a partial last bucket)."""
     width = key_slots.shape[1] if new_slots is None else int(new_slots)
     bound = getattr(cache, "touched_bound", None)
     bound = None if bound is None else bound + width
-    if (
-        bound is not None
-        and not _free_reads(key_slots)
-        and _round_up(bound) <= min(cache.touched_window, cache.max_seq)
-    ):
-        cache.touched_bound = bound
-        return bound
+    if bound is not None and not _free_reads(key_slots):
+        if _round_up(bound) <= min(cache.touched_window, cache.max_seq):
+            cache.touched_bound = bound
+            return bound
+        if not can_grow and cache.touched_window >= cache.max_seq:  # the last bucket, partial or not
+            cache.touched_bound = min(bound, cache.max_seq)
+            return cache.touched_bound
     exact = _read_slots_in_use(cache, key_slots)
     if bound is not None and exact > bound:
         raise RuntimeError(f"cache slots in use ({exact}) past their host-side bound ({bound}): a forward wrote slots "
@@ -84,8 +90,9 @@ def _read_slots_in_use(cache: StaticKVCache, key_slots: Tensor) -> int:
 
 
 def _free_reads(t: Tensor) -> bool:
-    """Whether reading `t` on the host costs no device sync (CPU tensors)."""
-    return t.device.type == "cpu"
+    """Whether reading `t` on the host costs no device sync (CPU tensors; not inside `mmspec.counting.HostReads`,
+    which takes the accelerator branches)."""
+    return host_checks_enabled(t.device)
 
 
 def attention_window(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None) -> int:
@@ -245,24 +252,28 @@ class HFTarget(CachedTarget):
         return StaticKVCache(t.num_hidden_layers, rows, n_kv, max_seq, head_dim, dtype=p.dtype, device=p.device)
 
     def run(self, module, cache: StaticKVCache, slots: Tensor, logical: Tensor, mask: Tensor, key_slots=None,
-            **inputs):  # fmt: skip
+            capture=False, **inputs):  # fmt: skip
         """One forward of `module` (base model or decoder) over new tokens written at `slots [rows, M]` with the
         new-token mask `mask [rows, M, M]`; returns the final-norm hidden states `[rows, M, dim]`. `key_slots
         [rows, K]` (default `slots`) may also list uncommitted slots of earlier forwards, `mask` is then
-        `[rows, M, K]` (`StaticKVCache.visibility`)."""
+        `[rows, M, K]` (`StaticKVCache.visibility`). `capture`: run `module` captured when the pipeline compiles
+        (`self.compiler`; the per-round forwards, not the prefill)."""
         key_slots = slots if key_slots is None else key_slots
-        needed = slots_needed(cache, key_slots, slots.shape[1])
+        can_grow = cache is self.cache and cache.max_seq < self.max_slots
+        needed = slots_needed(cache, key_slots, slots.shape[1], can_grow=can_grow)
         if needed > cache.max_seq and cache is self.cache:  # allocated in chunks, up to what prefill was asked for
             if needed > self.max_slots:
                 raise ValueError(
                     f"{self.source}: a forward needs {needed} cache slots, {self.max_slots} were reserved"
                 )
             grow(cache, min(self.max_slots, max(2 * cache.max_seq, _round_up(needed))))
-        # read only the slots in use: exactly those on the CPU (free to vary), whole buckets on an accelerator
-        window = needed if _free_reads(key_slots) else _round_up(needed)
+        # read only the slots in use: exactly those on the CPU (free to vary), whole buckets on an accelerator and
+        # when captured (one graph per bucket, `mmspec.decoding.compiled`)
+        captured = capture and self.compiler is not None and cache is self.cache
+        window = needed if _free_reads(key_slots) and not captured else _round_up(needed)
         cache = window_view(cache, min(cache.max_seq, window))
         visible = cache.visibility(key_slots, mask)[:, None]  # [rows, 1, M, window]
-        if visible.shape[2] == 1 and _free_reads(visible) and bool(visible.all()):
+        if not captured and visible.shape[2] == 1 and _free_reads(visible) and bool(visible.all()):
             visible = None  # one token seeing every slot of the window: SDPA's unmasked kernel (plain decoding)
         elif self.model.config._attn_implementation != "flex_attention":
             # eager and SDPA: an additive float mask, built once per forward (SDPA's CPU kernels would otherwise
@@ -273,6 +284,9 @@ class HFTarget(CachedTarget):
             )
         hf_cache = StaticCache(cache)
         hf_cache.write_slots = slots
+        if captured:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
+            self.compiler.static(cache.k, cache.v)
+            module = self.compiler.forward(self.source, module)
         out = module(position_ids=self.positions(logical), attention_mask=visible, past_key_values=hf_cache,
                      use_cache=True, **inputs)  # fmt: skip
         return out.last_hidden_state
@@ -307,7 +321,10 @@ class HFTarget(CachedTarget):
         device = input_ids.device
         # room for the prompt, every new token and the largest scratch forward; allocated in chunks (`run` grows it)
         self.max_slots = width + int(num_tokens) + int(scratch) + 1
-        self.cache = self.new_cache(rows, min(self.max_slots, _round_up(width + int(scratch) + 1) + WINDOW_BUCKET))
+        self.buckets = (1, int(scratch))  # captured forwards: every scored block is padded to one of these widths
+        chunk = min(self.max_slots, _round_up(width + int(scratch) + 1) + WINDOW_BUCKET)
+        # captured: the whole cache at once (a grown cache would change the strides every graph was traced with)
+        self.cache = self.new_cache(rows, self.max_slots if self.compiler is not None else chunk)
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
         mask = causal & valid[:, None, :]
@@ -331,7 +348,11 @@ class HFTarget(CachedTarget):
             logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
         else:
             logical, slots, mask = tree_inputs(self.guidance.rows(parents), lengths)
-        hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, **self.token_inputs(rows))
+        m = rows.shape[1]
+        if self.compiler is not None:  # one of two widths (`buckets`): padded nodes in scratch, seen by nothing
+            rows, logical, slots, mask = pad_block(bucket_width(m, self.buckets), rows, logical, slots, mask)
+        hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, capture=True,
+                          **self.token_inputs(rows))[:, :m]  # fmt: skip
         p = self.guidance.probs(self.logits(hidden), self.source)
         return TargetOutput(p, hidden if return_hidden else None)
 

@@ -124,7 +124,7 @@ class FeedForward(nn.Module):
 def _xformers_attention(q, k, v, mask):
     """memory_efficient_attention with an additive bias; returns None if unavailable or it fails (then SDPA)."""
     global _XFORMERS_FAILED
-    if _xops is None or _XFORMERS_FAILED or not q.is_cuda or mask is None:
+    if _xops is None or _XFORMERS_FAILED or not q.is_cuda or mask is None or torch.compiler.is_compiling():
         return None
     try:
         s = k.shape[2]
@@ -362,10 +362,11 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
                 raise ValueError(
                     f"cond must be integer class ids of shape [rows], got {cond.dtype} {tuple(cond.shape)}"
                 )
-            if cond.numel() and (int(cond.min()) < 0 or int(cond.max()) > cfg.num_classes):
+            lo, hi = torch.stack([cond.min(), cond.max()]).tolist() if cond.numel() else (0, 0)  # one read
+            if lo < 0 or hi > cfg.num_classes:
                 raise ValueError(
                     f"cond class ids must be in [0, {cfg.num_classes}] ({cfg.num_classes} = null class), "
-                    f"got range [{int(cond.min())}, {int(cond.max())}]"
+                    f"got range [{lo}, {hi}]"
                 )
             if cond_mask is not None:
                 raise ValueError("cond_mask is only used by model_type='t2i'")

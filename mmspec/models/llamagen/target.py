@@ -8,6 +8,7 @@ from torch import Tensor
 
 from mmspec.cache import tree_inputs
 from mmspec.decoding.cached_target import CachedTarget
+from mmspec.decoding.compiled import bucket_width, pad_block
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
 
@@ -51,6 +52,7 @@ class LlamaGenTarget(CachedTarget):
         cond = self.guidance.condition_rows(cond, self.model.null_condition(cond.shape[0]))
         if cond_mask is not None:  # the uncond rows keep the prompt's mask, as upstream LlamaGen's `generate`
             cond_mask = self.guidance.condition_rows(cond_mask, cond_mask)
+        self.buckets = (1, int(scratch))  # captured forwards: every scored block is padded to one of these widths
         max_seq = self.prefix_length + int(num_tokens) + int(scratch) + 1
         self.cache = self.model.setup_cache(cond.shape[0], max_seq)
         out = self.model.prefill(cond, self.cache, cond_mask=cond_mask, return_hidden=return_hidden)
@@ -60,5 +62,18 @@ class LlamaGenTarget(CachedTarget):
         rows = self.guidance.rows(tokens)  # [rows, M]
         inputs = () if parents is None else tree_inputs(self.guidance.rows(parents), self.cache.lengths)
         # ids come from the engine's sampler, slots from the cache lengths: no per-round range checks (host syncs)
+        if self.compiler is not None:
+            return self.forward_captured(rows, inputs, return_hidden)
         out = self.model(rows, self.cache, *inputs, return_hidden=return_hidden, validate=False)
         return TargetOutput(self.guidance.probs(out.logits, "target"), out.hidden)
+
+    def forward_captured(self, rows: Tensor, inputs: tuple, return_hidden: bool) -> TargetOutput:
+        """`forward` through the compiled graph of the block's bucket (`mmspec.decoding.compiled`): the block is
+        padded to `bucket_width` (scratch slots after it, attended by nothing) and the outputs cut back to it."""
+        m = rows.shape[1]
+        padded = pad_block(bucket_width(m, self.buckets), rows, *inputs)
+        self.compiler.static(self.cache.k, self.cache.v)
+        run = self.compiler.forward("target", self.model)
+        out = run(padded[0], self.cache, *padded[1:], return_hidden=return_hidden, validate=False)
+        hidden = None if out.hidden is None else out.hidden[:, :m]
+        return TargetOutput(self.guidance.probs(out.logits[:, :m], "target"), hidden)

@@ -432,8 +432,9 @@ class LlamaGenVQ(ModelMixin, ConfigMixin):
             codes = codes.reshape(codes.shape[0], -1)
         grid = grid or self.token_grid(codes.shape[1])
         codes = codes.long()
-        if codes.numel() and (codes.min() < 0 or codes.max() >= self.config.codebook_size):
-            raise ValueError(f"codes must lie in [0, {self.config.codebook_size}); got [{codes.min()}, {codes.max()}]")
+        if codes.numel() and bool(((codes < 0) | (codes >= self.config.codebook_size)).any()):  # one host read
+            lo, hi = int(codes.min()), int(codes.max())
+            raise ValueError(f"codes must lie in [0, {self.config.codebook_size}); got [{lo}, {hi}]")
         return self.decode_latents(self.quantize.lookup(codes, grid)).clamp(-1.0, 1.0)
 
     def forward(self, images: torch.Tensor, return_dict: bool = True):

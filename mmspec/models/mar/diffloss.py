@@ -263,3 +263,53 @@ class DiffLossHead(nn.Module):
         """A full reverse chain with injected noise (= MAR's ``p_sample_loop`` given the same ``x_T`` and noise)."""
         last = self.sample_last_step(z, x_T, noise, z_uncond=z_uncond, cfg=cfg, temperature=temperature)
         return self.finish(z, last.value, z_uncond=z_uncond, cfg=cfg)
+
+
+def _pad_rows(width: int, *tensors: Tensor | None) -> list[Tensor | None]:
+    """Pad dim 0 of every tensor with zeros to `width` rows (None and 0-d stay as they are)."""
+    out = []
+    for t in tensors:
+        if t is None or t.dim() == 0 or t.shape[0] == width:
+            out.append(t)
+        else:
+            out.append(torch.cat([t, t.new_zeros(width - t.shape[0], *t.shape[1:])]))
+    return out
+
+
+class CapturedSampler:
+    """A `DiffLossHead` whose sampler runs captured (`mmspec.decoding.compiled`, `pipe.enable_compile`): the whole
+    reverse chain of `sample_last_step` (every stochastic step, the noise injected) is one graph, and so is `finish`.
+    The head treats every token on its own, so the `N` tokens of a step are padded with zero rows to the next power of
+    two (a few shapes over a whole generation) and the outputs cut back: the real rows are those of the eager head.
+    Every other attribute is the head's."""
+
+    def __init__(self, head: DiffLossHead, compiler, role: str = "head"):
+        self.head, self.compiler, self.role = head, compiler, role
+        head.gen_diffusion.step_coefficients(0)  # the schedule's Python floats, read on the host before tracing
+
+    def __getattr__(self, name):
+        return getattr(self.head, name)
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        return 1 << max(0, int(n) - 1).bit_length()
+
+    def _last(self, z, x_T, noise, z_uncond, cfg, temperature):
+        out = self.head.sample_last_step(z, x_T, noise, z_uncond=z_uncond, cfg=cfg, temperature=temperature)
+        return out.value, out.mean, out.std, out.log_std_sum
+
+    def _finish(self, z, y, z_uncond, cfg):
+        return self.head.finish(z, y, z_uncond=z_uncond, cfg=cfg)
+
+    def sample_last_step(self, z, x_T, noise, *, z_uncond=None, cfg=1.0, temperature=1.0) -> HeadSample:
+        n = x_T.shape[0]
+        cfg = torch.as_tensor(cfg, dtype=x_T.dtype, device=x_T.device).expand(n)
+        padded = _pad_rows(self.bucket(n), z, x_T, noise, z_uncond, cfg)
+        run = self.compiler.forward(self.role + "_sampler", self.head, self._last)
+        return HeadSample(*(t[:n] for t in run(*padded, float(temperature))))
+
+    def finish(self, z, y, *, z_uncond=None, cfg=1.0) -> Tensor:
+        n = y.shape[0]
+        cfg = torch.as_tensor(cfg, dtype=y.dtype, device=y.device).expand(n)
+        run = self.compiler.forward(self.role + "_finish", self.head, self._finish)
+        return run(*_pad_rows(self.bucket(n), z, y, z_uncond, cfg))[:n]

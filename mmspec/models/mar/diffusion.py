@@ -93,12 +93,13 @@ class GaussianDiffusion:
             "posterior_mean_coef2": (1.0 - abar_prev) * np.sqrt(1.0 - betas) / (1.0 - abar),
             "log_betas": np.log(betas),
         }
+        self._host_arrays = arrays  # numpy: `step_coefficients` reads these, not tensors
         self._arrays = {k: torch.from_numpy(v) for k, v in arrays.items()}
 
     def step_coefficients(self, i: int) -> dict[str, float]:
         """Every schedule array at step ``i`` as Python floats (samplers at one step for all tokens)."""
         if not hasattr(self, "_floats"):
-            self._floats = [{k: float(v[j]) for k, v in self._arrays.items()} for j in range(self.num_steps)]
+            self._floats = [{k: float(v[j]) for k, v in self._host_arrays.items()} for j in range(self.num_steps)]
         return self._floats[i]
 
     def coef(self, name: str, t: Tensor, like: Tensor) -> Tensor:

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from mmspec.decoding.masked import FiniteWatch
+from mmspec.models.mar.diffloss import CapturedSampler
 
 
 __all__ = ["MARRunner"]
@@ -22,6 +23,7 @@ class MARRunner:
         self.model, self.labels, self.guided, self.name = model, labels, guided, name
         self.forwards = 0
         self.watch: FiniteWatch | None = None
+        self.compiler = None  # `mmspec.decoding.compiled.Compiler`: the head's sampler runs captured
 
     def saw(self, part: str, *tensors: Tensor | None) -> None:
         """Record the finiteness of outputs of ``part`` (``"features"`` / ``"diffusion head"``) of this model."""
@@ -30,7 +32,10 @@ class MARRunner:
 
     @property
     def head(self):
-        return self.model.diffloss
+        """The diffusion head (`CapturedSampler` of it when the pipeline compiles: one graph per sampler shape)."""
+        if self.compiler is None:
+            return self.model.diffloss
+        return CapturedSampler(self.model.diffloss, self.compiler, "draft_head" if "draft" in self.name else "head")
 
     def features(self, tokens: Tensor, visible: Tensor, rows: Tensor) -> tuple[Tensor, Tensor | None]:
         r = tokens.shape[0]

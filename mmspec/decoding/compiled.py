@@ -1,0 +1,164 @@
+"""Captured forwards: a model's cached forward as one `torch.compile(fullgraph=True, dynamic=False)` graph per input
+shape, with exact counts of the graphs it compiled (`pipe.enable_compile(...)`, `docs/pipelines.md`).
+
+* `Compiler(mode, backend)`: a pipeline's compile settings and its `CompiledForward`s, one per (role, model) --
+  "target", "drafter", "head" -- kept across calls, so a shape compiled in one call is reused by the next.
+  `report()` gives, per forward, `graphs` (graphs compiled), `shapes` (distinct input shapes seen), `recompiles`
+  (`graphs - shapes`: compiles beyond the first per shape; 0 is the contract) and `calls`.
+* `CompiledForward(fn, name, ...)`: `fn` behind a fresh code object (dynamo's cache and recompile limit are per code
+  object, so two wrappers of the same model class never share or exhaust each other's entries), compiled with
+  `fullgraph=True` (a graph break is an error, never a silent split) and `dynamic=False` (one graph per shape:
+  what CUDA graphs need). A backend wrapper counts the graphs dynamo hands it.
+* `pad_block(width, ...)`: a scored block (chain or tree) padded to a fixed width, so the target's forward sees a
+  fixed set of shapes (buckets) over a whole call: a chain's tail or a shrinking Jacobi window is padded to the
+  widest block. Padded tokens attend only to themselves (and the committed prefix), sit in scratch slots after the
+  block, and nothing attends to them: the block's outputs are those of the unpadded forward.
+
+Mode None is "reduce-overhead" (inductor + CUDA graphs) on CUDA and plain inductor elsewhere; backend None is
+inductor. "eager" / "aot_eager" trace without generating code: the fast way to count graphs and breaks in tests.
+Sampling and verification stay eager (a per-row `torch.Generator` is not traceable): only forwards are captured.
+"""
+
+import logging
+import types
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CompiledForward", "Compiler", "bucket_width", "pad_block"]
+
+RECOMPILE_LIMIT = 64  # per wrapper's code object, scoped to its calls; far above the shapes of one method
+
+
+def _inner_backend(mode, backend):
+    """The backend dynamo's graphs go to: inductor with `mode` (torch.compile's own wrapper), or a named one."""
+    if backend in (None, "inductor"):
+        return torch._TorchCompileInductorWrapper(mode, None, False)
+    return torch._dynamo.lookup_backend(backend)
+
+
+class CompiledForward:
+    """`fn(*args, **kwargs)` compiled to one graph per input shape; counts `graphs`, `calls` and `shapes`.
+
+    Args:
+        fn: the callable to capture (a model's bound `__call__` / `forward`).
+        name: a label for reports and the code object.
+        mode: inductor mode (None: "reduce-overhead" on CUDA, default elsewhere; see `device`).
+        backend: None / "inductor", or "eager" / "aot_eager".
+        device: the model's device (decides mode None).
+    """
+
+    def __init__(self, fn, name, mode=None, backend=None, device=None):
+        device = torch.device("cpu" if device is None else device)
+        if mode is None and backend in (None, "inductor"):
+            mode = "reduce-overhead" if device.type == "cuda" else None
+        self.name, self.mode, self.backend = name, mode, backend
+        self.graphs = self.calls = 0
+        self.shapes = set()
+        self._inner = _inner_backend(mode, backend)
+
+        def captured(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        code = captured.__code__.replace(co_name=f"captured_{name}", co_qualname=f"captured_{name}")
+        fresh = types.FunctionType(code, captured.__globals__, code.co_name, None, captured.__closure__)
+        self._compiled = torch.compile(fresh, fullgraph=True, dynamic=False, backend=self._count)
+
+    def _count(self, gm, example_inputs):
+        self.graphs += 1
+        logger.debug("compiled %s: graph %d", self.name, self.graphs)
+        return self._inner(gm, example_inputs)
+
+    @staticmethod
+    def signature(args, kwargs):
+        """The shapes (and dtypes) of the tensor arguments, plus the non-tensor ones: one compiled graph each."""
+
+        def key(value):
+            if torch.is_tensor(value):
+                return (tuple(value.shape), value.dtype)
+            if isinstance(value, (tuple, list)):
+                return tuple(key(v) for v in value)
+            if value is None or isinstance(value, (bool, int, float, str)):
+                return value
+            return type(value).__name__
+
+        return tuple(key(a) for a in args) + tuple((k, key(v)) for k, v in sorted(kwargs.items()))
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.shapes.add(self.signature(args, kwargs))
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return self._compiled(*args, **kwargs)
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs compiled beyond the first per distinct input shape (0: every shape compiled exactly once)."""
+        return self.graphs - len(self.shapes)
+
+    def report(self) -> dict:
+        return {"graphs": self.graphs, "shapes": len(self.shapes), "recompiles": self.recompiles, "calls": self.calls}
+
+
+class Compiler:
+    """A pipeline's captured forwards (`pipe.enable_compile(mode, backend)`): one `CompiledForward` per (role,
+    model), created on first use and kept across calls. `mode` / `backend` are checked by the pipeline
+    (`mmspec.methods.check_compile`)."""
+
+    def __init__(self, mode=None, backend=None):
+        self.mode, self.backend = mode, backend
+        self.forwards: dict[tuple[str, int], CompiledForward] = {}
+
+    def forward(self, role, model, fn=None):
+        """The compiled forward of `model` in `role` (`fn`: the callable to capture, default `model` itself)."""
+        key = (role, id(model))
+        if key not in self.forwards:
+            device = next(iter(model.parameters()), torch.empty(0)).device if hasattr(model, "parameters") else None
+            self.forwards[key] = CompiledForward(model if fn is None else fn, role, self.mode, self.backend, device)
+        return self.forwards[key]
+
+    @staticmethod
+    def static(*tensors):
+        """Mark CUDA tensors that a captured forward mutates in place (the KV cache) as static addresses, so CUDA
+        graphs write them where they are instead of copying them in and out; nothing elsewhere."""
+        for t in tensors:
+            if t.device.type == "cuda":
+                torch._dynamo.mark_static_address(t)
+
+    def report(self) -> dict:
+        """`{role: {"graphs", "shapes", "recompiles", "calls"}}` summed over the models of each role."""
+        out = {}
+        for (role, _), wrapper in self.forwards.items():
+            row = out.setdefault(role, {"graphs": 0, "shapes": 0, "recompiles": 0, "calls": 0})
+            for name, value in wrapper.report().items():
+                row[name] += value
+        return out
+
+
+def bucket_width(width, buckets):
+    """The smallest of `buckets` that holds `width` (the block is padded to it); `width` itself above them all."""
+    fits = [b for b in buckets if b >= width]
+    return min(fits) if fits else width
+
+
+def pad_block(width, input_ids, input_pos=None, write_slots=None, attention_mask=None):
+    """Pad a scored block `input_ids [rows, M]` to `width >= M` columns.
+
+    A chain (no `input_pos`) is padded with token 0: the model's default causal chain covers the padding, which comes
+    after every real token. A block with explicit inputs (a tree) gets padded nodes at slots `write_slots[:, -1] + 1,
+    ...` (the block's own scratch slots continue there), at the last real position, attending only to themselves.
+    Returns the padded `(input_ids, input_pos, write_slots, attention_mask)` (None where not given)."""
+    rows, m = input_ids.shape
+    pad = width - m
+    if pad <= 0:
+        return input_ids, input_pos, write_slots, attention_mask
+    input_ids = torch.cat([input_ids, input_ids.new_zeros(rows, pad)], dim=1)
+    if input_pos is None:
+        return input_ids, None, write_slots, attention_mask
+    step = torch.arange(1, pad + 1, device=write_slots.device, dtype=write_slots.dtype)
+    write_slots = torch.cat([write_slots, write_slots[:, -1:] + step[None, :]], dim=1)
+    input_pos = torch.cat([input_pos, input_pos[:, -1:].expand(rows, pad)], dim=1)
+    mask = torch.eye(width, dtype=torch.bool, device=attention_mask.device).expand(rows, width, width).clone()
+    mask[:, :m, :m] = attention_mask
+    return input_ids, input_pos, write_slots, mask

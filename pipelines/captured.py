@@ -1,0 +1,51 @@
+"""`CapturedForwards`: the pipelines' `enable_compile` / `disable_compile` / `compile_report` (captured forwards,
+`mmspec.decoding.compiled`; `docs/pipelines.md`, "Captured forwards")."""
+
+from mmspec.decoding.compiled import Compiler
+from mmspec.methods import check_compile
+
+
+__all__ = ["CapturedForwards"]
+
+
+class CapturedForwards:
+    """Mixin of the pipelines: `pipe.enable_compile(mode=None, backend=None)` captures the per-round forwards (the
+    target's, the draft model's) as `torch.compile(fullgraph=True, dynamic=False)` graphs, one per shape bucket, kept
+    across calls; eager is the default. `compile_report()` counts graphs, shapes and recompiles per role."""
+
+    _compiler = None
+
+    def enable_compile(self, mode=None, backend=None):
+        """Capture the per-round forwards from the next call on; returns the pipeline.
+
+        Args:
+            mode: `torch.compile` mode (`mmspec.methods.COMPILE_MODES`); None: "reduce-overhead" (CUDA graphs) on
+                CUDA, plain inductor elsewhere.
+            backend: `mmspec.methods.COMPILE_BACKENDS`; None: inductor. "eager" / "aot_eager" trace and count graphs
+                without generating code.
+        """
+        check_compile(mode, backend)
+        self._compiler = Compiler(mode, backend)
+        return self
+
+    def disable_compile(self):
+        """Back to eager forwards (the compiled graphs are dropped); returns the pipeline."""
+        self._compiler = None
+        return self
+
+    @property
+    def compiler(self):
+        """The `mmspec.decoding.compiled.Compiler` of `enable_compile`, or None (eager)."""
+        return self._compiler
+
+    def compile_report(self) -> dict:
+        """`{role: {"graphs", "shapes", "recompiles", "calls"}}` of the captured forwards so far ({} when eager):
+        `recompiles` counts graphs beyond the first per input shape (0 is the contract)."""
+        return {} if self._compiler is None else self._compiler.report()
+
+    def attach_compiler(self, *parts):
+        """Hand the compiler to this call's target adapter and drafter (those that capture a forward read
+        `.compiler`; None keeps them eager)."""
+        for part in parts:
+            if part is not None and hasattr(part, "compiler"):
+                part.compiler = self._compiler

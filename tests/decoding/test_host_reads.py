@@ -1,0 +1,206 @@
+"""Host reads per call, counted for every method as an accelerator would pay them (`mmspec.counting.HostReads`:
+scalar reads, data-dependent shapes, host copies; the accelerator branches forced, so CPU-only checks are skipped as
+on a GPU).
+
+The budget: at most ONE host read per round (the loop's compaction read) and a fixed number per call outside the
+rounds (input checks, the prefill's finite check, the end-of-call checks, stats, the output copy). `BUDGETS` is the
+single source: method -> (reads per round, reads per call outside the rounds); a run must satisfy
+`reads <= per_round * rounds + per_call`, with `rounds` the call's loop rounds from its stats. A read added to a
+round breaks every method's budget after a few rounds; one added per call breaks the exact per-call numbers.
+Each run is short (a few rounds) at batch 1 and on a ragged batch (CFG on, where the pipeline has it).
+"""
+
+import copy
+
+import factories
+import pytest
+import torch
+
+from mmspec.counting import HostReads
+
+
+# method -> (reads per round, reads per call outside the rounds); measured, see docs/architecture.md
+BUDGETS = {
+    # LlamaGen class-to-image (CFG), PIL output. Outside the rounds: the labels' range, the target's condition check,
+    # the prefill's finite check, the loop's last compaction read, the finite flags, the codes' range, the stats,
+    # the image copy; + the draft model's condition check (draft chains, LANTERN)
+    "ar/plain": (1, 8),
+    "ar/draft-chain": (1, 9),
+    "ar/eagle-chain": (1, 8),
+    "ar/eagle2-tree": (1, 8),
+    "ar/lantern": (1, 9),
+    "ar/gsd": (1, 8),
+    "ar/sjd": (1, 8),
+    "ar/scd": (1, 8),
+    "ar/sjd-pac": (1, 8),
+    "janus/plain": (1, 10),
+    "janus/sjd": (1, 10),
+    # VLMs: the prompt's encoding and the drafters' prefill checks are per call, above the 8 of the target (open)
+    "vlm/plain": (1, 16),
+    "vlm/draft-chain": (1, 21),
+    "vlm/draft-tree": (1, 21),
+    "vlm/eagle-chain": (1, 18),
+    "vlm/eagle2-tree": (1, 18),
+    "vlm/vispec": (1, 33),
+    "vlm/specvlm": (1, 69),
+    "vlm/msd": (1, 32),
+    "mar/plain": (1, 3),
+    # CSpD's exact verification still reads per AR step (mmspec/decoding/masked.py: open, see docs/architecture.md)
+    "mar/cspd": (25, 8),
+}
+
+
+def run_counted(method, call):
+    """Run `call()` inside `HostReads`; assert the method's budget; return (reads, rounds)."""
+    per_round, per_call = BUDGETS[method]
+    with torch.no_grad(), HostReads() as reads:
+        out = call()
+    stats = out.stats
+    rounds = max(stats.rounds) if stats.rounds else 0
+    assert rounds >= 2, f"{method}: {rounds} rounds: too short to tell a per-round read"
+    budget = per_round * rounds + per_call
+    assert reads.count <= budget, f"{method}: {reads.count} host reads in {rounds} rounds > {budget}: {reads.where}"
+    return reads.count, rounds
+
+
+# ---------------------------------------------------------------------- LlamaGen (AR image)
+V, GRID = 16, 4
+AR_METHODS = {
+    "ar/plain": dict(acceptance="none"),
+    "ar/draft-chain": dict(acceptance="exact", drafter="model"),
+    "ar/eagle-chain": dict(acceptance="exact", drafter="eagle", tree_depth=4),
+    "ar/eagle2-tree": dict(acceptance="exact", drafter="eagle", tree_nodes=6, tree_depth=3, tree_top_k=2),
+    "ar/lantern": dict(acceptance="relaxed", drafter="model"),
+    "ar/gsd": dict(acceptance="grouped"),
+    "ar/sjd": dict(acceptance="jacobi", jacobi_window=4, coupling=False),
+    "ar/scd": dict(acceptance="jacobi", jacobi_window=4, coupling=True),
+    "ar/sjd-pac": dict(acceptance="jacobi", jacobi_window=4, jacobi_tree_width=2, jacobi_tree_depth=3),
+}
+
+
+@pytest.fixture(scope="module")
+def ar_pipe():
+    from mmspec.models.llamagen.eagle import EagleHead
+    from mmspec.models.llamagen.vq import LlamaGenVQ
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    target = factories.tiny_gpt(0, vocab_size=V, num_classes=4, block_size=GRID**2, std=0.3)
+    near = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    head = EagleHead.from_target(target, initializer_range=0.3).init_weights(torch.Generator().manual_seed(2)).eval()
+    vq = LlamaGenVQ(codebook_size=V, codebook_embed_dim=4, ch=8, ch_mult=(1, 2, 2), z_channels=8, in_channels=1,
+                    num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    pipe = SpeculativeARImagePipeline(target, vq, near, head)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("labels", [[1], [0, 1, 2]], ids=["batch1", "batch3"])
+@pytest.mark.parametrize("method", list(AR_METHODS))
+def test_ar_image_reads_at_most_one_per_round(ar_pipe, method, labels):
+    run_counted(method, lambda: ar_pipe(class_labels=labels, generator=torch.Generator().manual_seed(0),
+                                        output_type="pil", **AR_METHODS[method]))  # fmt: skip
+
+
+def test_forced_accelerator_branches_give_the_same_greedy_tokens(ar_pipe):
+    """The branches `HostReads` forces (loop bounds from the drafter, no CPU fast paths) change no greedy token."""
+    for method in ("ar/eagle2-tree", "ar/sjd-pac", "ar/draft-chain"):
+        kw = dict(class_labels=[0, 1, 2], do_sample=False, output_type="tokens", **AR_METHODS[method])
+        if kw["acceptance"] == "jacobi":
+            kw.update(do_sample=True, generator=[torch.Generator().manual_seed(i) for i in range(3)])
+        cpu = ar_pipe(**kw).images
+        if "generator" in kw:
+            kw["generator"] = [torch.Generator().manual_seed(i) for i in range(3)]
+        with HostReads():
+            forced = ar_pipe(**kw).images
+        assert torch.equal(cpu, forced), method
+
+
+# ---------------------------------------------------------------------- Janus (AR image from text, CFG)
+@pytest.fixture(scope="module")
+def janus_pipe():
+    from janus_fixtures import tiny_janus, tiny_processor
+
+    from mmspec.pipelines import SpeculativeJanusPipeline
+
+    pipe = SpeculativeJanusPipeline(tiny_janus(spread=0.3), tiny_processor())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("prompt", [["w1 w2"], ["w1", "w2 w3 w4"]], ids=["batch1", "batch2"])
+@pytest.mark.parametrize("method", ["janus/sjd", "janus/plain"])
+def test_janus_reads_at_most_one_per_round(janus_pipe, method, prompt):
+    kw = dict(acceptance="jacobi", jacobi_window=4) if method == "janus/sjd" else dict(acceptance="none")
+    run_counted(method, lambda: janus_pipe(prompt=prompt, generator=torch.Generator().manual_seed(0),
+                                           output_type="tokens", **kw))  # fmt: skip
+
+
+# ---------------------------------------------------------------------- VLM (transformers LLaVA)
+VLM_METHODS = {
+    "vlm/plain": (None, {}),
+    "vlm/draft-chain": ("model", dict(num_draft_tokens=3)),
+    "vlm/draft-tree": ("model", dict(tree_depth=3, tree_top_k=3, tree_nodes=8)),
+    "vlm/eagle-chain": ("eagle", dict(tree_depth=4)),
+    "vlm/eagle2-tree": ("eagle", dict(tree_depth=3, tree_top_k=3, tree_nodes=8)),
+    "vlm/vispec": ("eagle", dict(tree_depth=4)),
+    "vlm/specvlm": ("eagle", dict(tree_depth=4)),
+    "vlm/msd": ("eagle", dict(tree_depth=4)),
+}
+
+
+@pytest.fixture(scope="module")
+def vlm_pipes():
+    from vlm_fixtures import tiny_llava, tiny_processor
+
+    from mmspec.drafters.vision_eagle import VisionEagleHead
+    from mmspec.models.hf.draft import truncated_draft
+    from mmspec.models.hf.eagle import TextEagleHead
+    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+    target = tiny_llava(4, seed=1)
+    torch.manual_seed(0)
+    text_head = TextEagleHead.from_target(target, initializer_range=0.05).eval()
+    base = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=truncated_draft(target, 3),
+                                  eagle_head=text_head)  # fmt: skip
+    pipes = {name: base for name in VLM_METHODS}
+    for policy in ("vispec", "specvlm", "msd"):
+        head = VisionEagleHead.from_target(target, vision_policy=policy, num_queries=3, ratio=4)
+        with torch.no_grad():
+            head.load_text_head(text_head)
+        pipes[f"vlm/{policy}"] = SpeculativeVLMPipeline(target, base.processor, eagle_head=head.eval())
+    for pipe in pipes.values():
+        pipe.set_progress_bar_config(disable=True)
+    return pipes
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("method", list(VLM_METHODS))
+def test_vlm_reads_at_most_one_per_round(vlm_pipes, method, batch):
+    from vlm_fixtures import images, prompts
+
+    drafter, knobs = VLM_METHODS[method]
+    acceptance = "none" if drafter is None else "exact"
+    run_counted(method, lambda: vlm_pipes[method](images=images(batch), prompt=prompts(batch), max_new_tokens=12,
+                                                  acceptance=acceptance, drafter=drafter, output_type="ids",
+                                                  generator=torch.Generator().manual_seed(0), **knobs))  # fmt: skip
+
+
+# ---------------------------------------------------------------------- MAR (continuous tokens) and CSpD
+@pytest.fixture(scope="module")
+def mar_pipe():
+    from mmspec.pipelines import SpeculativeContinuousARPipeline
+
+    pipe = SpeculativeContinuousARPipeline.from_zoo("assets")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("labels", [[1], [0, 1, 2]], ids=["batch1", "batch3"])
+@pytest.mark.parametrize("method", ["mar/plain", "mar/cspd"])
+def test_mar_reads_at_most_one_per_round(mar_pipe, method, labels):
+    kw = dict(acceptance="continuous", verify_mode="exact") if method == "mar/cspd" else {}
+    run_counted(method, lambda: mar_pipe(labels, num_ar_steps=4, num_inference_steps=4, output_type="latent",
+                                         generator=torch.Generator().manual_seed(0), **kw))  # fmt: skip

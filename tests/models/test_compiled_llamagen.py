@@ -1,0 +1,126 @@
+"""Captured forwards on LlamaGen (`pipe.enable_compile`, `mmspec.decoding.compiled`): one graph and no break per
+forward shape, no recompile over whole generations, greedy tokens identical to eager under CPU inductor."""
+
+import copy
+
+import factories
+import pytest
+import torch
+
+from mmspec.cache import tree_inputs
+from mmspec.decoding.compiled import bucket_width, pad_block
+from mmspec.models.llamagen.vq import LlamaGenVQ
+from mmspec.pipelines import SpeculativeARImagePipeline
+
+
+V, GRID, CLASSES = 16, 4, 4
+
+
+@pytest.fixture(scope="module")
+def parts():
+    target = factories.tiny_gpt(0, vocab_size=V, num_classes=CLASSES, block_size=GRID**2, std=0.3)
+    near = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    vq = LlamaGenVQ(codebook_size=V, codebook_embed_dim=4, ch=8, ch_mult=(1, 2, 2), z_channels=8, in_channels=1,
+                    num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    return target, near, vq
+
+
+def run(pipe, seed=0, **kw):
+    kw.setdefault("class_labels", [1])
+    return pipe(generator=torch.Generator().manual_seed(seed), output_type="tokens", **kw)
+
+
+def test_forward_is_one_graph_for_every_block_shape(parts):
+    """`_dynamo.explain` of the cached forward: 1 graph, 0 breaks for a 1-token step, a chain and a token tree (the
+    memo of `StaticKVCache._run_start` used to break it at every layer)."""
+    model = parts[0]
+    cache = model.setup_cache(2, 40)
+    model.prefill(torch.tensor([1, CLASSES]), cache)
+
+    def forward(ids, cache, *inputs):
+        return model(ids, cache, *inputs, validate=False)
+
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]])
+    blocks = {"token": (torch.zeros(2, 1, dtype=torch.long),), "chain": (torch.zeros(2, 4, dtype=torch.long),),
+              "tree": (torch.zeros(2, 4, dtype=torch.long), *tree_inputs(parents, cache.lengths))}  # fmt: skip
+    with torch.no_grad():
+        for name, (ids, *inputs) in blocks.items():
+            explained = torch._dynamo.explain(forward)(ids, cache, *inputs)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), (name, explained.break_reasons)
+
+
+def test_padded_block_scores_like_the_block(parts):
+    """A chain or tree padded to a bucket gives the block's own outputs (eager): the padding is invisible."""
+    model = parts[0]
+    parents = torch.tensor([[-1, 0, 0], [-1, 0, 1]])
+    ids = torch.tensor([[3, 5, 7], [2, 9, 4]])
+    assert bucket_width(3, (1, 6)) == 6 and bucket_width(1, (1, 6)) == 1
+    for inputs in ((), None):
+        cache = model.setup_cache(2, 40)
+        model.prefill(torch.tensor([1, 2]), cache)
+        inputs = tree_inputs(parents, cache.lengths) if inputs is None else inputs
+        want = model(ids, cache, *inputs, return_hidden=True)
+        padded = pad_block(6, ids, *inputs)
+        got = model(padded[0], cache, *padded[1:], return_hidden=True)
+        torch.testing.assert_close(got.logits[:, :3], want.logits)
+        torch.testing.assert_close(got.hidden[:, :3], want.hidden)
+
+
+METHODS = {
+    "plain": dict(acceptance="none"),
+    "chain": dict(acceptance="exact", drafter="model", num_draft_tokens=3),
+    "jacobi": dict(acceptance="jacobi", jacobi_window=5),
+}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_no_recompile_over_whole_generations(parts, name):
+    """Two whole generations per method (CFG: 2 rows, greedy and sampled): every forward shape compiles exactly once
+    (a chain's tail and the shrinking Jacobi window are padded to the widest block: at most 2 target shapes), dynamo's
+    own counters agree, and the second call compiles nothing."""
+    target, near, vq = parts
+    eager = SpeculativeARImagePipeline(target, vq, near)
+    pipe = SpeculativeARImagePipeline(target, vq, near).enable_compile(backend="eager")
+    method = METHODS[name]
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    first = run(pipe, do_sample=False, **method)
+    report = pipe.compile_report()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == sum(r["graphs"] for r in report.values())
+    assert torch.equal(first.images, run(eager, do_sample=False, **method).images)
+    sampled = run(pipe, seed=3, **method)
+    assert torch.equal(sampled.images, run(eager, seed=3, **method).images)
+    again = pipe.compile_report()
+    assert again["target"]["shapes"] <= 2 and again["target"]["calls"] > report["target"]["calls"]
+    for role, counts in again.items():
+        assert counts["recompiles"] == 0, (role, counts)
+        assert counts["graphs"] == report[role]["graphs"] == counts["shapes"], (role, report, again)
+    assert set(again) == ({"target", "drafter"} if name == "chain" else {"target"})
+
+
+def test_enable_compile_checks_its_arguments(parts):
+    target, _, vq = parts
+    pipe = SpeculativeARImagePipeline(target, vq)
+    with pytest.raises(ValueError, match="mode"):
+        pipe.enable_compile(mode="fast")
+    with pytest.raises(ValueError, match="backend"):
+        pipe.enable_compile(backend="tvm")
+    assert pipe.compile_report() == {} and pipe.enable_compile().disable_compile().compiler is None
+
+
+@pytest.fixture(scope="module")
+def inductor(parts):
+    """One CPU-inductor-compiled pipeline, shared: each shape compiles once for the whole module."""
+    target, near, vq = parts
+    return SpeculativeARImagePipeline(target, vq, near).enable_compile()
+
+
+def test_inductor_greedy_tokens_equal_eager(parts, inductor):
+    """Greedy chain decoding (target buckets 4 and 1, draft shapes 1 and 2) under CPU inductor: eager's tokens."""
+    target, near, vq = parts
+    eager = SpeculativeARImagePipeline(target, vq, near)
+    method = METHODS["chain"]
+    assert torch.equal(run(inductor, do_sample=False, **method).images, run(eager, do_sample=False, **method).images)
+    assert all(counts["recompiles"] == 0 for counts in inductor.compile_report().values())

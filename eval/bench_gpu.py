@@ -532,7 +532,7 @@ def zoo(args, device, budget):
                 else:
                     try:
                         for x in pipes:
-                            x.enable_compile(mode=None, backend=None)
+                            x.enable_compile(mode=None, backend="eager" if args.smoke else None)
                     except Exception as err:
                         reason = f"enable_compile failed: {type(err).__name__}: {str(err)[:300]}"
             for b in batches:
@@ -557,6 +557,9 @@ def zoo(args, device, budget):
                     row[f"{variant}_s"] = timing.median(m)
                     row[f"{variant}_reason"] = None
                     row["tau"] = float(timing.results[m].stats.step_compression)
+                    if variant == "compiled":
+                        report = getattr(run.pipes[m], "compile_report", None)
+                        row["compile_report"] = report() if report is not None else None
                 if not args.quiet:
                     logger.info("zoo %s b%d %s: %s", p, b, variant,
                                 ", ".join(f"{m} {timing.median(m):.3f}s" for m in methods))  # fmt: skip

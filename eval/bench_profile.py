@@ -50,6 +50,7 @@ def add_arguments(parser):
     parser.add_argument("--max-new-tokens", type=int_in_range(1, MAX_NEW_TOKENS), default=16,
                         help="VLM answer length")  # fmt: skip
     parser.add_argument("--num-ar-steps", type=int_in_range(1, MAX_AR_STEPS), default=16, help="MAR's AR steps")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compile columns (null, with the reason)")
     parser.add_argument("--quiet", action="store_true", help="no progress log")
 
 
@@ -220,26 +221,35 @@ def _patched_module(module, name, wrapper_of):
 
 
 def explain_compile(run, method, first_forward):
-    """`torch._dynamo.explain` of the target forward after `enable_compile()`: (fields, None) or (None, reason)."""
+    """Graphs and breaks under compile: (fields, None) or (None, reason). `torch._dynamo.explain` of the eager
+    target forward of the counted call (its first round), then one call under `enable_compile(backend="eager")`
+    (dynamo traces, no code generation) for the pipeline's own `compile_report()`."""
     pipe = run.pipes[method]
     if not hasattr(pipe, "enable_compile"):
         return None, f"{type(pipe).__name__} has no enable_compile (the compile work is not merged here)"
     if first_forward is None:
         return None, "the call ran no target forward inside the decoding loop"
     try:
-        pipe.enable_compile()
         fn, a, k = first_forward
         explained = torch._dynamo.explain(fn)(*a, **k)
+        torch._dynamo.reset()
+        pipe.enable_compile(backend="eager")
+        run.call(method, 1)
+        report = pipe.compile_report() if hasattr(pipe, "compile_report") else None
     except Exception as err:  # a compile failure is a finding to record, not a crash of the profile
         return None, f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
     finally:
+        if hasattr(pipe, "disable_compile"):
+            pipe.disable_compile()
         torch._dynamo.reset()
     reasons = [str(getattr(b, "reason", b)) for b in explained.break_reasons][:10]
     return {"graph_count": explained.graph_count, "graph_break_count": explained.graph_break_count,
-            "break_reasons": reasons}, None  # fmt: skip
+            "break_reasons": reasons, "compile_report": report}, None  # fmt: skip
 
 
-def profile(pipelines, methods, batch_sizes, zoo, max_new_tokens=16, num_ar_steps=16, device="cpu", quiet=False):
+def profile(
+    pipelines, methods, batch_sizes, zoo, max_new_tokens=16, num_ar_steps=16, device="cpu", quiet=False, compile=True
+):
     """The report's `rows`: pipeline -> method -> str(batch) -> row (module docstring)."""
     from mmspec.eval.zoo_runs import available_methods, build
 
@@ -257,7 +267,9 @@ def profile(pipelines, methods, batch_sizes, zoo, max_new_tokens=16, num_ar_step
                 row = profile_call(run, m, b)
                 first = row.pop("_first_forward")
                 if b == batch_sizes[0]:
-                    row["compile"], row["compile_reason"] = explain_compile(run, m, first)
+                    row["compile"], row["compile_reason"] = (
+                        explain_compile(run, m, first) if compile else (None, "--no-compile")
+                    )
                 rows[p][m][str(b)] = row
                 if not quiet:
                     logger.info("%s %s b%d: %.1f reads/round, %.0f ops/round (target %.0f, drafter %.0f, engine "
@@ -293,5 +305,6 @@ def run(args):
             args.max_new_tokens,
             args.num_ar_steps,
             quiet=args.quiet,
+            compile=not args.no_compile,
         ),  # fmt: skip
     }

@@ -23,14 +23,14 @@ def _positive_numbers(tree, path="report"):
         assert math.isfinite(tree) and tree > 0, path
 
 
-def _check_costs(report, archs):
+def _check_costs(report, archs, compiled=True):
     assert set(report["costs"]) == set(archs)
     for name in archs:
         entry = report["costs"][name]
         for key in ("impl", "param_bytes", "context", "verify_widths", "eager", "compiled", "engine_s",
                     "achieved_bandwidth", "bound_step_s", "bound_step_copy_s"):  # fmt: skip
             assert key in entry, (name, key)
-        for variant in ("eager", "compiled"):
+        for variant in ("eager", "compiled") if compiled else ("eager",):
             t = entry[variant]
             assert t is not None, entry.get("compiled_reason")
             assert set(t) == {"plain_step_s", "verify_s", "draft_step_s"}
@@ -42,7 +42,8 @@ def _check_costs(report, archs):
         assert set(rows) == {"eagle", "lantern", "sjd-pac", "vispec", "plain"}
         for anchor, row in rows.items():
             assert row["eager"] > 0 and math.isfinite(row["eager"]), anchor
-            assert row["compiled"] > 0 and math.isfinite(row["compiled"]), anchor
+            if compiled:
+                assert row["compiled"] > 0 and math.isfinite(row["compiled"]), anchor
     for key in ("host", "device", "torch", "transformers", "cuda", "projection_model", "bandwidth"):
         assert key in report
     assert report["bandwidth"]["copy"] > 0
@@ -50,9 +51,11 @@ def _check_costs(report, archs):
 
 def test_smoke_writes_every_section(tmp_path):
     out = tmp_path / "gpu.json"
-    assert main(["gpu", "--smoke", "--archs", "smollm2-135m", "--json", str(out), "--quiet"]) == 0
+    # --no-compile keeps the test short (the compiled costs are checked below, the zoo's compile by tests/pipelines)
+    assert main(["gpu", "--smoke", "--no-compile", "--archs", "smollm2-135m", "--json", str(out), "--quiet"]) == 0
     report = json.loads(out.read_text())
-    _check_costs(report, ["smollm2-135m"])
+    _check_costs(report, ["smollm2-135m"], compiled=False)
+    assert report["costs"]["smollm2-135m"]["compiled"] is None
     zoo = report["zoo"]
     assert zoo["batch_sizes"] == [1, 2] and set(zoo["rows"]) == {"ar-image", "mar"}
     for pipeline, methods in zoo["rows"].items():
@@ -61,8 +64,8 @@ def test_smoke_writes_every_section(tmp_path):
             for b, row in by_batch.items():
                 assert row["eager_s"] > 0 and row["tau"] >= 1, (pipeline, method, b)
                 assert row["speedup_vs_eager_plain"] > 0
-                # compiled: measured, or null with the reason (no enable_compile before the compile work lands)
-                assert (row["compiled_s"] is None) == (row["compiled_reason"] is not None)
+                # compiled: measured, or null with the reason
+                assert row["compiled_s"] is None and row["compiled_reason"] == "--no-compile"
             assert by_batch["1"].keys() == by_batch["2"].keys()
         assert methods["plain"]["1"]["speedup_vs_eager_plain"] == 1.0
 

@@ -37,6 +37,8 @@ SUBCOMMANDS = {
     "continuous": ("mmspec.eval.bench_continuous", "MAR + CSpD side by side on the MNIST zoo (speed, accuracy, FID)"),
     "vlm": ("mmspec.eval.bench_vlm", "VLM: plain, transformers (assisted), draft LM, EAGLE side by side (speed)"),
     "t2i": ("mmspec.eval.bench_t2i", "Janus / Janus-Pro text-to-image: training-free methods side by side (speed)"),
+    "gpu": ("mmspec.eval.bench_gpu", "GPU bench kit: zoo rows eager/compiled, real-size per-round costs, projections"),
+    "profile": ("mmspec.eval.bench_profile", "CPU proxy of launch cost: host reads and ops per round, by phase"),
 }
 
 

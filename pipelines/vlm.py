@@ -414,8 +414,10 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         check_generator(generator, batch, device)
         self.check_context(prompt_lengths, max_new_tokens)
         target = HFTarget(self.model, guidance)
+        with on_host():  # image tokens per prompt, from the host copy
+            host_prompt = (prompt_lengths, (image_token_mask(self.model, host_ids).sum(1)).tolist())
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
-                                  draft_confidence)  # fmt: skip
+                                  draft_confidence, host_prompt)  # fmt: skip
         check_hf_call_memory(target, draft, batch=batch, prompt_tokens=input_ids.shape[1], num_tokens=max_new_tokens,
                              acceptance=rule_name, drafter=drafter, knobs=knobs, device=device,
                              settings={"max_new_tokens": max_new_tokens},
@@ -482,8 +484,9 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         return extra
 
     def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None,
-                     draft_confidence=None):  # fmt: skip
-        """The engine drafter for the resolved `drafter` name (None: plain decoding)."""
+                     draft_confidence=None, host_prompt=None):  # fmt: skip
+        """The engine drafter for the resolved `drafter` name (None: plain decoding). `host_prompt`: the prompt
+        lengths and image tokens per row as host lists (`EagleDrafter`)."""
         if drafter is None:
             return None
         if drafter == "model":
@@ -493,4 +496,4 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
             return TextModelDrafter(draft, size, input_ids, lengths, top_k=knobs.tree_top_k, depth=knobs.tree_depth,
                                     confidence=draft_confidence, **vision)  # fmt: skip
         return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs.tree_depth, top_k=knobs.tree_top_k,
-                            total=knobs.tree_nodes)  # fmt: skip
+                            total=knobs.tree_nodes, host_prompt=host_prompt)  # fmt: skip

@@ -35,15 +35,18 @@ BUDGETS = {
     "ar/sjd-pac": (1, 8),
     "janus/plain": (1, 10),
     "janus/sjd": (1, 10),
-    # VLMs: the prompt's encoding and the drafters' prefill checks are per call, above the 8 of the target (open)
-    "vlm/plain": (1, 16),
-    "vlm/draft-chain": (1, 21),
-    "vlm/draft-tree": (1, 21),
-    "vlm/eagle-chain": (1, 18),
-    "vlm/eagle2-tree": (1, 18),
-    "vlm/vispec": (1, 33),
-    "vlm/specvlm": (1, 69),
-    "vlm/msd": (1, 32),
+    # VLMs (the prompt's bookkeeping from its host copy, `mmspec.counting.on_host`; the vision drafters' policies
+    # split / pack images with host-known counts). Outside the rounds: transformers' LLaVA image-token check (2),
+    # the prefill's finite check, the loop's last compaction read, the finite flags, the stats; + the draft LM's
+    # image-token check (2, its own vision tower); + SpecVLM's gate choice and its image-token stats
+    "vlm/plain": (1, 6),
+    "vlm/draft-chain": (1, 8),
+    "vlm/draft-tree": (1, 8),
+    "vlm/eagle-chain": (1, 6),
+    "vlm/eagle2-tree": (1, 6),
+    "vlm/vispec": (1, 6),
+    "vlm/specvlm": (1, 8),
+    "vlm/msd": (1, 6),
     # MAR: the schedule tells the model its visible counts, no read per step. Outside the rounds: the finite flags,
     # the stats (one read), the labels' range. CSpD (a round verifies up to K AR steps): the exact mode reads the
     # round's decision (accepted steps, rejected tokens per image) once, + one per chunk of residual tries; the block

@@ -10,6 +10,9 @@ can hold the engine to an accelerator's budget.
 device, so validation that the code runs only where a read is free (on a CPU) is skipped as it would be on a GPU, and
 the count is the one a GPU would pay.
 
+`on_host()` marks code that works on host memory only (a processor's inputs and outputs before they are moved to the
+device): reads inside it cost an accelerator nothing and are not counted.
+
 `OpCount` counts dispatched aten ops (each one a kernel launch on an accelerator, unless captured), split by the
 phase names that `phase()` pushes (for example "target", "drafter"; ops outside any phase count as "engine").
 """
@@ -59,6 +62,18 @@ def host_checks_enabled(device) -> bool:
     return device.type == "cpu" and not _forcing()
 
 
+@contextlib.contextmanager
+def on_host():
+    """Mark a block that touches host memory only (the tokenizer's / processor's tensors before they move to the
+    device, host-side bookkeeping built from them): `HostReads` does not count what it reads there, since on an
+    accelerator nothing waits for the device. Never wrap code that reads a device tensor."""
+    _state.on_host = getattr(_state, "on_host", 0) + 1
+    try:
+        yield
+    finally:
+        _state.on_host -= 1
+
+
 def _is_read(func, args, kwargs):
     name = func.overloadpacket.__name__
     if name in _READ_OPS:
@@ -86,6 +101,8 @@ class HostReads(TorchDispatchMode):
         self._saved = {}
 
     def _record(self, name):
+        if getattr(_state, "on_host", 0):  # host memory only (`on_host`)
+            return
         self.count += 1
         self.where[name] += 1
 

@@ -57,10 +57,11 @@ def num_rows(generator) -> int | None:
 
 
 def select_generators(generator, index):
-    """Keep the per-row generators of rows `index` (a single generator is returned as is)."""
+    """Keep the per-row generators of rows `index` (a host list: no read; a tensor is read once). A single generator
+    is returned as is."""
     if generator is None or isinstance(generator, torch.Generator):
         return generator
-    return [generator[i] for i in torch.as_tensor(index).tolist()]
+    return [generator[i] for i in (index if isinstance(index, list) else torch.as_tensor(index).tolist())]
 
 
 def _draw(fn, shape, generator, device, dtype, counts):

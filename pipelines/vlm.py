@@ -43,6 +43,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from mmspec.checks import check_prompts
+from mmspec.counting import on_host
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.compat import check_vlm_draft_model, check_vlm_eagle_head
 from mmspec.drafters.eagle import EagleDrafter
@@ -233,7 +234,7 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         if context is None:
             return
-        longest = int(lengths.max())
+        longest = max(lengths) if isinstance(lengths, (list, tuple)) else int(lengths.max())
         if longest > context:
             raise ValueError(
                 f"prompt is {longest} tokens long (chat template and image tokens included), longer than the "
@@ -293,6 +294,23 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
 
     def encode(self, images, prompt, messages, device):
         """Chat template + processor -> right-padded `input_ids [B, L]`, `lengths [B]`, extra model inputs."""
+        ids, lengths, extra = self.encode_host(images, prompt, messages)
+        return ids.to(device), lengths.to(device), self.move_inputs(extra, device)
+
+    def move_inputs(self, extra, device):
+        """The processor's extra model inputs (`pixel_values`, ...) on `device`, pixels in the model's dtype."""
+        extra = {k: v.to(device) for k, v in extra.items()}
+        if "pixel_values" in extra:
+            extra["pixel_values"] = extra["pixel_values"].to(self.model.dtype)
+        return extra
+
+    def encode_host(self, images, prompt, messages):
+        """`encode` on the host: the tokenizer's / processor's tensors before they move to the device (host memory:
+        what is read here costs an accelerator nothing, `mmspec.counting.on_host`)."""
+        with on_host():
+            return self._encode_host(images, prompt, messages)
+
+    def _encode_host(self, images, prompt, messages):
         chats, images = self.conversations(images, prompt, messages)
         is_vlm = hasattr(self.processor, "image_processor")
         if images is not None and not is_vlm:
@@ -306,10 +324,7 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         else:
             enc = self.tokenizer(texts, return_tensors="pt", padding=True)
         ids, lengths = right_align(enc["input_ids"], enc.get("attention_mask"), self.tokenizer.pad_token_id or 0)
-        extra = {k: v.to(device) for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-        if "pixel_values" in extra:
-            extra["pixel_values"] = extra["pixel_values"].to(self.model.dtype)
-        return ids.to(device), lengths.to(device), extra
+        return ids, lengths, {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
 
     # ------------------------------------------------------------------ call
     @torch.no_grad()
@@ -389,13 +404,20 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
 
         # 2. prepare: chat template + processor, generators, target and drafter
         device = self._execution_device
-        input_ids, lengths, model_inputs = self.encode(images, prompt, messages, device)
+        # the prompt's bookkeeping comes from the host copies (no device read)
+        host_ids, host_lengths, model_inputs = self.encode_host(images, prompt, messages)
+        with on_host():
+            prompt_lengths = host_lengths.tolist()
+        input_ids, lengths = host_ids.to(device), host_lengths.to(device)
+        model_inputs = self.move_inputs(model_inputs, device)
         batch = input_ids.shape[0]
         check_generator(generator, batch, device)
-        self.check_context(lengths, max_new_tokens)
+        self.check_context(prompt_lengths, max_new_tokens)
         target = HFTarget(self.model, guidance)
+        with on_host():  # image tokens per prompt, from the host copy
+            host_prompt = (prompt_lengths, (image_token_mask(self.model, host_ids).sum(1)).tolist())
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
-                                  draft_confidence)  # fmt: skip
+                                  draft_confidence, host_prompt)  # fmt: skip
         check_hf_call_memory(target, draft, batch=batch, prompt_tokens=input_ids.shape[1], num_tokens=max_new_tokens,
                              acceptance=rule_name, drafter=drafter, knobs=knobs, device=device,
                              settings={"max_new_tokens": max_new_tokens},
@@ -413,7 +435,7 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
             if draft is not None:
                 draft.prefill(state, first)
         stats.record_prefill(1)
-        stats.extra.update(self.draft_image_stats(draft, input_ids, lengths))
+        stats.extra.update(self.draft_image_stats(draft, host_ids, host_lengths))
 
         # 4. decode: draft -> verify -> commit rounds until every row hit EOS or max_new_tokens
         callback = None
@@ -447,22 +469,24 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         reports its own count (`EagleDrafter.draft_image_tokens`)."""
         if draft is None:
             return {}
-        if isinstance(draft, TextModelDrafter):
-            valid = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] < lengths[:, None]
-            per_answer = (image_token_mask(self.draft_model, input_ids) & valid).sum(1)
+        if isinstance(draft, TextModelDrafter):  # from the prompt's host copies (`input_ids`, `lengths` on the host)
+            with on_host():
+                valid = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] < lengths[:, None]
+                per_answer = (image_token_mask(self.draft_model, input_ids) & valid).sum(1).tolist()
         else:
             per_answer = draft.draft_image_tokens
         if per_answer is None:
             return {}
-        per_answer = [int(n) for n in per_answer.tolist()]
+        per_answer = [int(n) for n in (per_answer if isinstance(per_answer, list) else per_answer.tolist())]
         extra = {"draft_image_tokens": sum(per_answer) / len(per_answer), "draft_image_tokens_per_answer": per_answer}
         if getattr(draft, "gate_choice", None) is not None:
             extra["gate_choice"] = list(draft.gate_choice)
         return extra
 
     def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None,
-                     draft_confidence=None):  # fmt: skip
-        """The engine drafter for the resolved `drafter` name (None: plain decoding)."""
+                     draft_confidence=None, host_prompt=None):  # fmt: skip
+        """The engine drafter for the resolved `drafter` name (None: plain decoding). `host_prompt`: the prompt
+        lengths and image tokens per row as host lists (`EagleDrafter`)."""
         if drafter is None:
             return None
         if drafter == "model":
@@ -472,4 +496,4 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
             return TextModelDrafter(draft, size, input_ids, lengths, top_k=knobs.tree_top_k, depth=knobs.tree_depth,
                                     confidence=draft_confidence, **vision)  # fmt: skip
         return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs.tree_depth, top_k=knobs.tree_top_k,
-                            total=knobs.tree_nodes)  # fmt: skip
+                            total=knobs.tree_nodes, host_prompt=host_prompt)  # fmt: skip

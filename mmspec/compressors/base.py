@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from mmspec.counting import host_checks_enabled
+
 
 __all__ = ["ImageBatch", "VisionPolicy", "VisionTokens", "check_question", "check_vision_tokens", "gather_images"]
 
@@ -32,6 +34,9 @@ class VisionTokens:
     valid: Tensor  # [rows, M] bool  False = padding
     global_vec: Tensor | None = None  # [rows, dim]  ViSpec's global vector of the row's last image (zeros: no image)
     choice: Tensor | None = None  # [rows] long  the elastic gate's expert (-1: row without image)
+    # valid tokens per row known on the host (`gather_images` with host `counts`, a policy's output): the policies
+    # split and pack rows with host-known shapes, no device read; None: read once from `valid` where needed
+    host_counts: list[int] | None = None
 
     @property
     def counts(self) -> Tensor:
@@ -46,6 +51,10 @@ class ImageBatch(NamedTuple):
     positions: Tensor  # [N, T] long
     question: Tensor | None  # [N, dim]  the question of each image's row
     present: Tensor  # [rows, I] bool  row r has an image in slot i (a prefix of each row), I = most images in a row
+    index: Tensor | None = (
+        None  # [N] long  each image's slot in `present.flatten()` (host-known: `pack` without reads)
+    )
+    host_images: list[int] | None = None  # images per row, on the host
 
 
 def _check_tokens_per_image(tokens_per_image) -> int:
@@ -56,17 +65,23 @@ def _check_tokens_per_image(tokens_per_image) -> int:
     return tokens_per_image
 
 
-def _check_multiple(counts: Tensor, tokens_per_image: int) -> None:
-    bad = (counts % tokens_per_image).nonzero().flatten()
-    if bad.numel():
-        row = int(bad[0])
-        raise ValueError(
-            f"image_mask: row {row} has {int(counts[row])} image tokens, not a multiple of "
-            f"tokens_per_image={tokens_per_image}"
-        )
+def _check_multiple(counts, tokens_per_image: int) -> None:
+    """`counts`: a host list (no read) or a `[rows]` tensor (read once)."""
+    counts = counts if isinstance(counts, list) else counts.tolist()
+    for row, n in enumerate(counts):
+        if n % tokens_per_image:
+            raise ValueError(
+                f"image_mask: row {row} has {n} image tokens, not a multiple of tokens_per_image={tokens_per_image}"
+            )
 
 
-def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | None = None) -> VisionTokens:
+def _host_counts(image: "VisionTokens") -> list[int]:
+    """Valid tokens per row on the host: `image.host_counts`, else one read of `valid`."""
+    return image.host_counts if image.host_counts is not None else image.counts.tolist()
+
+
+def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | None = None,
+                  counts: list[int] | None = None) -> VisionTokens:  # fmt: skip
     """Each row's image tokens, in order, each at its index in the row (prompts are right-aligned, so the index is the
     target's position).
 
@@ -74,6 +89,9 @@ def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | No
         embeds: `[rows, L, dim]` the decoder's input embeddings (projected image features merged in).
         image_mask: `[rows, L]` bool, True at image tokens.
         tokens_per_image: when given, every row must hold a multiple of it (ValueError naming `image_mask`).
+        counts: optional, the image tokens per row as a host list (from the prompt's host copy, e.g. the
+            processor's output): the shapes come from it without a device read (checked against `image_mask` where
+            reads are free, `mmspec.counting.host_checks_enabled`); None: read once.
 
     Returns `VisionTokens` with M = the most image tokens in a row (padding: zeros at position 0, valid False).
     """
@@ -91,17 +109,28 @@ def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | No
     if image_mask.device != embeds.device:
         raise ValueError(f"image_mask is on {image_mask.device}, embeds on {embeds.device}")
     rows, length, dim = embeds.shape
-    counts = image_mask.sum(dim=1)  # [rows]
+    device_counts = image_mask.sum(dim=1)  # [rows]
+    if counts is None:
+        counts = device_counts.tolist()  # the one read
+    else:
+        counts = [int(n) for n in counts]
+        if len(counts) != rows:
+            raise ValueError(f"counts: {len(counts)} host counts for {rows} rows")
+        if host_checks_enabled(image_mask.device) and counts != device_counts.tolist():
+            raise ValueError(
+                f"counts {counts} do not match image_mask's image tokens per row {device_counts.tolist()}"
+            )
     if tokens_per_image is not None:
         _check_multiple(counts, _check_tokens_per_image(tokens_per_image))
-    most = int(counts.max()) if rows else 0
+    most = max(counts, default=0)
+    counts_t = device_counts
     # a stable sort of "not an image token" puts each row's image indices first, in order
     order = torch.sort((~image_mask).to(torch.uint8), dim=1, stable=True).indices[:, :most]  # [rows, M]
-    valid = torch.arange(most, device=embeds.device) < counts[:, None]  # [rows, M]
+    valid = torch.arange(most, device=embeds.device) < counts_t[:, None]  # [rows, M]
     positions = torch.where(valid, order, torch.zeros_like(order))  # [rows, M]
     tokens = embeds.gather(1, positions[..., None].expand(rows, most, dim))  # [rows, M, dim]
     tokens = tokens.masked_fill(~valid[..., None], 0.0)
-    return VisionTokens(tokens=tokens, positions=positions, valid=valid)
+    return VisionTokens(tokens=tokens, positions=positions, valid=valid, host_counts=counts)
 
 
 def check_vision_tokens(image, tokens_per_image: int, dim: int | None = None) -> None:
@@ -131,7 +160,15 @@ def check_vision_tokens(image, tokens_per_image: int, dim: int | None = None) ->
         )
     if dim is not None and tokens.shape[2] != dim:
         raise ValueError(f"image.tokens has dim {tokens.shape[2]}, the policy was built for dim {dim}")
+    if image.host_counts is not None:
+        if len(image.host_counts) != shape[0] or max(image.host_counts, default=0) > shape[1]:
+            raise ValueError(f"image.host_counts {image.host_counts} does not fit image.valid {shape}")
+        _check_multiple(image.host_counts, tokens_per_image)
+    if not host_checks_enabled(valid.device):
+        return  # the value checks below read the device: only where a read is free (the CPU)
     counts = valid.sum(dim=1)  # [rows]
+    if image.host_counts is not None and counts.tolist() != image.host_counts:
+        raise ValueError(f"image.host_counts {image.host_counts} do not match image.valid's {counts.tolist()}")
     prefix = torch.arange(shape[1], device=valid.device) < counts[:, None]
     if not torch.equal(valid, prefix):
         raise ValueError("image.valid must be True on a prefix of each row (left-packed image tokens)")
@@ -193,31 +230,38 @@ class VisionPolicy(nn.Module):
         rows, _, dim = image.tokens.shape
         check_question(question, rows, dim)
         t = self.tokens_per_image
-        counts = image.counts  # [rows]
-        most = int(counts.max()) if rows else 0  # a multiple of t
-        slots = most // t
-        present = torch.arange(slots, device=counts.device) < (counts // t)[:, None]  # [rows, I]
-        tokens = image.tokens[:, :most].reshape(rows * slots, t, dim)[present.flatten()]  # [N, T, dim]
-        positions = image.positions[:, :most].reshape(rows * slots, t)[present.flatten()]  # [N, T]
+        device = image.tokens.device
+        host = _host_counts(image)  # images per row known on the host: the shapes below need no read
+        images = [n // t for n in host]
+        slots = max(images, default=0)
+        most = slots * t
+        present = torch.arange(slots, device=device) < (image.counts // t)[:, None]  # [rows, I]
+        index = torch.tensor([r * slots + i for r, n in enumerate(images) for i in range(n)], dtype=torch.long,
+                             device=device)  # fmt: skip  # [N]
+        tokens = image.tokens[:, :most].reshape(rows * slots, t, dim).index_select(0, index)  # [N, T, dim]
+        positions = image.positions[:, :most].reshape(rows * slots, t).index_select(0, index)  # [N, T]
         per_image = None
         if question is not None:
-            row_of = torch.arange(rows, device=counts.device)[:, None].expand(rows, slots)[present]  # [N]
-            per_image = question[row_of]  # [N, dim]
-        return ImageBatch(tokens, positions, per_image, present)
+            per_image = question.index_select(0, torch.div(index, max(slots, 1), rounding_mode="floor"))  # [N, dim]
+        return ImageBatch(tokens, positions, per_image, present, index, images)
 
-    def pack(self, present: Tensor, tokens: Tensor, positions: Tensor, global_vec: Tensor | None) -> VisionTokens:
-        """Per-image outputs (`tokens [N, K, dim]`, `positions [N, K]`, `global_vec [N, dim]`) back into rows."""
+    def pack(self, present: Tensor, tokens: Tensor, positions: Tensor, global_vec: Tensor | None,
+             index: Tensor | None = None, images: list[int] | None = None) -> VisionTokens:  # fmt: skip
+        """Per-image outputs (`tokens [N, K, dim]`, `positions [N, K]`, `global_vec [N, dim]`) back into rows.
+        `index` / `images` (`ImageBatch`'s): each image's slot and the images per row, host-known (no read);
+        None: found from `present` (a read)."""
         rows, slots = present.shape
         _, k, dim = tokens.shape
-        out = tokens.new_zeros(rows, slots, k, dim)
-        out[present] = tokens
-        pos = positions.new_zeros(rows, slots, k)
-        pos[present] = positions
+        if index is None:
+            index = present.flatten().nonzero().flatten()
+        out = tokens.new_zeros(rows * slots, k, dim).index_copy_(0, index, tokens).reshape(rows, slots, k, dim)
+        pos = positions.new_zeros(rows * slots, k).index_copy_(0, index, positions).reshape(rows, slots, k)
         valid = present[:, :, None].expand(rows, slots, k).reshape(rows, slots * k)  # [rows, I * K]
         row_global = None
         if global_vec is not None:
-            per_slot = global_vec.new_zeros(rows, slots, dim)
-            per_slot[present] = global_vec
+            per_slot = (
+                global_vec.new_zeros(rows * slots, dim).index_copy_(0, index, global_vec).reshape(rows, slots, dim)
+            )
             if slots:  # a row without image reads slot 0: zeros
                 last = (present.sum(dim=1) - 1).clamp(min=0)  # [rows] slot of the row's last image
                 row_global = per_slot[torch.arange(rows, device=present.device), last]  # [rows, dim]
@@ -228,6 +272,7 @@ class VisionPolicy(nn.Module):
             positions=pos.reshape(rows, slots * k),
             valid=valid,
             global_vec=row_global,
+            host_counts=None if images is None else [n * k for n in images],
         )
 
     def forward(self, image: VisionTokens, question: Tensor | None = None, generator=None) -> VisionTokens:
@@ -235,4 +280,4 @@ class VisionPolicy(nn.Module):
         image tokens, `[rows, I * keep, dim]` with I = the most images in a row."""
         batch = self.split(image, question)
         tokens, positions, global_vec = self.compress(batch, generator=generator)
-        return self.pack(batch.present, tokens, positions, global_vec)
+        return self.pack(batch.present, tokens, positions, global_vec, batch.index, batch.host_images)

@@ -4,8 +4,8 @@ resampler, text-only: `mmspec.compressors.default_experts`). At inference (`not 
 in training a Gumbel-softmax draw (temperature `tau`) with the hard straight-through one-hot: the chosen expert's
 tokens are multiplied by the straight-through weight (1 in value), so the gate gets gradients through them.
 
-Rows may choose different experts: each chosen expert runs on its own rows and the results are padded to the longest
-row. `choice` records the expert per row (-1: a row without image, which gets no tokens).
+Rows may choose different experts: every expert runs on every row (fixed shapes: no host read of the gate's choice)
+and each row keeps its chosen expert's tokens, padded to the widest expert (on a CPU trimmed to the longest row). `choice` records the expert per row (-1: a row without image, which gets no tokens).
 """
 
 import math
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from mmspec.compressors.base import VisionPolicy, VisionTokens
+from mmspec.counting import host_checks_enabled
 
 
 __all__ = ["Elastic"]
@@ -106,23 +107,33 @@ class Elastic(VisionPolicy):
         has_image = batch.present.any(dim=1)  # [rows]
         choice, weight = self.gate_weights(question, generator)
         choice = torch.where(has_image, choice, torch.full_like(choice, -1))  # [rows]
-        outputs = []
-        for index, name in enumerate(self.names):
-            rows_e = (choice == index).nonzero().flatten()  # [n_e]
-            if rows_e.numel():
-                sub = VisionTokens(image.tokens[rows_e], image.positions[rows_e], image.valid[rows_e])
-                outputs.append((rows_e, self.experts[name](sub, question[rows_e], generator=generator)))
-        most = max((out.tokens.shape[1] for _, out in outputs), default=0)
+        # every expert runs on every row (fixed shapes, no read of the gate's choice; once per call, at the draft's
+        # prefill) and each row keeps its chosen expert's tokens; an expert's output on a row does not depend on the
+        # other rows
+        sub = VisionTokens(
+            image.tokens,
+            image.positions,
+            image.valid,
+            host_counts=[n * self.tokens_per_image for n in batch.host_images],
+        )
+        outputs = [self.experts[name](sub, question, generator=generator) for name in self.names]
+        most = max(out.tokens.shape[1] for out in outputs)
         tokens = image.tokens.new_zeros(rows, most, dim)  # [rows, M, dim]
         positions = torch.zeros(rows, most, dtype=torch.long, device=tokens.device)  # [rows, M]
         valid = torch.zeros(rows, most, dtype=torch.bool, device=tokens.device)  # [rows, M]
         global_vec = image.tokens.new_zeros(rows, dim) if self.has_global else None  # [rows, dim]
-        for rows_e, out in outputs:
+        scale = weight.to(tokens.dtype)  # [rows]
+        for index, out in enumerate(outputs):
             m = out.tokens.shape[1]
-            scale = weight[rows_e].to(tokens.dtype)  # [n_e]
-            tokens[rows_e, :m] = out.tokens * scale[:, None, None]
-            positions[rows_e, :m] = out.positions
-            valid[rows_e, :m] = out.valid
+            mine = choice == index  # [rows]
+            pad = most - m
+            tokens = torch.where(mine[:, None, None], nn.functional.pad(out.tokens * scale[:, None, None], (0, 0, 0, pad)),
+                                 tokens)  # fmt: skip
+            positions = torch.where(mine[:, None], nn.functional.pad(out.positions, (0, pad)), positions)
+            valid = torch.where(mine[:, None], nn.functional.pad(out.valid, (0, pad)), valid)
             if global_vec is not None and out.global_vec is not None:
-                global_vec[rows_e] = out.global_vec * scale[:, None]
+                global_vec = torch.where(mine[:, None], out.global_vec * scale[:, None], global_vec)
+        if host_checks_enabled(valid.device):  # on a CPU (a free read): trimmed to the longest row, as the rows chose
+            most = int(valid.sum(1).max()) if rows else 0
+            tokens, positions, valid = tokens[:, :most], positions[:, :most], valid[:, :most]
         return VisionTokens(tokens, positions, valid, global_vec=global_vec, choice=choice)

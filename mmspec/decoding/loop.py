@@ -83,12 +83,17 @@ def _drop_finished(state, target, drafter):
         if value is not None:
             syncers.append(part)
             values.append(value.to(values[0].dtype))
-    left, generated, state.max_remaining, *synced = torch.stack(values).tolist()
+    # per-row generators are reindexed on the host: the active flags ride on the same read
+    per_row = isinstance(state.generator, (list, tuple))
+    read = torch.stack(values) if not per_row else torch.cat([torch.stack(values), active.to(values[0].dtype)])
+    read = read.tolist()
+    flags = read[len(values) :]
+    left, generated, state.max_remaining, *synced = read[: len(values)]
     if 0 < left < state.batch_size:
         # the surviving rows in order, without a second read: `left` is known on the host, and a stable sort puts
         # the active rows (key 0) first in their original order
         index = torch.sort((~active).to(torch.uint8), stable=True).indices[:left]
-        state.keep(index)
+        state.keep(index, [i for i, on in enumerate(flags) if on] if per_row else None)
         target.select_rows(index)
         if drafter is not None:
             drafter.select_rows(index)

@@ -116,14 +116,15 @@ class SequenceState:
         self.count = self.count + num
         return num
 
-    def keep(self, index: Tensor) -> None:
-        """Keep only rows `index [B'']` (positions in the current buffer) for the rounds to come."""
+    def keep(self, index: Tensor, host_index: list[int] | None = None) -> None:
+        """Keep only rows `index [B'']` (positions in the current buffer) for the rounds to come. `host_index`: the
+        same rows as a host list (per-row generators are reindexed on the host without a read)."""
         self._grid[self.ids] = self.tokens[:, : self.max_length]
         self._left_generated = self._left_generated + self.count.sum() - self.count[index].sum()
         self.tokens, self.count, self.ended, self.ids = (
             self.tokens[index], self.count[index], self.ended[index], self.ids[index]
         )  # fmt: skip
-        self.generator = select_generators(self.generator, index)
+        self.generator = select_generators(self.generator, index if host_index is None else host_index)
 
     # ------------------------------------------------------------------ whole grid
     def full(self) -> Tensor:

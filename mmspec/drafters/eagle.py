@@ -18,6 +18,7 @@ the last prompt pair `(h[L_r - 1], first token)` is left pending; from then on t
 """
 
 import logging
+from inspect import signature
 
 import torch
 
@@ -191,7 +192,7 @@ class EagleDrafter:
 
     needs_hidden = True
 
-    def __init__(self, head, target, guidance, depth, top_k=1, total=24):
+    def __init__(self, head, target, guidance, depth, top_k=1, total=24, host_prompt=None):
         for name, value in (("depth", depth), ("top_k", top_k), ("total", total)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -204,6 +205,9 @@ class EagleDrafter:
         self.draft_forwards = 0
         self.needs_vision = callable(getattr(head, "prefill_prompt", None))  # the target's inputs_embeds + image mask
         self.draft_image_tokens, self.gate_choice = None, None
+        # text targets: `(prompt lengths, image tokens)` per row as host lists, from the prompt's host copy (the
+        # pipeline's): the prompt's shapes and the image-token stats need no device read; None: read
+        self.host_prompt = host_prompt if guidance.streams == 1 else None
 
     def prefill(self, state, target_out):
         """Start from the target's prefill. Image targets: one pair (hidden at the last prefix slot, first token).
@@ -229,18 +233,27 @@ class EagleDrafter:
             if image_mask is None:
                 valid = torch.arange(prefix, device=ids.device)[None, :] < lengths[:, None]
                 image_mask = image_token_mask(self.target, ids) & valid
-            self.draft_image_tokens = self.guidance.items(image_mask.sum(1))  # a pair at every image token
+            # a pair at every image token
+            self.draft_image_tokens = (self.guidance.items(image_mask.sum(1)) if self.host_prompt is None
+                                       else list(self.host_prompt[1]))  # fmt: skip
             return
         if target_out.inputs_embeds is None or target_out.image_mask is None:
             raise ValueError(f"{type(self.head).__name__} reads the target's input embeddings and image mask: prefill "
                              "the target with return_vision=True (the drafter's needs_vision)")  # fmt: skip
+        # a head that takes the host-side prompt (`VisionEagleHead`) gets it; other heads keep their signature
+        known = (
+            {"host_prompt": self.host_prompt}
+            if "host_prompt" in signature(self.head.prefill_prompt).parameters
+            else {}
+        )
         info = self.head.prefill_prompt(self.target, self.cache, target_out.hidden, nxt, lengths,
-                                        target_out.inputs_embeds, target_out.image_mask)  # fmt: skip
+                                        target_out.inputs_embeds, target_out.image_mask, **known)  # fmt: skip
         last = (lengths - 1)[:, None]
         self.hidden = target_out.hidden.gather(1, last[:, :, None].expand(-1, -1, target_out.hidden.shape[-1]))
         self.ids = nxt.gather(1, last)
         self.num_valid = torch.ones(rows, dtype=torch.long, device=ids.device)
-        self.draft_image_tokens = self.guidance.items(info["draft_image_tokens"])
+        tokens = info["draft_image_tokens"]
+        self.draft_image_tokens = tokens if isinstance(tokens, list) else self.guidance.items(tokens)
         choice, names = info.get("choice"), info.get("choice_names")
         if choice is not None:  # -1: a row without an image (the gate was not asked)
             self.gate_choice = [names[i] if i >= 0 else None for i in self.guidance.items(choice).tolist()]

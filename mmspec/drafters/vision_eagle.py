@@ -32,6 +32,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import Tensor
 
 from mmspec.cache import StaticKVCache
+from mmspec.counting import host_checks_enabled
 from mmspec.methods import VISION_POLICIES
 from mmspec.models.hf.eagle import TextEagleHead
 from mmspec.models.hf.target import StaticCache
@@ -91,6 +92,7 @@ class DraftSequence:
     choice: Tensor | None = None
     global_vec: Tensor | None = None
     pair_global: Tensor | None = None
+    host_image_tokens: list[int] | None = None  # `image_tokens` known on the host (a fixed-size policy), else None
 
 
 def question_embedding(inputs_embeds: Tensor, image_mask: Tensor, prompt_lengths: Tensor) -> Tensor:
@@ -245,10 +247,12 @@ class VisionEagleHead(TextEagleHead):
 
     # ------------------------------------------------------------------ the draft's view of a sequence
     def draft_sequence(self, hidden, input_ids, target, valid, inputs_embeds, image_mask, prompt_lengths=None,
-                       generator=None) -> DraftSequence:  # fmt: skip
+                       generator=None, host_prompt=None) -> DraftSequence:  # fmt: skip
         """Compact pairs `(hidden[:, i], input_ids[:, i])` (`[rows, N]`, `valid [rows, N]`) into the draft's sequence:
         pairs whose `x[i+1]` is an image token (`image_mask [rows, N + 1]` over the unshifted sequence, with
-        `inputs_embeds [rows, N + 1, dim]`) are replaced by the policy's tokens at their target positions."""
+        `inputs_embeds [rows, N + 1, dim]`) are replaced by the policy's tokens at their target positions.
+        `host_prompt`: optional `(prompt lengths, image tokens)` per row as host lists (the prompt's host copy):
+        the shapes then need no device read (`mmspec.compressors.gather_images`' `counts`)."""
         from mmspec.compressors import gather_images
 
         rows, n = input_ids.shape
@@ -260,7 +264,9 @@ class VisionEagleHead(TextEagleHead):
         if prompt_lengths is None:
             prompt_lengths = valid.sum(1) + 1
         question = question_embedding(inputs_embeds.to(dtype), image_mask, prompt_lengths)
-        image = self.vision(gather_images(inputs_embeds.to(dtype), image_mask), question=question, generator=generator)
+        host_lengths, host_images = (None, None) if host_prompt is None else host_prompt
+        image = self.vision(gather_images(inputs_embeds.to(dtype), image_mask, counts=host_images), question=question,
+                            generator=generator)  # fmt: skip
         # text pairs: position i + 1, fused; ViSpec's g only after the row's last image token
         pos = torch.arange(n, device=device)[None].expand(rows, n) + 1
         g = None
@@ -279,18 +285,28 @@ class VisionEagleHead(TextEagleHead):
                             torch.full_like(image.positions, -1, dtype=torch.long)], dim=1)  # fmt: skip
         big = positions.max() + 1 if positions.numel() else 1
         order = torch.sort(torch.where(keep, positions, big + positions), dim=1, stable=True).indices
-        width = int(keep.sum(1).max()) if keep.numel() else 0
+        if host_prompt is not None:  # a host-side bound: text pairs (<= L_r - image tokens) + the policy's tokens
+            t, most = self.vision.tokens_per_image, self.vision.keep
+            bound = max((ln - im + (im // t) * most for ln, im in zip(host_lengths, host_images, strict=True)),
+                        default=0)  # fmt: skip
+            width = min(bound, keep.shape[1])
+        if host_prompt is None or host_checks_enabled(device):  # exact where a read is free (or nothing is known)
+            exact = int(keep.sum(1).max()) if keep.numel() else 0
+            if host_prompt is not None and exact > width:
+                raise RuntimeError(f"draft sequence of {exact} entries past its host-side bound {width}")
+            width = exact
         order = order[:, :width]
         take = lambda t: t.gather(1, order)  # noqa: E731
         inputs = inputs.gather(1, order[..., None].expand(-1, -1, inputs.shape[-1]))
         valid_out = take(keep)
         return DraftSequence(inputs=inputs, positions=take(positions), valid=valid_out,
                              source=torch.where(valid_out, take(source), -1), image_tokens=image.valid.sum(1),
-                             choice=image.choice, global_vec=image.global_vec, pair_global=g)  # fmt: skip
+                             choice=image.choice, global_vec=image.global_vec, pair_global=g,
+                             host_image_tokens=image.host_counts)  # fmt: skip
 
     # ------------------------------------------------------------------ inference: the prompt
     @torch.no_grad()
-    def prefill_prompt(self, target, cache, hidden, input_ids, num_valid, inputs_embeds, image_mask):
+    def prefill_prompt(self, target, cache, hidden, input_ids, num_valid, inputs_embeds, image_mask, host_prompt=None):
         """Write a prompt's pairs but the last into `cache` (a fresh `setup_cache`), compacted (`draft_sequence`).
 
         Args:
@@ -300,13 +316,15 @@ class VisionEagleHead(TextEagleHead):
             input_ids: `[rows, L]` `x[t+1]` per column (the first sampled token at column `L_r - 1`).
             num_valid: `[rows]` prompt lengths `L_r`.
             inputs_embeds, image_mask: `[rows, L, dim]`, `[rows, L]` the decoder's inputs over the prompt.
+            host_prompt: optional `(num_valid, image tokens per row)` as host lists: no device read (`draft_sequence`).
 
         Afterwards the pending pair `(h[L_r - 1], first token)` goes in through `commit_accepted` at slot
         `lengths[r]`, position `L_r`. Returns `{"draft_image_tokens": [rows], "choice": [rows] | None,
         "choice_names": list | None}`.
         """
         rows, length = input_ids.shape
-        if not isinstance(cache, VisionDraftCache) or cache.rows != rows or bool((cache.lengths != 1).any()):
+        if (not isinstance(cache, VisionDraftCache) or cache.rows != rows
+                or (host_checks_enabled(cache.lengths.device) and bool((cache.lengths != 1).any()))):  # fmt: skip
             raise ValueError("cache must be a fresh VisionDraftCache of this head (setup_cache) with one row per row")
         valid = (
             torch.arange(length, device=input_ids.device)[None] < (num_valid - 1)[:, None]
@@ -314,7 +332,8 @@ class VisionEagleHead(TextEagleHead):
         # pair i sees x[i+1]: the unshifted sequence is the prompt; its column L is never an image token
         mask = torch.cat([image_mask, image_mask.new_zeros(rows, 1)], dim=1)
         embeds = torch.cat([inputs_embeds, inputs_embeds.new_zeros(rows, 1, inputs_embeds.shape[-1])], dim=1)
-        seq = self.draft_sequence(hidden, input_ids, target, valid, embeds, mask, prompt_lengths=num_valid)
+        seq = self.draft_sequence(hidden, input_ids, target, valid, embeds, mask, prompt_lengths=num_valid,
+                                  host_prompt=host_prompt)  # fmt: skip
         m = seq.inputs.shape[1]
         count = seq.valid.sum(1)  # [rows]
         if m:
@@ -330,7 +349,8 @@ class VisionEagleHead(TextEagleHead):
         cache.position_offset = (num_valid - 1) - count  # next pair: slot 1 + count, position L_r
         cache.global_vec = seq.global_vec
         names = getattr(self.vision, "names", None)
-        return {"draft_image_tokens": seq.image_tokens, "choice": seq.choice, "choice_names": names}
+        tokens = seq.image_tokens if seq.host_image_tokens is None else seq.host_image_tokens
+        return {"draft_image_tokens": tokens, "choice": seq.choice, "choice_names": names}
 
     # ------------------------------------------------------------------ training
     def forward_unrolled(self, hidden, input_ids, target, steps, valid=None, *, inputs_embeds=None, image_mask=None,

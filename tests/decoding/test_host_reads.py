@@ -35,15 +35,23 @@ BUDGETS = {
     "ar/sjd-pac": (1, 8),
     "janus/plain": (1, 10),
     "janus/sjd": (1, 10),
-    # VLMs: the prompt's encoding and the drafters' prefill checks are per call, above the 8 of the target (open)
-    "vlm/plain": (1, 16),
-    "vlm/draft-chain": (1, 21),
-    "vlm/draft-tree": (1, 21),
-    "vlm/eagle-chain": (1, 18),
-    "vlm/eagle2-tree": (1, 18),
-    "vlm/vispec": (1, 33),
-    "vlm/specvlm": (1, 69),
-    "vlm/msd": (1, 32),
+    # VLMs (the prompt's bookkeeping from its host copy, `mmspec.counting.on_host`; the vision drafters' policies
+    # split / pack images with host-known counts). Outside the rounds: transformers' LLaVA image-token check (2),
+    # the prefill's finite check, the loop's last compaction read, the finite flags, the stats; + the draft LM's
+    # image-token check (2, its own vision tower); + SpecVLM's gate choice and its image-token stats
+    "vlm/plain": (1, 6),
+    "vlm/draft-chain": (1, 8),
+    "vlm/draft-tree": (1, 8),
+    "vlm/eagle-chain": (1, 6),
+    "vlm/eagle2-tree": (1, 6),
+    "vlm/vispec": (1, 6),
+    "vlm/specvlm": (1, 8),
+    "vlm/msd": (1, 6),
+    # a list of per-row generators (batch 3, ragged), plain decoding: the compaction reindexes the list with the
+    # active flags of the loop's one read (no read of its own); the draws of the speculative methods with per-row
+    # counts (`mmspec.random._draw`) still read their counts once per draw (open)
+    "ar/plain+generators": (1, 8),
+    "vlm/plain+generators": (1, 6),
     # MAR: the schedule tells the model its visible counts, no read per step. Outside the rounds: the finite flags,
     # the stats (one read), the labels' range. CSpD (a round verifies up to K AR steps): the exact mode reads the
     # round's decision (accepted steps, rejected tokens per image) once, + one per chunk of residual tries; the block
@@ -238,3 +246,26 @@ def test_vlm_window_crosses_buckets_without_reads(vlm_pipes, method, monkeypatch
 def _ids_of(pipe, kw):
     with torch.no_grad(), HostReads():
         return pipe(**kw).sequences
+
+
+def test_plain_with_per_row_generators_reads_at_most_one_per_round(ar_pipe, vlm_pipes, monkeypatch):
+    """A list of generators (one per row; the VLM's rows stop at EOS in different rounds, so the loop compacts):
+    compaction reindexes the list from the loop's one read per round; the tokens are those of the CPU path."""
+    from vlm_fixtures import images, prompts
+
+    def gens():
+        return [torch.Generator().manual_seed(i) for i in range(3)]
+
+    ar = dict(class_labels=[0, 1, 2], output_type="tokens", acceptance="none")
+    run_counted("ar/plain+generators", lambda: ar_pipe(generator=gens(), **ar))
+    pipe = vlm_pipes["vlm/plain"]
+    vlm = dict(images=images(3), prompt=prompts(3), max_new_tokens=12, acceptance="none", output_type="ids",
+               do_sample=True)  # fmt: skip
+    first = pipe(generator=gens(), **vlm).sequences
+    monkeypatch.setattr(pipe.model.generation_config, "eos_token_id", int(first[0, 2]))  # row 0 stops early
+    out = pipe(generator=gens(), **vlm)
+    assert len(set(out.stats.generated_tokens)) > 1, out.stats.generated_tokens  # ragged: the loop compacts
+    run_counted("vlm/plain+generators", lambda: pipe(generator=gens(), **vlm))
+    with torch.no_grad(), HostReads():
+        forced = pipe(generator=gens(), **vlm).sequences
+    assert torch.equal(out.sequences, forced)

@@ -339,6 +339,8 @@ class HFTarget(CachedTarget):
         chunk = min(self.max_slots, _round_up(width + int(scratch) + 1) + WINDOW_BUCKET)
         # captured: the whole cache at once (a grown cache would change the strides every graph was traced with)
         self.cache = self.new_cache(rows, self.max_slots if self.compiler is not None else chunk)
+        # a fresh cache has nothing in use: the prompt's span is its width, known on the host (no read)
+        self.cache.touched_bound, self.cache.host_synced = 0, True
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
         mask = causal & valid[:, None, :]
@@ -346,7 +348,10 @@ class HFTarget(CachedTarget):
             hidden = self.run(self.model.model, self.cache, slots, slots, mask, input_ids=input_ids, **model_inputs)
         self.cache.commit(lengths)
         last = hidden[torch.arange(rows, device=device), lengths - 1][:, None]  # [B, 1, dim]
-        p = self.guidance.probs(self.logits(last), self.source, validate=True)
+        # the target's first token is checked now (once per call); a draft LM's distributions only feed drafts
+        # (clamped draws, verified by the target), so off a CPU its check joins the end-of-call flags (`Guidance.check`)
+        validate = self.source == "target" or _free_reads(last)
+        p = self.guidance.probs(self.logits(last), self.source, validate=validate)
         vision = {}
         if return_vision:
             embeds = seen.get("inputs_embeds")

@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
 from mmspec.counting import host_checks_enabled
 from mmspec.decoding.cached_target import CachedTarget
-from mmspec.decoding.compiled import bucket_width, pad_block
+from mmspec.decoding.compiled import bucket_width, dense, pad_block
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
 from mmspec.models.hf.inputs import capture_decoder_inputs, decoder_of, image_token_mask
@@ -283,10 +283,10 @@ class HFTarget(CachedTarget):
                 ~visible, torch.finfo(dtype).min
             )
         hf_cache = StaticCache(cache)
-        hf_cache.write_slots = slots
+        hf_cache.write_slots = dense(slots) if captured else slots  # a tree level's slots: a strided view
         if captured:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
             self.compiler.static(cache.k, cache.v)
-            module = self.compiler.forward(self.source, module)
+            module = self.compiler.forward("target" if self.source == "target" else "drafter", module)
         out = module(position_ids=self.positions(logical), attention_mask=visible, past_key_values=hf_cache,
                      use_cache=True, **inputs)  # fmt: skip
         return out.last_hidden_state

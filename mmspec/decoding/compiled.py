@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompiledForward", "Compiler", "bucket_width", "dense", "pad_block"]
+__all__ = ["CompiledForward", "Compiler", "bucket_width", "dense", "pad_block", "pad_rows", "row_bucket"]
 
 RECOMPILE_LIMIT = 64  # per wrapper's code object, scoped to its calls; far above the shapes of one method
 
@@ -162,6 +162,22 @@ def dense(value):
     if tuple(reversed(want)) == value.stride():
         return value
     return value.clone(memory_format=torch.contiguous_format).as_strided(value.shape, tuple(reversed(want)))
+
+
+def row_bucket(rows, limit):
+    """The row count a captured call keeps for `rows` live rows: the next power of two, at most `limit` (the rows it
+    started with), so compacting finished rows away gives a few shapes over a whole generation, not one per count."""
+    return min(int(limit), 1 << max(0, int(rows) - 1).bit_length())
+
+
+def pad_rows(x, rows, fill=None):
+    """`x [n, ...]` padded to `rows >= n` rows: copies of row 0 (a valid input of every kind: tokens, a tree's
+    parents), or the constant `fill` (a count that must stay 0). None stays None."""
+    if x is None or x.shape[0] >= rows:
+        return x
+    extra = rows - x.shape[0]
+    pad = x[:1].expand(extra, *x.shape[1:]) if fill is None else x.new_full((extra, *x.shape[1:]), fill)
+    return torch.cat([x, pad])
 
 
 def bucket_width(width, buckets):

@@ -124,3 +124,24 @@ def test_inductor_greedy_tokens_equal_eager(parts, inductor):
     method = METHODS["chain"]
     assert torch.equal(run(inductor, do_sample=False, **method).images, run(eager, do_sample=False, **method).images)
     assert all(counts["recompiles"] == 0 for counts in inductor.compile_report().values())
+
+
+@pytest.mark.parametrize("name", ["chain", "jacobi"])
+def test_row_counts_stay_on_buckets_at_batch_six(parts, name):
+    """Six rows finishing at different rounds (sampled, per-row generators; then greedy): compaction keeps the
+    captured forwards on row buckets (6, 4, 2, 1 items: `row_bucket`; two CFG rows each), not one shape per count of
+    rows left; padding rows
+    commit and emit nothing, so tokens equal eager's, and nothing recompiles."""
+    target, near, vq = parts
+    eager = SpeculativeARImagePipeline(target, vq, near)
+    pipe = SpeculativeARImagePipeline(target, vq, near).enable_compile(backend="eager")
+    method, labels = METHODS[name], [0, 1, 2, 3, 1, 2]
+    for do_sample in (True, False):
+        kw = dict(class_labels=labels, do_sample=do_sample, output_type="tokens", **method)
+        gens = [torch.Generator().manual_seed(i) for i in range(6)]
+        want = eager(generator=[torch.Generator().manual_seed(i) for i in range(6)], **kw).images
+        assert torch.equal(pipe(generator=gens, **kw).images, want)
+    for (role, _), forward in pipe.compiler.forwards.items():
+        rows = {shape[0][0][0] for shape in forward.shapes}  # the first argument's rows: the token block
+        assert len(rows) > 1 and rows <= {12, 8, 4, 2}, (role, rows)  # rows did leave, onto the buckets
+        assert forward.recompiles == 0, (role, forward.report())

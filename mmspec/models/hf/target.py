@@ -342,7 +342,15 @@ class HFTarget(CachedTarget):
         return TargetOutput(p, hidden if return_hidden else None, input_ids=input_ids, lengths=lengths, **vision)
 
     @torch.no_grad()
+    @property
+    def bucket_rows(self) -> bool:
+        """The target's `forward` pads its items to the cache's row bucket when captured (a draft LM's forwards are
+        its drafter's: its cache compacts exactly)."""
+        return self.source == "target"
+
     def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
+        if self.compiler is not None:  # the cache's items (`select_rows` keeps row buckets when captured)
+            tokens, parents = self.pad_items(tokens), self.pad_items(parents)
         lengths, rows = self.cache.lengths, self.guidance.rows(tokens)  # every CFG stream scores the same tokens
         if parents is None:
             logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
@@ -353,8 +361,8 @@ class HFTarget(CachedTarget):
             rows, logical, slots, mask = pad_block(bucket_width(m, self.buckets), rows, logical, slots, mask)
         hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, capture=True,
                           **self.token_inputs(rows))[:, :m]  # fmt: skip
-        p = self.guidance.probs(self.logits(hidden), self.source)
-        return TargetOutput(p, hidden if return_hidden else None)
+        p = self.live_items(self.guidance.probs(self.logits(hidden), self.source))
+        return TargetOutput(p, self.live_rows(hidden) if return_hidden else None)
 
     def select_state_rows(self, rows: Tensor) -> None:
         self.positions.select_rows(rows)

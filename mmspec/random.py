@@ -75,7 +75,9 @@ def _draw(fn, shape, generator, device, dtype, counts):
     for s in shape[2:]:
         inner *= s
     widths = (
-        [flat.shape[1]] * shape[0] if counts is None else [int(c) * inner for c in torch.as_tensor(counts).tolist()]
+        [flat.shape[1]] * shape[0]
+        if counts is None
+        else [int(c) * inner for c in (counts if isinstance(counts, list) else torch.as_tensor(counts).tolist())]
     )
     for b, g in enumerate(generator):
         n = min(widths[b], flat.shape[1])

@@ -336,18 +336,23 @@ class SpeculativeContinuousARPipeline(CapturedForwards, DiffusionPipeline):
     def _fill_stats(stats, state, speculative, num_ar_steps):
         counts = state.trace.counts()
         # one host read for every per-row count
-        generated, prefill, accepted, drafted, rounds = torch.stack([
+        per_row = torch.stack([
             sum(counts.values()), counts["prefill"], counts["accepted"],
             torch.as_tensor(state.drafted, device=counts["prefill"].device).to(counts["prefill"].dtype),
             state.trace.round.max(1).values + 1,
-        ]).tolist()  # fmt: skip
+        ])  # fmt: skip
+        fallbacks = torch.as_tensor(state.num_fallbacks, device=per_row.device).to(per_row.dtype).reshape(1)
+        flat = torch.cat([per_row.reshape(-1), fallbacks]).tolist()  # one host read for every count
+        b = per_row.shape[1]
+        generated, prefill, accepted, drafted, rounds = (flat[i * b : (i + 1) * b] for i in range(5))
+        num_fallbacks = flat[-1]
         stats.generated_tokens, stats.prefill_tokens, stats.accepted_tokens = generated, prefill, accepted
         stats.drafted_tokens = drafted  # verified drafts (exact: incl. discarded steps)
         stats.rounds = rounds
         drafted = sum(stats.drafted_tokens)
         stats.extra.update(
             acceptance_rate=(sum(stats.accepted_tokens) / drafted) if drafted else None,
-            residual_fallbacks=state.num_fallbacks,
+            residual_fallbacks=num_fallbacks,
             num_ar_steps=num_ar_steps,
             speculative=speculative,
         )

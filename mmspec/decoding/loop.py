@@ -75,7 +75,15 @@ def _drop_finished(state, target, drafter):
     over the call) and sets `state.max_remaining` -- the loop's one host sync per round."""
     active = ~state.finished
     remaining = torch.where(active, state.remaining(), 0).max()
-    left, generated, state.max_remaining = torch.stack([active.sum(), state.total_generated(), remaining]).tolist()
+    values = [active.sum(), state.total_generated(), remaining]
+    # a target or drafter that keeps host-side bookkeeping (`sync_value` / `sync_host`) rides on the same read
+    syncers = []
+    for part in (target, drafter):
+        value = getattr(part, "sync_value", lambda: None)()
+        if value is not None:
+            syncers.append(part)
+            values.append(value.to(values[0].dtype))
+    left, generated, state.max_remaining, *synced = torch.stack(values).tolist()
     if 0 < left < state.batch_size:
         # the surviving rows in order, without a second read: `left` is known on the host, and a stable sort puts
         # the active rows (key 0) first in their original order
@@ -84,6 +92,8 @@ def _drop_finished(state, target, drafter):
         target.select_rows(index)
         if drafter is not None:
             drafter.select_rows(index)
+    for part, value in zip(syncers, synced, strict=True):
+        part.sync_host(value)
     return left, generated
 
 

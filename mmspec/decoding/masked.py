@@ -134,9 +134,12 @@ class MaskedTarget(Protocol):
     watch: FiniteWatch | None
     head: Any
 
-    def features(self, tokens: Tensor, visible: Tensor, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+    def features(
+        self, tokens: Tensor, visible: Tensor, rows: Tensor, visible_range=None
+    ) -> tuple[Tensor, Tensor | None]:
         """Canvases ``[R, L, D]`` with ``visible [R, L]`` of images ``rows [R]`` -> conditional and unconditional
-        ``z`` (the latter None without guidance)."""
+        ``z`` (the latter None without guidance). ``visible_range``: ``(fewest, most)`` visible tokens of a canvas,
+        known on the host from the schedule (saves the model a host read)."""
 
     def saw(self, part: str, *tensors: Tensor | None) -> None:
         """Record the finiteness of outputs of ``part`` (``"features"`` / ``"diffusion head"``)."""
@@ -154,15 +157,23 @@ class MaskedState:
     tokens: Tensor  # [B, L, D]
     visible: Tensor  # [B, L] bool
     trace: DecodeTrace  # [B, L] by token position
-    num_fallbacks: int = 0
+    num_fallbacks: Tensor | int = 0  # residual fallbacks (a device scalar in the loop: read once, with the stats)
     drafted: Tensor | None = None  # [B] draft tokens verified (exact mode: also those of discarded steps)
 
-    def emit(self, rows: Tensor, pos: Tensor, values: Tensor, origin: int, round_index: int) -> None:
-        """Commit ``values`` at ``(rows, pos)``, recording the round and origin of each token."""
-        self.tokens[rows, pos] = values.to(self.tokens.dtype)
-        self.visible[rows, pos] = True
-        self.trace.round[rows, pos] = round_index
-        self.trace.origin[rows, pos] = origin
+    def emit(self, rows: Tensor, pos: Tensor, values: Tensor, origin, round_index: int, keep=None) -> None:
+        """Commit ``values`` at ``(rows, pos)`` (distinct positions), recording the round and origin (an int or one
+        per token) of each token; with ``keep [N]`` bool only the kept ones (fixed shapes: no host read)."""
+        origin = torch.as_tensor(origin, dtype=self.trace.origin.dtype, device=rows.device)
+        if keep is None:
+            self.tokens[rows, pos] = values.to(self.tokens.dtype)
+            self.visible[rows, pos] = True
+            self.trace.round[rows, pos] = round_index
+            self.trace.origin[rows, pos] = origin
+            return
+        self.tokens[rows, pos] = torch.where(keep[:, None], values.to(self.tokens.dtype), self.tokens[rows, pos])
+        self.visible[rows, pos] = self.visible[rows, pos] | keep
+        self.trace.round[rows, pos] = torch.where(keep, round_index, self.trace.round[rows, pos])
+        self.trace.origin[rows, pos] = torch.where(keep, origin, self.trace.origin[rows, pos])
 
 
 def _positions(noise: ImageNoise, params: MaskedParams, step: int):
@@ -232,6 +243,7 @@ def _decode(target, draft, noise, params, generator, stats, progress, callback) 
         torch.zeros(b, length, dtype=torch.bool, device=dev),
         DecodeTrace.empty(b, length, dev),
         drafted=torch.zeros(b, dtype=torch.long, device=dev),
+        num_fallbacks=torch.zeros((), dtype=torch.long, device=dev),
     )
     starts = params.starts
     all_rows = torch.arange(b, device=dev)
@@ -246,7 +258,7 @@ def _decode(target, draft, noise, params, generator, stats, progress, callback) 
             break
         if step < num_prefill_steps:  # the target alone: one step
             rows, pos = _positions(noise, params, step)
-            z_c, z_u = target.features(state.tokens, state.visible, all_rows)
+            z_c, z_u = target.features(state.tokens, state.visible, all_rows, (starts[step], starts[step]))
             zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
             cfg = params.cfg_scales[step]
             last = _head_last(target, noise, params, zc, zu, rows, pos, cfg)
@@ -276,9 +288,10 @@ def _block_round(target, draft, noise, state, params, step, k, round_index, gene
     canvas, visible = state.tokens.clone(), state.visible.clone()
     d_noise = noise.for_draft()
     rows_list, pos_list, cfg_list, y_q, mu_q, sd_q = [], [], [], [], [], []
+    starts = params.starts
     for j in range(k):
         rows, pos = _positions(noise, params, step + j)
-        z_c, z_u = draft.features(canvas, visible, all_rows)
+        z_c, z_u = draft.features(canvas, visible, all_rows, (starts[step + j], starts[step + j]))
         zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
         cfg = params.cfg_scales[step + j]
         last = _head_last(draft, d_noise, params, zc, zu, rows, pos, cfg)
@@ -294,7 +307,8 @@ def _block_round(target, draft, noise, state, params, step, k, round_index, gene
         sd_q.append(last.std)
     rows, pos, cfg = torch.cat(rows_list), torch.cat(pos_list), torch.cat(cfg_list)
     # One target pass on the committed canvas; the block's tokens with the same (aligned) noise.
-    z_c, z_u = target.features(state.tokens, state.visible, all_rows)  # nothing is emitted before this pass
+    # nothing is emitted before this pass
+    z_c, z_u = target.features(state.tokens, state.visible, all_rows, (starts[step], starts[step]))
     zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
     last_p = _head_last(target, noise, params, zc, zu, rows, pos, cfg)
     # Per image: its block tokens in order (every image has the same count n).
@@ -316,10 +330,9 @@ def _block_round(target, draft, noise, state, params, step, k, round_index, gene
     values = target.head.finish(zc, y, z_uncond=zu, cfg=cfg)
     target.saw("diffusion head", values)
     accepted = result.accept_mask.reshape(-1)[inv]
-    state.emit(rows[accepted], pos[accepted], values[accepted], ACCEPTED, round_index)
-    state.emit(rows[~accepted], pos[~accepted], values[~accepted], RESAMPLED, round_index)
-    state.num_fallbacks += int(result.num_fallbacks.sum())
-    state.drafted += torch.bincount(rows, minlength=b)
+    state.emit(rows, pos, values, torch.where(accepted, ACCEPTED, RESAMPLED), round_index)
+    state.num_fallbacks = state.num_fallbacks + result.num_fallbacks.sum()
+    state.drafted += n  # every image verifies n tokens
     if stats is not None:
         stats.target_forwards += 1
         stats.draft_forwards += k
@@ -362,13 +375,17 @@ def _exact_rounds(target, draft, noise, state, params, first_step, first_round, 
         ks = {b: min(k_max, num_steps - s) for b, s in row_step.items()}
         canvas, visible = state.tokens.clone(), state.visible.clone()
         step_of = torch.full((b_total, length), k_max, dtype=torch.long, device=dev)
+        # Host bookkeeping from the schedule (no host read): visible tokens of each row's draft canvas, the (image,
+        # draft step) of every token chunk in flat order, and the tokens drafted per image.
+        seen = [starts[row_step[b]] if b in row_step else length for b in range(b_total)]
+        chunks, per_row = [], [0] * b_total
         items = []  # per draft step j: (rows, pos, cfg, y_q, mu_q, sd_q, x_q, logdet_q, zq_c, zq_u)
         for j in range(k_max):
             steps_j = {b: s + j for b, s in row_step.items() if j < ks[b]}
             if not steps_j:
                 break
             rows, pos, cfg = _flat_steps(noise, params, steps_j, dev)
-            z_c, z_u = draft.features(canvas, visible, all_rows)
+            z_c, z_u = draft.features(canvas, visible, all_rows, (min(seen), max(seen)))
             zc, zu = z_c[rows, pos], None if z_u is None else z_u[rows, pos]
             last = _head_last(draft, d_noise, params, zc, zu, rows, pos, cfg)
             x_q, logdet_q = FinalStep(draft.head, zc, zu, cfg).forward_logdet(last.value)
@@ -376,50 +393,51 @@ def _exact_rounds(target, draft, noise, state, params, first_step, first_round, 
             canvas[rows, pos] = x_q.to(canvas.dtype)
             visible[rows, pos] = True
             step_of[rows, pos] = j
-            items.append((rows, pos, cfg, last.value, last.mean, last.std, x_q, logdet_q, zc, zu,
-                          torch.full_like(rows, j)))  # fmt: skip
+            items.append((rows, pos, cfg, last.value, last.mean, last.std, x_q, logdet_q, zc, zu))
+            for b, s in steps_j.items():
+                chunks.append((b, j, starts[s + 1] - starts[s]))
+                per_row[b] += starts[s + 1] - starts[s]
+                seen[b] = starts[s + 1]
         cat = [torch.cat(t) if t[0] is not None else None for t in zip(*items, strict=True)]
-        rows, pos, cfg, y_q, mu_q, sd_q, x_q, logdet_q, zq_c, zq_u, jj = cat
+        rows, pos, cfg, y_q, mu_q, sd_q, x_q, logdet_q, zq_c, zq_u = cat
+        jj = torch.tensor([j for _, j, n in chunks for _ in range(n)], dtype=torch.long, device=dev)
         # Nested canvases: one per (image, draft step); canvas (b, j) sees the drafts of steps < j.
-        nest = sorted({(int(b), int(j)) for b, j in zip(rows.tolist(), jj.tolist(), strict=True)})
+        nest = sorted((b, j) for b, j, n in chunks if n)
         nest_id = {key: r for r, key in enumerate(nest)}
         nest_img = torch.tensor([b for b, _ in nest], device=dev)
         nest_j = torch.tensor([j for _, j in nest], device=dev)
         nest_visible = state.visible[nest_img] | (step_of[nest_img] < nest_j[:, None])
-        z_c, z_u = target.features(canvas[nest_img], nest_visible, nest_img)
-        r = torch.tensor([nest_id[(b, j)] for b, j in zip(rows.tolist(), jj.tolist(), strict=True)], device=dev)
+        nest_seen = [starts[row_step[b] + j] for b, j in nest]
+        z_c, z_u = target.features(canvas[nest_img], nest_visible, nest_img, (min(nest_seen), max(nest_seen)))
+        r = torch.tensor([nest_id[(b, j)] for b, j, n in chunks for _ in range(n)], dtype=torch.long, device=dev)
         zc, zu = z_c[r, pos], None if z_u is None else z_u[r, pos]
         last_p = _head_last(target, noise, params, zc, zu, rows, pos, cfg)
         f_p = FinalStep(target.head, zc, zu, cfg)
         accept_prob = finished_accept_prob(f_p, x_q, y_q, last_p.mean, last_p.std, mu_q, sd_q, logdet_q)
-        u = _tries(torch.rand, generator, rows, 1, (), dev)[0]  # per image, in the image's own token order
+        u = _tries(torch.rand, generator, rows, 1, (), dev, per_row)[0]  # per image, in the image's own token order
         accepted = u < accept_prob
-        # Leading fully accepted steps per image; the first step with a rejection is kept (residual draws).
-        keep = torch.zeros_like(accepted)
-        need = torch.zeros_like(accepted)
-        advance = {}
-        for b in list(row_step):
-            mine = rows == b
-            n_ok = 0
-            while n_ok < ks[b] and bool(accepted[mine & (jj == n_ok)].all()):
-                n_ok += 1
-            keep |= mine & (jj <= n_ok)
-            need |= mine & (jj == n_ok) & ~accepted
-            advance[b] = min(n_ok + 1, ks[b])
+        # Leading fully accepted steps per image (a step not drafted stops the count); the first step with a
+        # rejection is kept (residual draws). Fixed shapes on the device; the round's one host read: n_ok, n_need.
+        stop = torch.tensor([[int(j >= ks.get(b, 0)) for j in range(k_max)] for b in range(b_total)], device=dev)
+        stop = stop.index_put((rows, jj), (~accepted).long(), accumulate=True)
+        n_ok = (stop == 0).long().cumprod(1).sum(1)  # [B]
+        keep = jj <= n_ok[rows]
+        need = (jj == n_ok[rows]) & ~accepted
+        n_need = torch.zeros(b_total, dtype=torch.long, device=dev).index_add_(0, rows, need.long())
+        n_ok_host, n_need_host = torch.stack([n_ok, n_need]).tolist()
+        advance = {b: min(n_ok_host[b] + 1, ks[b]) for b in row_step}
         values = x_q.clone()
-        if bool(need.any()):
-            idx = need.nonzero()[:, 0]
+        if sum(n_need_host):
+            idx = torch.argsort((~need).to(torch.int8), stable=True)[: sum(n_need_host)]  # need's tokens, in order
             values[idx], fallbacks = residual_finished(f_p.select(idx), FinalStep(draft.head, zq_c[idx],
                                                  None if zq_u is None else zq_u[idx], cfg[idx]),
                                                  last_p.mean[idx], last_p.std[idx], mu_q[idx], sd_q[idx],
                                                  rows[idx], generator, b_total,
-                                                 params.max_residual_tries)  # fmt: skip
-            state.num_fallbacks += fallbacks
+                                                 params.max_residual_tries, counts=n_need_host)  # fmt: skip
+            state.num_fallbacks = state.num_fallbacks + fallbacks
             target.saw("diffusion head", values[idx])
-        acc_keep, res_keep = keep & accepted, keep & ~accepted
-        state.emit(rows[acc_keep], pos[acc_keep], values[acc_keep], ACCEPTED, round_index)
-        state.emit(rows[res_keep], pos[res_keep], values[res_keep], RESAMPLED, round_index)
-        state.drafted += torch.bincount(rows, minlength=b_total)
+        state.emit(rows, pos, values, torch.where(accepted, ACCEPTED, RESAMPLED), round_index, keep=keep)
+        state.drafted += torch.tensor(per_row, dtype=state.drafted.dtype, device=dev)
         if stats is not None:
             stats.target_forwards += 1
             stats.draft_forwards += len(items)
@@ -446,20 +464,23 @@ def finished_accept_prob(f_p, x_q, y_q, mu_p, sd_p, mu_q, sd_q, logdet_q) -> Ten
     return torch.where(ok, (log_p - log_q).clamp_max(0).exp(), 0.0)
 
 
-def residual_finished(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, batch, max_tries, chunk=8):
+def residual_finished(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, batch, max_tries, chunk=8, counts=None):
     """Draw each token ``[M]`` from ``norm([p_x - q_x]_+)`` (densities of finished values) by acceptance-rejection
     with proposal ``p_x``: ``x = f_p(y), y ~ N(mu_p, sd_p^2)`` is kept with probability ``[1 - q_x(x)/p_x(x)]_+``.
-    Tokens never kept get a plain ``p_x`` draw. Returns ``(values [M, D], fallbacks)``."""
+    Tokens never kept get a plain ``p_x`` draw. ``counts``: tokens per image of ``rows``, when the caller knows them
+    on the host. One host read per chunk of ``chunk`` tries (what is left per image). Returns
+    ``(values [M, D], fallbacks)``."""
     m, d = mu_p.shape
     dev = mu_p.device
     out = torch.zeros_like(mu_p)
     filled = torch.zeros(m, dtype=torch.bool, device=dev)
+    left = torch.bincount(rows, minlength=batch).tolist() if counts is None else list(counts)
+    remaining, todo = m, torch.arange(m, device=dev)
     tries = 0
-    while tries < max_tries and not bool(filled.all()):
+    while tries < max_tries and remaining:
         c = min(chunk, max_tries - tries)
-        todo = (~filled).nonzero()[:, 0]
-        eps = _tries(torch.randn, generator, rows[todo], c, (d,), dev)  # [c, T, D]
-        u = _tries(torch.rand, generator, rows[todo], c, (), dev)  # [c, T]
+        eps = _tries(torch.randn, generator, rows[todo], c, (d,), dev, left)  # [c, T, D]
+        u = _tries(torch.rand, generator, rows[todo], c, (), dev, left)  # [c, T]
         y = (mu_p[todo] + sd_p[todo] * eps).reshape(-1, d)
         fp, fq = f_p.select(todo).repeat(c), f_q.select(todo).repeat(c)
         x, logdet_p = fp.forward_logdet(y)
@@ -469,23 +490,30 @@ def residual_finished(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, batch, 
         take = u < 1 - ratio  # [c, T]
         first, any_take = take.long().argmax(0), take.any(0)
         chosen = x.reshape(c, -1, d)[first, torch.arange(todo.numel(), device=dev)]
-        out[todo[any_take]] = chosen[any_take]
-        filled[todo[any_take]] = True
+        out[todo] = torch.where(any_take[:, None], chosen, out[todo])
+        filled[todo] = any_take
         tries += c
-    fallback = (~filled).nonzero()[:, 0]
-    if fallback.numel():
-        eps = _tries(torch.randn, generator, rows[fallback], 1, (d,), dev)[0]
-        out[fallback] = f_p.select(fallback)(mu_p[fallback] + sd_p[fallback] * eps)
-    return out, int(fallback.numel())
+        # the chunk's one host read: tokens left per image; the unfilled tokens in order (fixed shapes)
+        left = torch.zeros(batch, dtype=torch.long, device=dev).index_add_(0, rows, (~filled).long()).tolist()
+        remaining = sum(left)
+        todo = torch.argsort(filled.to(torch.int8), stable=True)[:remaining]
+    if remaining:
+        eps = _tries(torch.randn, generator, rows[todo], 1, (d,), dev, left)[0]
+        out[todo] = f_p.select(todo)(mu_p[todo] + sd_p[todo] * eps)
+    return out, remaining
 
 
-def _tries(fn, generator, rows, c, trailing, device):
+def _tries(fn, generator, rows, c, trailing, device, counts=None):
     """``[c, T, *trailing]`` draws (``fn``: ``torch.rand`` / ``torch.randn``) for tokens of images ``rows [T]``: from
-    the one generator, or each image's tokens from its own generator (token-major)."""
+    the one generator, or each image's tokens from its own generator (token-major). ``counts``: tokens per image,
+    when known on the host (else read once)."""
     if num_rows(generator) is None:
         return fn((c, rows.numel(), *trailing), generator=generator, device=device)
+    if counts is None:
+        counts = torch.bincount(rows, minlength=len(generator)).tolist()
     out = torch.empty((c, rows.numel(), *trailing), device=device)
-    for b in sorted(set(rows.tolist())):
-        idx = (rows == b).nonzero()[:, 0]
-        out[:, idx] = fn((idx.numel(), c, *trailing), generator=generator[b], device=device).transpose(0, 1)
+    for b, n in enumerate(counts):
+        if n:
+            idx = torch.argsort((rows != b).to(torch.int8), stable=True)[:n]  # image b's tokens, in order
+            out[:, idx] = fn((n, c, *trailing), generator=generator[b], device=device).transpose(0, 1)
     return out

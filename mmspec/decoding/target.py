@@ -58,4 +58,8 @@ class Target(Protocol):
         """Commit the first `num_tokens [B]` scored tokens of a chain, or the tree nodes `path [B, P]`."""
 
     def select_rows(self, index: Tensor) -> None:
-        """Keep only batch items `index [B']`."""
+        """Keep only batch items `index [B']`.
+
+        Optional (looked up with `getattr`, on a target or a drafter): `sync_value() -> Tensor | None` (a device
+        scalar) and `sync_host(value: int)`: the loop reads the scalar with its one read per round and hands it back
+        after compaction, for host-side bookkeeping (the transformers adapters' attention windows)."""

@@ -323,6 +323,15 @@ class EagleDrafter:
         self.ids = g.rows(result.tokens.clamp(min=0))
         self.num_valid = g.rows(result.num_emitted)
 
+    def sync_value(self):
+        """A head whose forwards read an attention window of its cache: the committed span (a device scalar), read
+        by the loop with its one read per round; None otherwise."""
+        return self.cache.lengths.max() if getattr(self.head, "windowed_cache", False) else None
+
+    def sync_host(self, committed: int) -> None:
+        """The loop's read of `sync_value`: the head cache's window bound restarts from the committed span."""
+        self.cache.touched_bound, self.cache.host_synced = int(committed), True
+
     def select_rows(self, index):
         rows = self.guidance.row_index(index, self.cache.rows // self.guidance.streams)
         self.cache.select_rows(rows)

@@ -131,6 +131,13 @@ class TextModelDrafter:
         lengths = self.prompt_lengths + state.count - 2
         self.draft.cache.rollback(torch.minimum(lengths, self.draft.cache.lengths))
 
+    def sync_value(self):
+        """The draft model's committed cache span, read with the loop's one read per round (`HFTarget.sync_value`)."""
+        return self.draft.sync_value()
+
+    def sync_host(self, committed: int) -> None:
+        self.draft.sync_host(committed)
+
     def select_rows(self, index):
         self.draft.select_rows(index)
         self.prompt_lengths = self.prompt_lengths[index]

@@ -137,7 +137,9 @@ def verify_continuous(
         )
 
     accept_prob = torch.where(valid, log_ratio(x).clamp_max(0).exp(), 0.0)  # [B, K]
-    coins = rand((batch, k), generator, device=x.device, dtype=dtype, counts=lengths)
+    # per-row generators: the rows' draw counts on the host, read once
+    counts = lengths.tolist() if num_rows(generator) is not None else lengths
+    coins = rand((batch, k), generator, device=x.device, dtype=dtype, counts=counts)
     accepted = (coins < accept_prob) & valid  # [B, K]
     if prefix:
         n = accepted.long().cumprod(-1).sum(-1)
@@ -156,10 +158,13 @@ def verify_continuous(
     filled = ~need
     chunk = min(max_residual_tries, 16)
     tries = 0
-    while tries < max_residual_tries and not bool(filled.all()):  # one sync per chunk of tries
+    left = (~filled).any(-1).tolist()  # one host read per chunk of tries: rows with a position left
+    while tries < max_residual_tries and any(left):
         c = min(chunk, max_residual_tries - tries)
-        counts = torch.where(filled.all(-1), 0, lengths)  # per-row generators: finished rows draw nothing
-        noise, uniforms = _try_draws(c, shape, generator, counts, dtype, x.device)
+        # per-row generators: finished rows draw nothing
+        left_counts = [n if row_left else 0 for n, row_left in zip(counts, left, strict=True)] if isinstance(
+            counts, list) else None  # fmt: skip
+        noise, uniforms = _try_draws(c, shape, generator, left_counts, dtype, x.device)
         z = mu_p + sd_p * noise  # [c, B, K, D]
         lq_lp = _gauss_logpdf(z, mu_q, sd_q) - _gauss_logpdf(z, mu_p, sd_p)  # exact densities  [c, B, K]
         take_prob = (1 - (lq_lp + log_ratio(z).clamp_max(0)).exp()).clamp_min(0)
@@ -170,11 +175,12 @@ def verify_continuous(
         resid = torch.where(take[..., None], pick, resid)
         filled = filled | take
         tries += c
+        left = (~filled).any(-1).tolist()
     fallback = ~filled  # [B, K]
-    plain = mu_p + sd_p * randn(shape, generator, device=x.device, dtype=dtype, counts=lengths)
+    plain = mu_p + sd_p * randn(shape, generator, device=x.device, dtype=dtype, counts=counts)
     resid = torch.where(fallback[..., None], plain, resid)
     num_fallbacks = fallback.sum(-1)
-    if bool(fallback.any()):
+    if logger.isEnabledFor(logging.DEBUG) and bool(fallback.any()):
         logger.debug("verify_continuous: %d residual samples fell back to plain target samples", int(fallback.sum()))
 
     values = torch.where(accepted[..., None], x, resid)

@@ -44,9 +44,14 @@ BUDGETS = {
     "vlm/vispec": (1, 33),
     "vlm/specvlm": (1, 69),
     "vlm/msd": (1, 32),
-    "mar/plain": (1, 3),
-    # CSpD's exact verification still reads per AR step (mmspec/decoding/masked.py: open, see docs/architecture.md)
-    "mar/cspd": (25, 8),
+    # MAR: the schedule tells the model its visible counts, no read per step. Outside the rounds: the finite flags,
+    # the stats (one read), the labels' range. CSpD (a round verifies up to K AR steps): the exact mode reads the
+    # round's decision (accepted steps, rejected tokens per image) once, + one per chunk of residual tries; the block
+    # mode one read per chunk of residual tries (the first: whether any is needed), + the draw counts once with
+    # per-image generators
+    "mar/plain": (0, 3),
+    "mar/cspd-exact": (2, 3),
+    "mar/cspd-block": (3, 3),
 }
 
 
@@ -198,9 +203,38 @@ def mar_pipe():
     return pipe
 
 
+@pytest.mark.parametrize("generators", [False, True], ids=["one_generator", "per_image_generators"])
 @pytest.mark.parametrize("labels", [[1], [0, 1, 2]], ids=["batch1", "batch3"])
-@pytest.mark.parametrize("method", ["mar/plain", "mar/cspd"])
-def test_mar_reads_at_most_one_per_round(mar_pipe, method, labels):
-    kw = dict(acceptance="continuous", verify_mode="exact") if method == "mar/cspd" else {}
+@pytest.mark.parametrize("method", ["mar/plain", "mar/cspd-exact", "mar/cspd-block"])
+def test_mar_reads_at_most_one_per_round(mar_pipe, method, labels, generators):
+    kw = dict(acceptance="continuous", verify_mode=method.split("-")[1]) if "cspd" in method else {}
+    gen = [torch.Generator().manual_seed(i) for i in range(len(labels))] if generators else torch.Generator()
+    if not generators:
+        gen.manual_seed(0)
     run_counted(method, lambda: mar_pipe(labels, num_ar_steps=4, num_inference_steps=4, output_type="latent",
-                                         generator=torch.Generator().manual_seed(0), **kw))  # fmt: skip
+                                         generator=gen, **kw))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "method", ["vlm/plain", "vlm/draft-chain", "vlm/eagle-chain", "vlm/eagle2-tree", "vlm/specvlm"]
+)
+def test_vlm_window_crosses_buckets_without_reads(vlm_pipes, method, monkeypatch):
+    """The transformers adapter's attention window across many buckets (8 slots each here): its host-side bound is
+    re-synced from the loop's one read per round (`HFTarget.sync_host`), so crossing a bucket edge reads nothing;
+    the per-call budget is the method's own. The tokens are those of the CPU path (exact windows)."""
+    from vlm_fixtures import images, prompts
+
+    import mmspec.models.hf.target as hf_target
+
+    monkeypatch.setattr(hf_target, "WINDOW_BUCKET", 8)
+    drafter, knobs = VLM_METHODS[method]
+    kw = dict(images=images(3), prompt=prompts(3), max_new_tokens=40, acceptance="none" if drafter is None else "exact",
+              drafter=drafter, output_type="ids", do_sample=False, **knobs)  # fmt: skip
+    reads, rounds = run_counted(method, lambda: vlm_pipes[method](**kw))
+    assert rounds >= 10, rounds
+    assert torch.equal(vlm_pipes[method](**kw).sequences, _ids_of(vlm_pipes[method], kw))
+
+
+def _ids_of(pipe, kw):
+    with torch.no_grad(), HostReads():
+        return pipe(**kw).sequences

@@ -42,6 +42,7 @@ class TextEagleHead(ModelMixin, ConfigMixin):
     """One-layer EAGLE head for a transformers text target (see module docstring)."""
 
     cache_class = StaticKVCache  # the head cache `setup_cache` makes (a subclass may keep per-row state in it)
+    windowed_cache = True  # forwards read an attention window of the cache (host bookkeeping: `sync_host`)
 
     @register_to_config
     def __init__(

@@ -70,6 +70,9 @@ def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None 
     bound = getattr(cache, "touched_bound", None)
     bound = None if bound is None else bound + width
     if bound is not None and not _free_reads(key_slots):
+        if getattr(cache, "host_synced", False):  # re-synced every round by the loop's read (`HFTarget.sync_host`)
+            cache.touched_bound = bound if can_grow else min(bound, cache.max_seq)
+            return cache.touched_bound
         if _round_up(bound) <= min(cache.touched_window, cache.max_seq):
             cache.touched_bound = bound
             return bound
@@ -303,6 +306,17 @@ class HFTarget(CachedTarget):
         return full.index_copy_(-1, self.vocab, sub)
 
     # ------------------------------------------------------------------ Target protocol
+    def sync_value(self) -> Tensor:
+        """The committed span of the cache (a device scalar), read by the loop with its one read per round."""
+        return self.cache.lengths.max()
+
+    def sync_host(self, committed: int) -> None:
+        """The loop's read of `sync_value`: the touched span restarts from the committed prefix (rejected drafts of
+        the last round no longer count), so the attention window follows the tokens kept without a read of its own,
+        also at bucket edges."""
+        self.cache.touched_bound = int(committed)
+        self.cache.host_synced = True
+
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, lengths: Tensor, num_tokens: int, scratch: int, return_hidden=False,
                 return_vision=False, **model_inputs) -> TargetOutput:  # fmt: skip

@@ -18,6 +18,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import Tensor, nn
 
+from mmspec.counting import host_checks_enabled
 from mmspec.models.mar.diffloss import DiffLossHead
 
 
@@ -173,13 +174,15 @@ class MAR(ModelMixin, ConfigMixin):
             return self.fake_latent.expand(batch, -1)
         return self.class_emb(labels)
 
-    def features(self, tokens: Tensor, visible: Tensor, class_embedding: Tensor) -> Tensor:
+    def features(self, tokens: Tensor, visible: Tensor, class_embedding: Tensor, visible_range=None) -> Tensor:
         """The head's conditions ``z [B, L, decoder_dim]`` for every position.
 
         Args:
             tokens: ``[B, L, D]`` token values (masked positions are ignored).
             visible: ``[B, L]`` bool, known tokens.
             class_embedding: ``[B, E]`` (`class_embedding`).
+            visible_range: ``(fewest, most)`` visible tokens of a row, when the caller knows them on the host (the
+                masked loop does, from its schedule): no host read then (checked where a read is free, on a CPU).
         """
         b, length, _ = tokens.shape
         buf = self.buffer_size
@@ -190,7 +193,12 @@ class MAR(ModelMixin, ConfigMixin):
         # Gather the buffer + visible positions of each row first (stable), padded to the longest row.
         # One host read for both the padded length and whether any row is padded (no key mask needed then).
         kept = keep.sum(1)
-        num_keep, fewest = torch.stack([kept.max(), kept.min()]).tolist()
+        if visible_range is None:
+            num_keep, fewest = torch.stack([kept.max(), kept.min()]).tolist()
+        else:
+            fewest, num_keep = buf + visible_range[0], buf + visible_range[1]
+            if host_checks_enabled(x.device) and [num_keep, fewest] != torch.stack([kept.max(), kept.min()]).tolist():
+                raise ValueError(f"visible_range={visible_range} does not match the canvas's visible tokens")
         index = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :num_keep]  # [B, T]
         key_mask = keep.gather(1, index)  # [B, T]
         h = x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))

@@ -37,15 +37,19 @@ class MARRunner:
             return self.model.diffloss
         return CapturedSampler(self.model.diffloss, self.compiler, "draft_head" if "draft" in self.name else "head")
 
-    def features(self, tokens: Tensor, visible: Tensor, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+    def features(
+        self, tokens: Tensor, visible: Tensor, rows: Tensor, visible_range=None
+    ) -> tuple[Tensor, Tensor | None]:
         r = tokens.shape[0]
         cond = self.model.class_embedding(self.labels[rows])
         self.forwards += 1
         if not self.guided:
-            z = self.model.features(tokens, visible, cond)
+            z = self.model.features(tokens, visible, cond, visible_range)
             self.saw("features", z)
             return z, None
         uncond = self.model.class_embedding(None, r)
-        z = self.model.features(torch.cat([tokens, tokens]), torch.cat([visible, visible]), torch.cat([cond, uncond]))
+        z = self.model.features(
+            torch.cat([tokens, tokens]), torch.cat([visible, visible]), torch.cat([cond, uncond]), visible_range
+        )
         self.saw("features", z)
         return z[:r], z[r:]

@@ -422,7 +422,7 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
                              acceptance=rule_name, drafter=drafter, knobs=knobs, device=device,
                              settings={"max_new_tokens": max_new_tokens},
                              draft_model=self.draft_model if drafter == "model" else None)  # fmt: skip
-        self.attach_compiler(target)
+        self.attach_compiler(target, draft)
         stats = SpecStats(batch, 0 if draft is None else draft.max_width, time_phases=time_phases)
 
         # 3. prefill: prompt + image features of every row; the first token comes from the target alone

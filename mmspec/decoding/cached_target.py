@@ -7,9 +7,11 @@ A family's adapter subclasses it and adds `prefill` (which creates `self.cache`)
 `mmspec.models.llamagen.target.LlamaGenTarget`, `mmspec.models.hf.target.HFTarget` (and `JanusTarget` on it).
 """
 
+import torch
 from torch import Tensor
 
 from mmspec.cache import StaticKVCache
+from mmspec.decoding.compiled import pad_rows, row_bucket
 from mmspec.decoding.guidance import Guidance
 
 
@@ -26,23 +28,47 @@ class CachedTarget:
     `select_state_rows`.
     """
 
+    bucket_rows = False  # the adapter's `forward` pads its items (`pad_items` / `live_items`) when captured
+
     def __init__(self, guidance: Guidance):
         self.guidance = guidance
         self.cache: StaticKVCache | None = None
         self.compiler = None  # a `mmspec.decoding.compiled.Compiler`: the forwards run captured (enable_compile)
+        self.live = None  # captured, after a compaction: the items in use; the cache's items past them are padding
+
+    def pad_items(self, x: Tensor | None, fill=None) -> Tensor | None:
+        """`x [B', ...]` over the items in use, padded to the cache's items (`mmspec.decoding.compiled.pad_rows`)."""
+        return x if self.live is None else pad_rows(x, self.cache.rows // self.guidance.streams, fill)
+
+    def live_items(self, x: Tensor | None) -> Tensor | None:
+        """`x [items, ...]` cut to the items in use."""
+        return x if self.live is None or x is None else x[: self.live]
+
+    def live_rows(self, x: Tensor | None) -> Tensor | None:
+        """`x [rows, ...]` over the cache's model rows cut to those of the items in use (every stream)."""
+        if self.live is None or x is None:
+            return x
+        index = torch.arange(self.live, device=x.device)
+        return x[self.guidance.row_index(index, self.cache.rows // self.guidance.streams)]
 
     def commit(self, num_tokens: Tensor, path: Tensor | None = None) -> None:
         """Commit the first `num_tokens [B]` scored tokens of a chain, or the tree nodes `path [B, P]`, in every
-        stream's rows."""
-        num = self.guidance.rows(num_tokens)
+        stream's rows (padding items commit nothing)."""
+        num = self.guidance.rows(self.pad_items(num_tokens, fill=0))
         if path is None:
             self.cache.commit(num)
         else:
-            self.cache.commit_path(self.guidance.rows(path), num)
+            self.cache.commit_path(self.guidance.rows(self.pad_items(path)), num)
 
     def select_rows(self, index: Tensor) -> None:
-        """Keep only batch items `index [B']` (their rows in every stream)."""
-        rows = self.guidance.row_index(index, self.cache.rows // self.guidance.streams)
+        """Keep only batch items `index [B']` (their rows in every stream). Captured (`bucket_rows`), the cache
+        keeps `row_bucket(B')` items: the kept ones first, then copies of the first as padding that commits nothing
+        and is never read back, so the captured forwards see a few row counts over a whole generation."""
+        items = self.cache.rows // self.guidance.streams
+        if self.compiler is not None and self.bucket_rows:
+            self.live = index.shape[0]
+            index = pad_rows(index, row_bucket(self.live, items))
+        rows = self.guidance.row_index(index, items)
         self.cache.select_rows(rows)
         self.select_state_rows(rows)
 
@@ -52,4 +78,4 @@ class CachedTarget:
     @property
     def lengths(self) -> Tensor:
         """`[B]` committed cache lengths of the batch items."""
-        return self.guidance.items(self.cache.lengths)
+        return self.live_items(self.guidance.items(self.cache.lengths))

@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompiledForward", "Compiler", "bucket_width", "pad_block"]
+__all__ = ["CompiledForward", "Compiler", "bucket_width", "dense", "pad_block", "pad_rows", "row_bucket"]
 
 RECOMPILE_LIMIT = 64  # per wrapper's code object, scoped to its calls; far above the shapes of one method
 
@@ -73,21 +73,33 @@ class CompiledForward:
 
     @staticmethod
     def signature(args, kwargs):
-        """The shapes (and dtypes) of the tensor arguments, plus the non-tensor ones: one compiled graph each."""
+        """The shapes (and dtypes) of the tensor arguments, plus the non-tensor ones: one compiled graph each. An
+        object argument (a KV cache, a transformers `Cache` over one) counts with the shapes of the tensors it holds,
+        two levels deep: a cache allocated for another method (more scratch slots) is another shape, not a
+        recompile. Modules count by type (their parameters are the same tensors every call)."""
 
-        def key(value):
+        def key(value, depth=0):
             if torch.is_tensor(value):
                 return (tuple(value.shape), value.dtype)
             if isinstance(value, (tuple, list)):
-                return tuple(key(v) for v in value)
+                return tuple(key(v, depth) for v in value)
             if value is None or isinstance(value, (bool, int, float, str)):
                 return value
-            return type(value).__name__
+            name = type(value).__name__
+            if depth >= 2 or isinstance(value, torch.nn.Module) or not hasattr(value, "__dict__"):
+                return name
+            held = [(k, key(v, depth + 1)) for k, v in sorted(vars(value).items())
+                    if torch.is_tensor(v) or (hasattr(v, "__dict__") and not isinstance(v, torch.nn.Module))]  # fmt: skip
+            return (name, *held)
 
         return tuple(key(a) for a in args) + tuple((k, key(v)) for k, v in sorted(kwargs.items()))
 
     def __call__(self, *args, **kwargs):
+        """Run the graph of this input shape (compiled on first sight). Tensor arguments go in with standard strides
+        (`dense`: a copy of a strided view), so a shape is one graph whatever view it came as; a captured function
+        must not write into its tensor arguments (caches, passed as objects, are written in place)."""
         self.calls += 1
+        args, kwargs = tuple(dense(a) for a in args), {k: dense(v) for k, v in kwargs.items()}
         self.shapes.add(self.signature(args, kwargs))
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             return self._compiled(*args, **kwargs)
@@ -134,6 +146,38 @@ class Compiler:
             for name, value in wrapper.report().items():
                 row[name] += value
         return out
+
+
+def dense(value):
+    """`value` with the standard (row-major) strides of its shape: a copy only where they differ -- an expanded or
+    sliced view (a tree level's slots, a broadcast position), whose strides change from call to call even when its
+    shape does not. dynamo traces for given strides (a change recompiles), and `Tensor.contiguous` keeps the strides
+    of size-1 dimensions. Non-tensors as they are."""
+    if not torch.is_tensor(value):
+        return value
+    want, step = [], 1
+    for size in reversed(value.shape):
+        want.append(step)
+        step *= size
+    if tuple(reversed(want)) == value.stride():
+        return value
+    return value.clone(memory_format=torch.contiguous_format).as_strided(value.shape, tuple(reversed(want)))
+
+
+def row_bucket(rows, limit):
+    """The row count a captured call keeps for `rows` live rows: the next power of two, at most `limit` (the rows it
+    started with), so compacting finished rows away gives a few shapes over a whole generation, not one per count."""
+    return min(int(limit), 1 << max(0, int(rows) - 1).bit_length())
+
+
+def pad_rows(x, rows, fill=None):
+    """`x [n, ...]` padded to `rows >= n` rows: copies of row 0 (a valid input of every kind: tokens, a tree's
+    parents), or the constant `fill` (a count that must stay 0). None stays None."""
+    if x is None or x.shape[0] >= rows:
+        return x
+    extra = rows - x.shape[0]
+    pad = x[:1].expand(extra, *x.shape[1:]) if fill is None else x.new_full((extra, *x.shape[1:]), fill)
+    return torch.cat([x, pad])
 
 
 def bucket_width(width, buckets):

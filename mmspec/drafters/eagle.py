@@ -22,6 +22,7 @@ from inspect import signature
 
 import torch
 
+from mmspec.decoding.compiled import dense
 from mmspec.decoding.drafter import Proposal
 from mmspec.drafters.chain import sample_chain
 from mmspec.drafters.tree import DraftTree, grow_tree
@@ -31,7 +32,16 @@ from mmspec.models.llamagen.eagle import EagleHead
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DraftTree", "EagleDrafter", "EagleHead", "cfg_combine", "commit_accepted", "draft_chain", "draft_tree"]
+__all__ = [
+    "CapturedHead",
+    "DraftTree",
+    "EagleDrafter",
+    "EagleHead",
+    "cfg_combine",
+    "commit_accepted",
+    "draft_chain",
+    "draft_tree",
+]
 
 
 def cfg_combine(logits, guidance_scale):
@@ -171,6 +181,36 @@ def draft_tree(
     return grow_tree(log_probs(root_feat)[:, 0], expand, depth=depth, top_k=top_k, total=total)
 
 
+class CapturedHead:
+    """An EAGLE head whose per-step forward runs captured (`head.capture(compiler)`: one graph per shape); every
+    other attribute (`compute_logits`, `config`, ...) is the head's. Calls over more than `max_pairs` pairs (a text
+    prompt's pairs, once per call) run eager, so a prompt's length never becomes a graph. Tensor arguments go in with
+    standard strides (`mmspec.decoding.compiled.dense`): a tree's inputs are views whose strides change with the
+    depth (an expanded root feature, a slice of the key slots), and a text head builds its cache view from them."""
+
+    def __init__(self, head, compiler, max_pairs):
+        self.head, self.run, self.max_pairs = head, head.capture(compiler), max_pairs
+
+    def __call__(self, hidden, input_ids, *args, **kwargs):
+        if input_ids.shape[1] > self.max_pairs:
+            return self.head(hidden, input_ids, *args, **kwargs)
+        return self.run(*map(dense, (hidden, input_ids, *args)), **{k: dense(v) for k, v in kwargs.items()})
+
+    def __getattr__(self, name):
+        return getattr(self.head, name)
+
+
+def pad_pairs(hidden, input_ids, width):
+    """Accepted pairs `hidden [rows, M, dim]`, `input_ids [rows, M]` padded with zero pairs to `width >= M` columns
+    (`M` itself when wider): the padded pairs come after every valid one in the causal chain, are written to scratch
+    slots and never committed (`commit_accepted` commits `num_valid`), so the valid features are unchanged."""
+    pad = width - input_ids.shape[1]
+    if pad <= 0:
+        return hidden, input_ids
+    return (torch.cat([hidden, hidden.new_zeros(hidden.shape[0], pad, hidden.shape[2])], dim=1),
+            torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], pad)], dim=1))  # fmt: skip
+
+
 class EagleDrafter:
     """The engine's EAGLE drafter (`mmspec.decoding.drafter.Drafter`): owns the head cache and the accepted pairs.
 
@@ -203,6 +243,7 @@ class EagleDrafter:
         self.max_width = self.depth if self.chain else min(self.total, self.top_k + (self.depth - 1) * self.top_k**2)
         self.cache = None
         self.draft_forwards = 0
+        self.compiler = None  # `mmspec.decoding.compiled.Compiler`: the head's per-step forward runs captured
         self.needs_vision = callable(getattr(head, "prefill_prompt", None))  # the target's inputs_embeds + image mask
         self.draft_image_tokens, self.gate_choice = None, None
         # text targets: `(prompt lengths, image tokens)` per row as host lists, from the prompt's host copy (the
@@ -258,17 +299,27 @@ class EagleDrafter:
         if choice is not None:  # -1: a row without an image (the gate was not asked)
             self.gate_choice = [names[i] if i >= 0 else None for i in self.guidance.items(choice).tolist()]
 
+    def _head_and_pairs(self):
+        """The head to draft with and the accepted pairs it starts from: eager, or captured with the pairs padded to
+        `depth + 1` (the widest a round accepts), so every round's first forward has one shape."""
+        if self.compiler is None:
+            return self.head, self.hidden, self.ids
+        self.compiler.static(self.cache.k, self.cache.v)
+        width = self.depth + 1
+        return CapturedHead(self.head, self.compiler, width), *pad_pairs(self.hidden, self.ids, width)
+
     def propose(self, state):
         g = self.guidance
+        head, hidden, ids = self._head_and_pairs()
         if self.chain:
             num_draft = state.remaining().clamp(min=1, max=self.depth)
             length = min(self.depth, state.max_remaining)  # no drafts past the last token of any row
-            drafts, q = draft_chain(self.head, self.target, self.cache, self.hidden, self.ids, self.num_valid,
+            drafts, q = draft_chain(head, self.target, self.cache, hidden, ids, self.num_valid,
                                     length=length, guidance=g, generator=state.generator, num_draft=num_draft,
                                     validate=False)  # fmt: skip
             self.draft_forwards += length
             return Proposal(drafts, num_draft, q_draft=q)
-        tree = draft_tree(self.head, self.target, self.cache, self.hidden, self.ids, self.num_valid, depth=self.depth,
+        tree = draft_tree(head, self.target, self.cache, hidden, ids, self.num_valid, depth=self.depth,
                           top_k=self.top_k, total=self.total, validate=False,
                           guidance_scale=g.sampling.guidance_scale if g.streams == 2 else None)  # fmt: skip
         self.draft_forwards += self.depth

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from mmspec.decoding.compiled import pad_rows, row_bucket
 from mmspec.decoding.drafter import Proposal
 from mmspec.drafters.chain import refeed, sample_chain
 
@@ -50,6 +51,7 @@ class ModelDrafter:
         self.cache = None
         self.draft_forwards = 0
         self.compiler = None  # `mmspec.decoding.compiled.Compiler`: the draft forwards run captured
+        self.live = None  # captured, after a compaction: the items in use (the cache's others are padding)
 
     @staticmethod
     def check_compatible(model, target):
@@ -67,6 +69,7 @@ class ModelDrafter:
         max_seq = self.model.config.cls_token_num + state.max_length + self.k + 2
         self.cache = self.model.setup_cache(self.cond.shape[0], max_seq)
         self.model.prefill(self.cond, self.cache, cond_mask=self.cond_mask)
+        self.live = None
         self._first_round = True
 
     @torch.no_grad()
@@ -81,9 +84,10 @@ class ModelDrafter:
         length = min(self.k, state.max_remaining)  # no drafts past the last token of any row
 
         def step(feed):  # `[last committed, pending]` / `[pending]`, then each draft: fed and committed
-            logits = model(g.rows(feed), self.cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
+            rows = g.rows(pad_rows(feed, self.cache.rows // g.streams))  # captured: the cache's row bucket
+            logits = model(rows, self.cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
             self.cache.commit(feed.shape[1])
-            return logits
+            return logits if self.live is None else logits[self._live_rows]
 
         tokens, q_draft, _ = sample_chain(step, refeed(state, self._first_round), length, g, state.generator,
                                           num_draft)  # fmt: skip
@@ -93,8 +97,16 @@ class ModelDrafter:
 
     def commit(self, result, target_out, state):
         """Keep everything but the last committed token (prefix + `count - 2` tokens), which the next round re-feeds."""
-        lengths = self.guidance.rows(self.model.config.cls_token_num + state.count - 2)
+        count = pad_rows(state.count, self.cache.rows // self.guidance.streams)  # padding rows: the first's length
+        lengths = self.guidance.rows(self.model.config.cls_token_num + count - 2)
         self.cache.rollback(torch.minimum(lengths, self.cache.lengths))
 
     def select_rows(self, index):
-        self.cache.select_rows(self.guidance.row_index(index, self.cache.rows // self.guidance.streams))
+        """Keep batch items `index`; captured, the cache keeps `row_bucket(len(index))` items (the kept ones, then
+        copies of the first as padding whose drafts are never read), as the target's (`CachedTarget.select_rows`)."""
+        items = self.cache.rows // self.guidance.streams
+        if self.compiler is not None:
+            self.live = index.shape[0]
+            index = pad_rows(index, row_bucket(self.live, items))
+            self._live_rows = self.guidance.row_index(torch.arange(self.live, device=index.device), index.shape[0])
+        self.cache.select_rows(self.guidance.row_index(index, items))

@@ -64,6 +64,16 @@ class TextModelDrafter:
         self.max_width = self.k if self.chain else min(self.k, self.top_k + (self.depth - 1) * self.top_k**2)
         self.draft_forwards = 0
 
+    @property
+    def compiler(self):
+        """The draft adapter's `mmspec.decoding.compiled.Compiler` (None: eager); set before `prefill`, which then
+        allocates the draft cache whole. Its forwards run captured, role "drafter"."""
+        return self.draft.compiler
+
+    @compiler.setter
+    def compiler(self, compiler):
+        self.draft.compiler = compiler
+
     def prefill(self, state, target_out):
         scratch = (self.k if self.chain else self.depth * self.top_k) + 2
         self.draft.prefill(self.input_ids, self.lengths, state.max_length, scratch, **self.model_inputs)
@@ -87,7 +97,8 @@ class TextModelDrafter:
         """Feed a chain `[B, M]` to the draft, commit it, and return the logits after its last token `[B, V]`."""
         cache = self.draft.cache
         logical, slots, mask = chain_inputs(cache.lengths, feed.shape[1])
-        hidden = self.draft.run(decoder_of(self.draft.model), cache, slots, logical, mask, input_ids=feed)
+        hidden = self.draft.run(decoder_of(self.draft.model), cache, slots, logical, mask, capture=True,
+                                input_ids=feed)  # fmt: skip
         cache.commit(feed.shape[1])
         return self.draft.logits(hidden[:, -1])
 
@@ -106,7 +117,7 @@ class TextModelDrafter:
             key_slots = base[:, None] + torch.arange(n_all, device=base.device)[None]
             logical = (base + d - 2)[:, None].expand(-1, k)
             hidden = self.draft.run(decoder, cache, key_slots[:, n_all - k :], logical, ancestry, key_slots=key_slots,
-                                    input_ids=tokens)  # fmt: skip
+                                    capture=True, input_ids=tokens)  # fmt: skip
             return self._log_probs(self.draft.logits(hidden))
 
         tree = grow_tree(self._log_probs(root), expand, depth=self.depth, top_k=self.top_k,

@@ -124,3 +124,52 @@ def test_inductor_greedy_tokens_equal_eager(parts, inductor):
     method = METHODS["chain"]
     assert torch.equal(run(inductor, do_sample=False, **method).images, run(eager, do_sample=False, **method).images)
     assert all(counts["recompiles"] == 0 for counts in inductor.compile_report().values())
+
+
+@pytest.mark.parametrize("name", ["chain", "jacobi"])
+def test_row_counts_stay_on_buckets_at_batch_six(parts, name):
+    """Six rows finishing at different rounds (sampled, per-row generators; then greedy): compaction keeps the
+    captured forwards on row buckets (6, 4, 2, 1 items: `row_bucket`; two CFG rows each), not one shape per count of
+    rows left; padding rows
+    commit and emit nothing, so tokens equal eager's, and nothing recompiles."""
+    target, near, vq = parts
+    eager = SpeculativeARImagePipeline(target, vq, near)
+    pipe = SpeculativeARImagePipeline(target, vq, near).enable_compile(backend="eager")
+    method, labels = METHODS[name], [0, 1, 2, 3, 1, 2]
+    for do_sample in (True, False):
+        kw = dict(class_labels=labels, do_sample=do_sample, output_type="tokens", **method)
+        gens = [torch.Generator().manual_seed(i) for i in range(6)]
+        want = eager(generator=[torch.Generator().manual_seed(i) for i in range(6)], **kw).images
+        assert torch.equal(pipe(generator=gens, **kw).images, want)
+    for (role, _), forward in pipe.compiler.forwards.items():
+        rows = {shape[0][0][0] for shape in forward.shapes}  # the first argument's rows: the token block
+        assert len(rows) > 1 and rows <= {12, 8, 4, 2}, (role, rows)  # rows did leave, onto the buckets
+        assert forward.recompiles == 0, (role, forward.report())
+
+
+@pytest.mark.slow
+def test_sampled_law_under_inductor():
+    """The chi-square law test of `test_pipeline_ar_image.test_sampling_marginals_match_plain` (speculative vs plain
+    sampling, per position, CFG) with the target and draft forwards under CPU inductor, on a 2 x 2 token grid: 2000
+    images, rows finishing at different rounds (compacted onto row buckets), tokens 2-4 follow eager plain sampling's
+    law (sampling and verification stay eager, per-row draws outside the graphs)."""
+    from scipy import stats as scipy_stats
+
+    target = factories.tiny_gpt(0, vocab_size=V, num_classes=CLASSES, block_size=4, std=0.3)
+    near = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    vq = LlamaGenVQ(codebook_size=V, codebook_embed_dim=4, ch=8, ch_mult=(1, 2), z_channels=8, in_channels=1,
+                    num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    n = 2000
+    plain = run(SpeculativeARImagePipeline(target, vq), seed=1, num_images_per_prompt=n, acceptance="none").images
+    pipe = SpeculativeARImagePipeline(target, vq, near).enable_compile()
+    spec = run(pipe, seed=2, num_images_per_prompt=n, **METHODS["chain"]).images
+    for j in (1, 2, 3):
+        a, b = (torch.bincount(x[:, j], minlength=V).numpy() for x in (plain, spec))
+        keep = (a + b) > 0
+        p = scipy_stats.chi2_contingency([a[keep], b[keep]])[1]
+        assert p > 1e-3, f"position {j}: p={p:.2e} plain={a.tolist()} spec={b.tolist()}"
+    rows = {shape[0][0][0] for shape in pipe.compiler.forwards[("target", id(target))].shapes}
+    assert len(rows) > 1 and all(counts["recompiles"] == 0 for counts in pipe.compile_report().values()), rows

@@ -17,6 +17,7 @@ the position, slot 0 (no pair ends there) invalid and lengths starting at 1; a f
 the embedding of the image placeholder id (the head sees the image only through the target's hidden states).
 """
 
+import functools
 import logging
 
 import torch
@@ -142,9 +143,11 @@ class TextEagleHead(ModelMixin, ConfigMixin):
                           position_ids=positions, past_key_values=cache, use_cache=cache is not None)  # fmt: skip
 
     def forward(self, hidden, input_ids, target, cache, input_pos=None, write_slots=None, attention_mask=None,
-                cache_mask=None, validate=True):  # fmt: skip
+                cache_mask=None, validate=True, step=None):  # fmt: skip
         """Draft features for `M` pairs per row, as `EagleHead.forward` (chain by default, or a tree via
-        `input_pos`, `write_slots` and `cache_mask [rows, M, max_seq]`). Returns `f_hat [rows, M, dim]`."""
+        `input_pos`, `write_slots` and `cache_mask [rows, M, max_seq]`). Returns `f_hat [rows, M, dim]`. The slots
+        and masks are made here (the attention window is read on the host); the layer runs in `step` (default
+        `self.step`; `capture` passes its compiled graph)."""
         rows, m = input_ids.shape
         if not isinstance(cache, StaticKVCache) or cache.k.shape[0] != 1 or cache.rows != rows:
             raise ValueError("cache must be this head's StaticKVCache (setup_cache) with one row per input row")
@@ -163,8 +166,19 @@ class TextEagleHead(ModelMixin, ConfigMixin):
             cache_mask = cache_mask[..., : view.max_seq]
         hf_cache = StaticCache(view)
         hf_cache.write_slots = write_slots
+        return (step or self.step)(hidden, input_ids, target, cache, input_pos, cache_mask[:, None], hf_cache)
+
+    def step(self, hidden, input_ids, target, cache, input_pos, mask, hf_cache):
+        """The tensor part of `forward`: the layer inputs of the new pairs and the decoder layer over them (`mask
+        [rows, 1, M, window]`, `hf_cache` the window's `StaticCache` at this forward's write slots)."""
         x = self._draft_inputs(hidden, input_ids, target, cache)
-        return self._layer(x, self._rope_positions(input_pos, cache), cache_mask[:, None], hf_cache)
+        return self._layer(x, self._rope_positions(input_pos, cache), mask, hf_cache)
+
+    def capture(self, compiler):
+        """This head's per-step forward with `step` captured by `compiler` (a `mmspec.decoding.compiled.Compiler`,
+        role "drafter"): one graph per (pairs, attention-window bucket); the window and masks stay on the host."""
+        run = compiler.forward("drafter", self, self.step)
+        return functools.partial(self.forward, step=run)
 
     def _draft_inputs(self, hidden, input_ids, target, cache):
         """Layer inputs of new pairs at inference (hook: `VisionEagleHead` fuses its global image vector)."""

@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
 from mmspec.counting import host_checks_enabled
 from mmspec.decoding.cached_target import CachedTarget
-from mmspec.decoding.compiled import bucket_width, pad_block
+from mmspec.decoding.compiled import bucket_width, dense, pad_block
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
 from mmspec.models.hf.inputs import capture_decoder_inputs, decoder_of, image_token_mask
@@ -286,10 +286,10 @@ class HFTarget(CachedTarget):
                 ~visible, torch.finfo(dtype).min
             )
         hf_cache = StaticCache(cache)
-        hf_cache.write_slots = slots
+        hf_cache.write_slots = dense(slots) if captured else slots  # a tree level's slots: a strided view
         if captured:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
             self.compiler.static(cache.k, cache.v)
-            module = self.compiler.forward(self.source, module)
+            module = self.compiler.forward("target" if self.source == "target" else "drafter", module)
         out = module(position_ids=self.positions(logical), attention_mask=visible, past_key_values=hf_cache,
                      use_cache=True, **inputs)  # fmt: skip
         return out.last_hidden_state
@@ -361,7 +361,15 @@ class HFTarget(CachedTarget):
         return TargetOutput(p, hidden if return_hidden else None, input_ids=input_ids, lengths=lengths, **vision)
 
     @torch.no_grad()
+    @property
+    def bucket_rows(self) -> bool:
+        """The target's `forward` pads its items to the cache's row bucket when captured (a draft LM's forwards are
+        its drafter's: its cache compacts exactly)."""
+        return self.source == "target"
+
     def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
+        if self.compiler is not None:  # the cache's items (`select_rows` keeps row buckets when captured)
+            tokens, parents = self.pad_items(tokens), self.pad_items(parents)
         lengths, rows = self.cache.lengths, self.guidance.rows(tokens)  # every CFG stream scores the same tokens
         if parents is None:
             logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
@@ -372,8 +380,8 @@ class HFTarget(CachedTarget):
             rows, logical, slots, mask = pad_block(bucket_width(m, self.buckets), rows, logical, slots, mask)
         hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, capture=True,
                           **self.token_inputs(rows))[:, :m]  # fmt: skip
-        p = self.guidance.probs(self.logits(hidden), self.source)
-        return TargetOutput(p, hidden if return_hidden else None)
+        p = self.live_items(self.guidance.probs(self.logits(hidden), self.source))
+        return TargetOutput(p, self.live_rows(hidden) if return_hidden else None)
 
     def select_state_rows(self, rows: Tensor) -> None:
         self.positions.select_rows(rows)

@@ -212,6 +212,11 @@ class EagleHead(ModelMixin, ConfigMixin):
         x = self._inputs(hidden, input_ids, target, validate)
         return self.layers[0](x, self.rope(input_pos), cache_mask[:, None], cache, 0, write_slots)
 
+    def capture(self, compiler):
+        """This head's per-step forward captured by `compiler` (a `mmspec.decoding.compiled.Compiler`, role
+        "drafter"): the whole `forward` (validated on shapes only with `validate=False`), one graph per shape."""
+        return compiler.forward("drafter", self)
+
     def forward_train(self, hidden, input_ids, target):
         """Teacher forcing: pairs `(hidden[:, i], input_ids[:, i])` at positions `cls_token_num + i`, causal.
 

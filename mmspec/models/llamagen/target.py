@@ -26,6 +26,8 @@ class LlamaGenTarget(CachedTarget):
     `commit`, `select_rows` and `lengths` are `mmspec.decoding.cached_target.CachedTarget`'s.
     """
 
+    bucket_rows = True  # captured: `forward` pads the items to the cache's row bucket
+
     def __init__(self, model, guidance: Guidance):
         super().__init__(guidance)
         self.model = model
@@ -52,6 +54,7 @@ class LlamaGenTarget(CachedTarget):
         cond = self.guidance.condition_rows(cond, self.model.null_condition(cond.shape[0]))
         if cond_mask is not None:  # the uncond rows keep the prompt's mask, as upstream LlamaGen's `generate`
             cond_mask = self.guidance.condition_rows(cond_mask, cond_mask)
+        self.live = None  # a fresh cache: every item in use
         self.buckets = (1, int(scratch))  # captured forwards: every scored block is padded to one of these widths
         max_seq = self.prefix_length + int(num_tokens) + int(scratch) + 1
         self.cache = self.model.setup_cache(cond.shape[0], max_seq)
@@ -59,6 +62,8 @@ class LlamaGenTarget(CachedTarget):
         return TargetOutput(self.guidance.probs(out.logits, "target", validate=True), out.hidden)
 
     def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
+        if self.compiler is not None:  # the cache's items (`select_rows` keeps row buckets when captured)
+            tokens, parents = self.pad_items(tokens), self.pad_items(parents)
         rows = self.guidance.rows(tokens)  # [rows, M]
         inputs = () if parents is None else tree_inputs(self.guidance.rows(parents), self.cache.lengths)
         # ids come from the engine's sampler, slots from the cache lengths: no per-round range checks (host syncs)
@@ -75,5 +80,5 @@ class LlamaGenTarget(CachedTarget):
         self.compiler.static(self.cache.k, self.cache.v)
         run = self.compiler.forward("target", self.model)
         out = run(padded[0], self.cache, *padded[1:], return_hidden=return_hidden, validate=False)
-        hidden = None if out.hidden is None else out.hidden[:, :m]
-        return TargetOutput(self.guidance.probs(out.logits[:, :m], "target"), hidden)
+        hidden = None if out.hidden is None else self.live_rows(out.hidden[:, :m])
+        return TargetOutput(self.live_items(self.guidance.probs(out.logits[:, :m], "target")), hidden)

@@ -215,23 +215,32 @@ def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, dep
     kids = children.clamp(min=0)
     xs = tokens.gather(1, kids.view(batch, n1 * width)).view(batch, n1, width)  # [B, N+1, C] child tokens
     resid = p  # [B, N+1, V]: the residual of every parent after the slots so far
-    removed = torch.zeros(p.shape, dtype=torch.bool, device=device) if mode == "without_replacement" else None
+    q_kids = None
+    if q is not None and not greedy and width:  # [B, N+1, C, V] the draft law of every child, one gather
+        q_kids = q.gather(1, kids.view(batch, n1 * width, 1).expand(batch, n1 * width, vocab)).view(
+            batch, n1, width, vocab
+        )
+    # without replacement: the tokens of the earlier siblings (a parent with no child at a slot has none after it
+    # either, so marking its rows unconditionally changes only steps whose results are never used)
+    removed = None
     probs = []
     for slot in range(width):
-        x, exists = xs[..., slot], has[..., slot]
+        x = xs[..., slot]
         if greedy:
             probs.append(rule.greedy_accept(resid, x).to(p.dtype))
             continue
         q_child = None
-        if q is not None:
-            q_child = q.gather(1, kids[..., slot, None].expand(batch, n1, vocab))  # [B, N+1, V]
-            if removed is not None:
-                q_child = normalize(q_child.masked_fill(removed, 0.0), q_child)
+        if q_kids is not None:
+            q_child = q_kids[:, :, slot]  # [B, N+1, V]
+            if mode == "without_replacement":
+                masked = q_child if removed is None else q_child.masked_fill(removed, 0.0)
+                q_child = normalize(masked, q_child)
+                if slot + 1 < width:
+                    removed = torch.zeros(p.shape, dtype=torch.bool, device=device) if removed is None else removed
+                    removed = removed.scatter(2, x[..., None], True)
         a, next_resid = rule.step(resid, q_child, x)
         probs.append(a)
-        resid = torch.where(exists[..., None], next_resid, resid)
-        if removed is not None:
-            removed = removed.scatter(2, x[..., None], exists[..., None] | removed.gather(2, x[..., None]))
+        resid = torch.where(has[..., slot, None], next_resid, resid)
     # node i's acceptance probability: slot rank(i) of its parent's row (p_target row parents + 1)
     a_node = torch.stack(probs, 1).view(batch, width * n1) if width else p.new_zeros(batch, 1)
     at = (rank.clamp(max=max(width - 1, 0)) * n1 + parents + 1).clamp(0, max(width * n1 - 1, 0))

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from mmspec.counting import host_checks_enabled
-from mmspec.random import Generators, check_generator, rand
+from mmspec.random import Generators, check_generator, num_rows, rand
 from mmspec.sampling import prob_dtype, sample
 from mmspec.verify.checks import (
     Checks,
@@ -36,28 +36,40 @@ TREE_MODES = ("deterministic", "iid", "without_replacement")
 
 def _tree_children(
     parents: Tensor, present: Tensor, validate: bool, checks: Checks, bounds: tuple[int, int] | None = None
-) -> tuple[Tensor, int]:
-    """-> (children [B, N+1, C]: node indices of the children of each p_target row in index order, -1 padded;
-    max depth). One host sync (validation flags + loop bounds) -- none where `bounds` (host-known upper bounds on
-    the depth and the children per node) are given, nothing is validated and a read is not free (an accelerator):
-    the loops then run to the bounds (the extra steps try no child)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """The tree's structure in a fixed number of batched ops (no per-node or per-level loop).
+
+    Returns `(parents [B, N]` clamped to [-1, N-1]; `children [B, N+1, C]` node indices of the children of each p_target row in index order, -1 padded;
+    `rank [B, N]` earlier present siblings of each node; `depth [B, N]` (1 = child of the root); `ancestry
+    [B, N, N]` (`[b, i, j]`: j is i or an ancestor of i); `earlier [B, N, N]` (`[b, i, j]`: j is an earlier present
+    sibling of i); max depth`)`. One host sync (validation flags + loop bounds) -- none where `bounds` (host-known
+    upper bounds on the depth and the children per node) are given, nothing is validated and a read is not free (an
+    accelerator): the bounds are then used as they are (the extra steps try no child)."""
     batch, n = present.shape
-    node = torch.arange(n, device=parents.device)
+    device = parents.device
+    node = torch.arange(n, device=device)
     if validate:
         checks.add(((parents < -1) | (parents >= node)).any(), "parents[i] must be -1 (root) or in [0, i-1]")
         par_present = present.gather(1, parents.clamp(0, max(n - 1, 0))) | (parents < 0)
         checks.add((present & ~par_present).any(), "a present node has an absent parent (tree_tokens -1)")
     parents = parents.clamp(-1, n - 1)
-    same = (parents[:, :, None] == parents[:, None, :]) & present[:, None, :]  # [B, N(i), N(j)]
-    rank = (same & (node[None, :] < node[:, None])).sum(-1)  # earlier siblings of node i  [B, N]
-    depth = torch.zeros(batch, n, dtype=torch.long, device=parents.device)
-    for i in range(n):  # parents[i] < i, so depth[parent] is ready
-        par = parents[:, i].clamp(min=0)
-        depth[:, i] = torch.where(parents[:, i] >= 0, depth.gather(1, par[:, None]).squeeze(1) + 1, 1)
-    if bounds is not None and not validate and not host_checks_enabled(parents.device):
+    earlier = (parents[:, :, None] == parents[:, None, :]) & (present[:, None, :] & (node[None, :] < node[:, None]))
+    rank = earlier.sum(-1)  # earlier present siblings of node i  [B, N]
+    # ancestor-or-self relation: the reflexive-transitive closure of the parent relation, by squaring it
+    # ceil(log2(N)) times (exact: small integer counts in float32); depth = ancestors-or-self
+    rel = (
+        torch.eye(n, dtype=torch.float32, device=device)
+        .expand(batch, n, n)
+        .scatter_add(2, parents.clamp(min=0)[..., None], (parents >= 0).float()[..., None])
+    )
+    for _ in range(max(n - 1, 1).bit_length()):
+        rel = torch.bmm(rel, rel).clamp_(max=1)
+    ancestry = rel > 0
+    depth = ancestry.sum(-1)
+    if bounds is not None and not validate and not host_checks_enabled(device):
         depth_bound, width = min(int(bounds[0]), n), min(int(bounds[1]), n)
     else:
-        zero = torch.zeros((), dtype=torch.long, device=parents.device)
+        zero = torch.zeros((), dtype=torch.long, device=device)
         max_depth = torch.where(present, depth, 0).amax() if n else zero
         max_children = torch.where(present, rank + 1, 0).amax() if n else zero
         values = torch.stack([f.to(torch.long) for f in checks.flags] + [max_depth, max_children]).tolist()
@@ -66,11 +78,11 @@ def _tree_children(
         if bounds is not None and (depth_bound > bounds[0] or width > bounds[1]):
             raise ValueError(f"bounds {tuple(bounds)} below the tree's depth {depth_bound} / children {width}")
     # children[b, row, slot]; absent nodes are written to a dump slot that is cut off.
-    children = torch.full((batch, (n + 1) * (width + 1)), -1, dtype=torch.long, device=parents.device)
+    children = torch.full((batch, (n + 1) * (width + 1)), -1, dtype=torch.long, device=device)
     flat = torch.where(present, (parents + 1) * (width + 1) + rank, (width + 1) * (n + 1) - 1)
     children.scatter_(1, flat, torch.where(present, node, -1).expand(batch, n).contiguous())
     children = children.view(batch, n + 1, width + 1)[..., :width]
-    return children, depth_bound
+    return parents, children, rank, depth, ancestry, earlier, depth_bound
 
 
 def verify_tree(
@@ -171,9 +183,107 @@ def verify_tree(
             dup = sib & (tokens[:, :, None] == tokens[:, None, :])
             dup = dup & ~torch.eye(n, dtype=torch.bool, device=p.device)
             checks.add(dup.any(), "mode='without_replacement' needs distinct siblings")
-    children, max_depth = _tree_children(parents, present, validate, checks, bounds)  # [B, N+1, C]
-    width = children.shape[-1]
+    parents, children, rank, depth, ancestry, earlier, max_depth = _tree_children(
+        parents, present, validate, checks, bounds
+    )
+    if not greedy and num_rows(generator) is not None:
+        # per-row generators: a row draws a coin only for the children it tries, so its stream depends on the
+        # outcomes; the walk down the tree, one sibling at a time (these calls read the counts per draw anyway)
+        return _walk(rule, mode, tokens, children, p, q, generator, max_depth)
+    return _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,
+                      generator, max_depth)  # fmt: skip
 
+
+def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,
+               generator, max_depth):  # fmt: skip
+    """`verify_tree` for every node at once: a fixed number of batched ops per sibling slot (no walk per level).
+
+    Each node's acceptance probability given that its earlier siblings were rejected is the rule's step on its
+    parent's residual after those siblings; the step runs for every parent at once, one sibling slot at a time.
+    Node i then takes the coin the walk down the tree would have given it -- with one generator the walk draws one
+    coin per row at every (level, slot) step whether or not the row tries a child there, so all coins are drawn
+    up front in that order and node i takes the one of (its depth, its rank) -- and is accepted locally with the
+    rule's test. It is on the accepted path if it and each of its ancestors is the first locally accepted child of
+    its parent; a row emits from its last path node's residual after all of that node's children were rejected
+    (its target distribution at a leaf). The same draws, the same floating-point steps: bitwise the walk's result.
+    """
+    batch, n1, vocab = p.shape
+    n = n1 - 1
+    width = children.shape[-1]
+    device = p.device
+    has = children >= 0  # [B, N+1, C]
+    kids = children.clamp(min=0)
+    xs = tokens.gather(1, kids.view(batch, n1 * width)).view(batch, n1, width)  # [B, N+1, C] child tokens
+    resid = p  # [B, N+1, V]: the residual of every parent after the slots so far
+    q_kids = None
+    if q is not None and not greedy and width:  # [B, N+1, C, V] the draft law of every child, one gather
+        q_kids = q.gather(1, kids.view(batch, n1 * width, 1).expand(batch, n1 * width, vocab)).view(
+            batch, n1, width, vocab
+        )
+    # without replacement: the tokens of the earlier siblings (a parent with no child at a slot has none after it
+    # either, so marking its rows unconditionally changes only steps whose results are never used)
+    removed = None
+    probs = []
+    for slot in range(width):
+        x = xs[..., slot]
+        if greedy:
+            probs.append(rule.greedy_accept(resid, x).to(p.dtype))
+            continue
+        q_child = None
+        if q_kids is not None:
+            q_child = q_kids[:, :, slot]  # [B, N+1, V]
+            if mode == "without_replacement":
+                masked = q_child if removed is None else q_child.masked_fill(removed, 0.0)
+                q_child = normalize(masked, q_child)
+                if slot + 1 < width:
+                    removed = torch.zeros(p.shape, dtype=torch.bool, device=device) if removed is None else removed
+                    removed = removed.scatter(2, x[..., None], True)
+        a, next_resid = rule.step(resid, q_child, x)
+        probs.append(a)
+        resid = torch.where(has[..., slot, None], next_resid, resid)
+    # node i's acceptance probability: slot rank(i) of its parent's row (p_target row parents + 1)
+    a_node = torch.stack(probs, 1).view(batch, width * n1) if width else p.new_zeros(batch, 1)
+    at = (rank.clamp(max=max(width - 1, 0)) * n1 + parents + 1).clamp(0, max(width * n1 - 1, 0))
+    a_node = a_node.gather(1, at) if n else a_node[:, :0]  # [B, N]
+    if greedy:
+        ok = present & (a_node > 0)
+    elif max_depth * width:
+        coins = rand((max_depth, width, batch), generator, device=device, dtype=p.dtype)  # the walk's draws
+        step = ((depth - 1) * width + rank).clamp(0, max_depth * width - 1)
+        ok = present & (coins.view(max_depth * width, batch).t().gather(1, step) < a_node)
+    else:
+        ok = present & False
+    chosen = ok & ~(earlier & ok[:, None, :]).any(-1)  # the first locally accepted child of its parent
+    on_path = ~(ancestry & ~chosen[:, None, :]).any(-1)  # [B, N] accepted nodes
+    parent_on = torch.cat([torch.ones_like(on_path[:, :1]), on_path], 1).gather(1, parents + 1)
+    tried = present & parent_on & ~(earlier & ok[:, None, :]).any(-1)
+    num_acc = on_path.sum(1)
+    # the path and its tokens, one scatter each (column `max_depth + 1`: a dump for the nodes off the path)
+    # (column = depth; `max_depth + 2`: a dump for the nodes off the path, cut off)
+    column = torch.where(on_path, depth, max_depth + 2)
+    node = torch.arange(1, n1, device=device).expand(batch, n)
+    blank = torch.full((batch, max_depth + 3), -1, dtype=torch.long, device=device)
+    path = blank.scatter(1, column, node).index_fill(1, torch.zeros(1, dtype=torch.long, device=device), 0)
+    out = blank.scatter(1, column, tokens.long())  # out[:, 1 + k]: the token of path row k + 1
+    last = path.gather(1, num_acc[:, None])  # [B, 1] p_target row of the last accepted node (0 = root)
+    final = resid.gather(1, last[..., None].expand(batch, 1, vocab)).squeeze(1)  # [B, V]
+    next_token = final.argmax(-1) if greedy else sample(final, generator)
+    out = out.scatter(1, num_acc[:, None] + 1, next_token[:, None])
+    return VerifyResult(
+        num_accepted=num_acc,
+        accept_mask=on_path,
+        tokens=out[:, 1 : max_depth + 2],
+        path=path[:, : max_depth + 1],
+        accept_prob=torch.where(tried, a_node, float("nan")),
+    )
+
+
+def _walk(rule, mode, tokens, children, p, q, generator, max_depth):
+    """`verify_tree` as a walk down the tree: at each level every row tries its current node's children one slot at
+    a time (per-row generators: a row draws a coin only where it tries a child)."""
+    batch, n1, vocab = p.shape
+    n = n1 - 1
+    width = children.shape[-1]
     rows = torch.arange(batch, device=p.device)
     cur = torch.zeros(batch, dtype=torch.long, device=p.device)  # p_target row of the current node (0 = root)
     resid = p[:, 0]  # [B, V]
@@ -195,19 +305,14 @@ def verify_tree(
             child = kids[:, slot].clamp(min=0)  # [B]
             active = (kids[:, slot] >= 0) & ~done & ~found  # [B] rows with a child to try here
             x = tokens.gather(1, child[:, None]).squeeze(1)  # [B]
-            if greedy:
-                ok = rule.greedy_accept(resid, x)
-                a, acc = ok.to(p.dtype), active & ok
-                next_resid = resid
-            else:
-                q_child = None
-                if q is not None:
-                    q_child = q.gather(1, child.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1)  # [B, V]
-                    if mode == "without_replacement":
-                        q_child = normalize(q_child.masked_fill(removed, 0.0), q_child)
-                a, next_resid = rule.step(resid, q_child, x)
-                coins = rand((batch,), generator, device=p.device, dtype=p.dtype, counts=active.long())  # [B]
-                acc = active & (coins < a)
+            q_child = None
+            if q is not None:
+                q_child = q.gather(1, child.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1)  # [B, V]
+                if mode == "without_replacement":
+                    q_child = normalize(q_child.masked_fill(removed, 0.0), q_child)
+            a, next_resid = rule.step(resid, q_child, x)
+            coins = rand((batch,), generator, device=p.device, dtype=p.dtype, counts=active.long())  # [B]
+            acc = active & (coins < a)
             probs_here[:, slot] = torch.where(active, a, float("nan"))
             rejected = active & ~acc
             resid = torch.where(rejected[:, None], next_resid, resid)
@@ -229,8 +334,7 @@ def verify_tree(
         resid = torch.where(adv[:, None], p.gather(1, cur.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1), resid)
         removed = removed & ~adv[:, None]
     final = torch.where(done[:, None], final, resid)  # rows that reached a leaf: bonus from p at the leaf
-    next_token = final.argmax(-1) if greedy else sample(final, generator)
-    out[rows, num_acc] = next_token
+    out[rows, num_acc] = sample(final, generator)
     return VerifyResult(
         num_accepted=num_acc,
         accept_mask=accept_mask[:, :n],

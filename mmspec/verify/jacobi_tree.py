@@ -85,13 +85,14 @@ def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, 
     tail = _chain_tail(layout_list, main)
     if tail == 0:
         return verify_tree(tokens, layout, p_target, q_draft, mode="without_replacement", generator=generator,
-                           rule=rule, validate=validate, bounds=_layout_bounds(tuple(layout_list)))  # fmt: skip
+                           rule=rule, validate=validate, bounds=_layout_bounds(tuple(layout_list)),
+                           layout=tuple(layout_list))  # fmt: skip
     n0 = n - tail  # tree-part nodes
     anchor = main[len(main) - tail - 1]  # the main node the chain hangs from
     depth = len(main) - tail  # its depth
     tree = verify_tree(tokens[:, :n0], layout[:n0], p_target[:, : n0 + 1], q_draft[:, :n0],
                        mode="without_replacement", generator=generator, rule=rule, validate=validate,
-                       bounds=_layout_bounds(tuple(layout_list[:n0])))  # fmt: skip
+                       bounds=_layout_bounds(tuple(layout_list[:n0])), layout=tuple(layout_list[:n0]))  # fmt: skip
     reached = tree.path.gather(1, tree.num_accepted[:, None])[:, 0] == anchor + 1  # [B]
     chain_tokens = tokens[:, n0:]
     present = (chain_tokens >= 0).long().cumprod(1).sum(1)

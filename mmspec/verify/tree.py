@@ -9,6 +9,8 @@ descended into; a node with no accepted child emits ``y ~ r`` and stops. By indu
 token is distributed as ``p_target`` (exact rule), because the tree shape never depends on target coins.
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -85,6 +87,21 @@ def _tree_children(
     return parents, children, rank, depth, ancestry, earlier, depth_bound
 
 
+@functools.lru_cache(maxsize=64)
+def _layout_structure(layout: tuple[int, ...], bounds: tuple[int, int], device: torch.device):
+    """`_tree_children` of a host layout with every node present, once per (layout, bounds, device): the
+    structure of a drafter's fixed layout is not rebuilt every round. Shapes with a batch dim of 1; ``children``
+    holds every node of the layout (a round's absent nodes are masked by the caller)."""
+    n = len(layout)
+    parents = torch.tensor(layout, dtype=torch.long, device=device)[None]
+    present = torch.ones((1, n), dtype=torch.bool, device=device)
+    with torch.inference_mode(False):
+        parents, children, rank, depth, ancestry, earlier, _ = _tree_children(
+            parents, present, False, Checks(), bounds
+        )
+    return parents, children, rank, depth, ancestry, earlier
+
+
 def verify_tree(
     tree_tokens: Tensor,
     parents: Tensor,
@@ -99,6 +116,7 @@ def verify_tree(
     resample: str = "optimal",
     validate: bool = True,
     bounds: tuple[int, int] | None = None,
+    layout: tuple[int, ...] | None = None,
     **knobs,
 ) -> VerifyResult:
     """Tree verification by recursive rejection sampling over siblings (module docstring).
@@ -136,6 +154,9 @@ def verify_tree(
             bounds instead of reading the tree's (no host read); where a read is free (CPU) the exact bounds are read
             and checked against them. A row's draws do not depend on the bounds with per-row generators; with one
             generator the extra steps draw coins (same law, another stream than the exact bounds').
+        layout: optional host tuple equal to every row of ``parents``, whose sibling sets have their absent nodes
+            last (SJD-PAC's drafter): with `bounds`, ``validate=False`` and one generator on an accelerator, the
+            tree's structure comes from a per-layout cache instead of being rebuilt (the same result).
 
     Returns:
         `VerifyResult` with ``path [B, D+1]`` (rows of ``p_target``: 0 = root, then ``1 + node`` per accepted
@@ -183,6 +204,21 @@ def verify_tree(
             dup = sib & (tokens[:, :, None] == tokens[:, None, :])
             dup = dup & ~torch.eye(n, dtype=torch.bool, device=p.device)
             checks.add(dup.any(), "mode='without_replacement' needs distinct siblings")
+    cached = (
+        layout is not None
+        and bounds is not None
+        and not validate
+        and (greedy or num_rows(generator) is None)
+        and not host_checks_enabled(p.device)
+    )
+    if cached:  # the layout's structure, once; a round's absent nodes (last among their siblings) masked here
+        structure = _layout_structure(tuple(layout), (int(bounds[0]), int(bounds[1])), p.device)
+        parents, children, rank, depth, ancestry, earlier = (t.expand(batch, *t.shape[1:]) for t in structure)
+        max_depth = min(int(bounds[0]), n)
+        width = children.shape[-1]
+        has = (children >= 0) & present.gather(1, children.clamp(min=0).view(batch, -1)).view(batch, n + 1, width)
+        return _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier,
+                          p, q, generator, max_depth, has)  # fmt: skip
     parents, children, rank, depth, ancestry, earlier, max_depth = _tree_children(
         parents, present, validate, checks, bounds
     )
@@ -195,7 +231,7 @@ def verify_tree(
 
 
 def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,
-               generator, max_depth):  # fmt: skip
+               generator, max_depth, has=None):  # fmt: skip
     """`verify_tree` for every node at once: a fixed number of batched ops per sibling slot (no walk per level).
 
     Each node's acceptance probability given that its earlier siblings were rejected is the rule's step on its
@@ -211,7 +247,7 @@ def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, dep
     n = n1 - 1
     width = children.shape[-1]
     device = p.device
-    has = children >= 0  # [B, N+1, C]
+    has = children >= 0 if has is None else has  # [B, N+1, C] children to try
     kids = children.clamp(min=0)
     xs = tokens.gather(1, kids.view(batch, n1 * width)).view(batch, n1, width)  # [B, N+1, C] child tokens
     resid = p  # [B, N+1, V]: the residual of every parent after the slots so far

@@ -75,7 +75,26 @@ def _chain_tail(layout: list[int], main: list[int]) -> int:
     return tail
 
 
-def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, rule, validate, layout_list=None):
+def _index_tensors(layout: tuple[int, ...], main: tuple[int, ...], tail: int, device: torch.device):
+    """The layout's index tensors: ``main [L]`` (main-branch nodes), ``main_rows [L+1]`` (their p_target rows,
+    the pending token's first), ``chain_rows [tail+1]`` (the chain's p_target rows, the anchor's first) and
+    ``chain_nodes [tail]`` (the chain's p_target rows after each chain node, ``n0 + 1 + slot``)."""
+    n = len(layout)
+    n0 = n - tail
+    anchor = main[len(main) - tail - 1] if tail else 0
+    return (
+        torch.tensor(main, dtype=torch.long, device=device),
+        torch.tensor([0, *(m + 1 for m in main)], dtype=torch.long, device=device),
+        torch.tensor([anchor + 1, *range(n0 + 1, n + 1)], dtype=torch.long, device=device),
+        torch.arange(n0 + 1, n + 1, dtype=torch.long, device=device),
+    )
+
+
+_cached_index_tensors = functools.lru_cache(maxsize=64)(_index_tensors)
+
+
+def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, rule, validate, layout_list=None,
+                            index=None):  # fmt: skip
     """`verify_tree` (without replacement) over the whole Jacobi tree, computed as the tree part followed, for the
     rows whose path reached the main node the chain hangs from (the anchor), by `verify_chain` over the chain: the
     same recursion (a chain is a tree of single children), without a Python step per chain node and sibling slot.
@@ -96,17 +115,18 @@ def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, 
     reached = tree.path.gather(1, tree.num_accepted[:, None])[:, 0] == anchor + 1  # [B]
     chain_tokens = tokens[:, n0:]
     present = (chain_tokens >= 0).long().cumprod(1).sum(1)
-    rows = torch.cat([torch.tensor([anchor + 1]), torch.arange(n0 + 1, n + 1)]).to(p_target.device)
-    chain = verify_chain(rule, chain_tokens.clamp(min=0), p_target[:, rows], q_draft[:, n0:], generator=generator,
+    if index is None:
+        index = _index_tensors(tuple(layout_list), tuple(main), tail, p_target.device)
+    rows, chain_nodes = index[2], index[3]
+    chain = verify_chain(rule, chain_tokens.clamp(min=0), p_target.index_select(1, rows), q_draft[:, n0:], generator=generator,
                          num_draft=torch.where(reached, present, 0), validate=validate)  # fmt: skip
     width = depth + tail + 1
     out = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
     path = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
     w = tree.tokens.shape[1]
     out[:, :w], path[:, :w] = tree.tokens, tree.path
-    slot = torch.arange(tail + 1, device=tokens.device)
     out[:, depth:] = torch.where(reached[:, None], chain.tokens, out[:, depth:])
-    chain_path = torch.where(slot[:tail] < chain.num_accepted[:, None], n0 + 1 + slot[:tail], -1)
+    chain_path = torch.where(chain_nodes < chain.num_accepted[:, None] + n0 + 1, chain_nodes, -1)
     path[:, depth + 1 :] = torch.where(reached[:, None], chain_path, path[:, depth + 1 :])
     nan = torch.full_like(chain.accept_prob, float("nan"))
     return VerifyResult(
@@ -162,21 +182,21 @@ def verify_jacobi_tree(
         raise ValueError("parents: a Jacobi tree has one layout for every row (absent nodes are tree_tokens -1)")
     if layout is not None and validate and parents_row.tolist() != list(layout):
         raise ValueError("layout must be parents[0] as a list")
-    main_list = main_branch(parents_row if layout is None else list(layout))
+    layout_list = parents_row.tolist() if layout is None else list(layout)
+    main_list = main_branch(layout_list)
+    # the layout's index tensors: once per layout when the drafter gave it as a host list
+    key = (tuple(layout_list), tuple(main_list), _chain_tail(layout_list, main_list), tree_tokens.device)
+    index = _index_tensors(*key) if layout is None else _cached_index_tensors(*key)
     res = _verify_tree_then_chain(tree_tokens, parents_row, main_list, p_target, q_draft, generator, rule, validate,
-                                  None if layout is None else list(layout))  # fmt: skip
-    vocab = p_target.shape[-1]
-    main = torch.tensor(main_list, dtype=torch.long, device=tree_tokens.device)  # [L]
-    k = main.numel()
+                                  layout_list, index)  # fmt: skip
+    main, rows = index[0], index[1]  # [L] main-branch nodes, [L+1] p rows for positions 1 .. L+1
+    drafts = tree_tokens.index_select(1, main)  # [B, L]
     # a row's main branch ends at its first absent main node
-    lengths = (tree_tokens[:, main] >= 0).long().cumprod(1).sum(1)  # [B]
-    main = main[None].expand(batch, k)
+    lengths = (drafts >= 0).long().cumprod(1).sum(1)  # [B]
     p = p_target.to(res.accept_prob.dtype)
-    safe = main.clamp(min=0)
-    rows = torch.cat([torch.zeros_like(main[:, :1]), safe + 1], dim=1)  # [B, L+1] p rows for positions 1 .. L+1
-    p_main = p.gather(1, rows[..., None].expand(batch, k + 1, vocab))  # [B, L+1, V]
-    d_main = tree_tokens.gather(1, safe).clamp(min=0)  # [B, L]
-    q_main = q_draft.to(p.dtype).gather(1, safe[..., None].expand(batch, k, vocab))  # [B, L, V]
+    p_main = p.index_select(1, rows)  # [B, L+1, V]
+    d_main = drafts.clamp(min=0)  # [B, L]
+    q_main = q_draft.to(p.dtype).index_select(1, main)  # [B, L, V]
 
     # adaptive continuation: SCD's coupled re-draft (fresh coins: the verifier never tried these nodes)
     redraft = coupled_redraft(p_main, q_main, d_main, lengths, generator, coupling=coupling)  # [B, L+1]

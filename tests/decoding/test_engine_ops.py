@@ -34,7 +34,7 @@ ENGINE_OPS = {
     "tree": 235,  # 226.6 (11 rounds); 560.6 with the per-level walk of verify_tree
     "sjd": 134,  # 129.6 (11 rounds)
     "gsd": 275,  # 268.0 (6 rounds)
-    "sjd-pac": 460,  # 449.3 (10 rounds); 718.3 with the walk
+    "sjd-pac": 415,  # 408.9 (10 rounds); 449.3 rebuilding the tree structure each round; 718.3 with the walk
 }
 
 

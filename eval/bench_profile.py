@@ -28,6 +28,7 @@ import platform
 import torch
 
 from mmspec.cli.args import DEFAULT_ZOO, MAX_BATCH, int_in_range, int_list_in_range, names_of
+from mmspec.counting import forced_accelerator
 from mmspec.eval.zoo_runs import METHODS, ZOO_PIPELINES
 
 
@@ -231,7 +232,8 @@ def explain_compile(run, method, first_forward):
         return None, "the call ran no target forward inside the decoding loop"
     try:
         fn, a, k = first_forward
-        explained = torch._dynamo.explain(fn)(*a, **k)
+        with forced_accelerator():  # the accelerator path: the CPU-only checks' reads would break the graph
+            explained = torch._dynamo.explain(fn)(*a, **k)
         torch._dynamo.reset()
         pipe.enable_compile(backend="eager")
         run.call(method, 1)

@@ -86,6 +86,17 @@ def _is_read(func, args, kwargs):
     return False
 
 
+@contextlib.contextmanager
+def forced_accelerator():
+    """Inside the block `host_checks_enabled` is False on every device (as inside `HostReads`), without counting:
+    for tracing the accelerator path on a CPU (e.g. `torch._dynamo.explain` of what a GPU would run)."""
+    _state.force_accelerator = getattr(_state, "force_accelerator", 0) + 1
+    try:
+        yield
+    finally:
+        _state.force_accelerator -= 1
+
+
 class HostReads(TorchDispatchMode):
     """Count host reads inside the block (see the module docstring) and force the accelerator branches.
 

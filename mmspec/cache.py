@@ -296,7 +296,7 @@ def tree_ancestry(parents, max_depth=None):
     Args:
         parents: `[rows, M]` topologically ordered forest (`check_parents`).
         max_depth: an upper bound on every node's depth (0 for a child of the prefix; e.g. from the knobs): then
-            exactly `max_depth` vectorised steps; None: `ceil(log2(M))` squarings of the parent relation (a fixed
+            exactly `max_depth` vectorised steps; None: `ceil(log2(M))` pointer-doubling steps (a fixed
             number of device ops for any tree). Never a host read. Nodes deeper than `max_depth` would get a wrong
             depth: pass a true bound.
     """
@@ -310,7 +310,7 @@ def tree_ancestry(parents, max_depth=None):
     # runs max-depth times (a few), not once per node. Each step marks mask[r, i, ancestor[r, i]] with one scatter
     # (rows whose chain has ended mark their own, already True, diagonal).
     if max_depth is None:
-        return _ancestry_by_squaring(parents, mask)
+        return _ancestry_by_doubling(parents, mask)
     ancestor = parents.clone()
     for _ in range(max_depth):
         found = ancestor >= 0  # [rows, M]
@@ -320,18 +320,26 @@ def tree_ancestry(parents, max_depth=None):
     return depth, mask
 
 
-def _ancestry_by_squaring(parents, mask):
-    """`tree_ancestry` without a depth bound: the ancestor-or-self relation is the reflexive-transitive closure of
-    the parent relation, reached by squaring it `ceil(log2(M))` times (each squaring doubles the path length
-    covered; a depth is at most `M - 1`). Exact: the counts are small integers in float32."""
+def _ancestry_by_doubling(parents, mask):
+    """`tree_ancestry` without a depth bound, in `ceil(log2(M))` pointer-doubling steps (a fixed number of device
+    ops for any tree, no host read): `up` is each node's ancestor at distance `2^k` (saturating at its topmost
+    ancestor, or itself for a root), and `mask[i] |= mask[up[i]]` extends the ancestors covered from distances
+    `< 2^k` to `< 2^(k+1)`; a saturated pointer only adds true ancestors. Peak memory: the `[rows, M, M]` bool
+    result plus one gathered copy of it."""
     rows, m = parents.shape
-    rel = mask.float()
-    rel.scatter_add_(2, parents.clamp(min=0)[..., None], (parents >= 0).float()[..., None])
-    rel = rel.clamp(max=1)
+    device = parents.device
+    self_index = torch.arange(m, device=device).expand(rows, m)
+    up = torch.where(parents >= 0, parents, self_index)
+    # depth by the same doubling on [rows, M] vectors (`mask.sum` would make an int64 copy of the whole mask):
+    # `depth[i]` counts the ancestors within distance `< 2^k` of i, `jump[i]` is the ancestor at distance 2^k or -1
+    depth, jump = (parents >= 0).long(), parents
     for _ in range(max(m - 1, 1).bit_length()):
-        rel = torch.bmm(rel, rel).clamp(max=1)
-    mask = rel > 0
-    return mask.sum(-1) - 1, mask
+        mask |= mask.gather(1, up[..., None].expand(rows, m, m))  # rows of mask at `up` (expanded: no copy)
+        up = up.gather(1, up)
+        has = jump >= 0
+        depth = depth + torch.where(has, depth.gather(1, jump.clamp(min=0)), 0)
+        jump = torch.where(has, jump.gather(1, jump.clamp(min=0)), -1)
+    return depth, mask
 
 
 def tree_inputs(parents, lengths, max_depth=None):

@@ -179,7 +179,7 @@ class SpeculativeJanusPipeline(TokenImagePipeline):
     def _load_parts(name, source, torch_dtype, kwargs, processor_source=None, local=False):
         """`(model, processor)` from `source` (the processor from `processor_source`, default `source`); every
         failure a ValueError naming `name` (and the file at fault)."""
-        from transformers import AutoConfig, JanusForConditionalGeneration, JanusProcessor
+        from transformers import AutoConfig, GenerationConfig, JanusForConditionalGeneration, JanusProcessor
 
         processor_source = source if processor_source is None else processor_source
         if local and not any((Path(processor_source) / f).is_file() for f in PROCESSOR_FILES):
@@ -200,6 +200,8 @@ class SpeculativeJanusPipeline(TokenImagePipeline):
                 None if state is not None else source, config=config, state_dict=state, dtype=torch_dtype,
                 output_loading_info=True, trust_remote_code=False, **kwargs,
             )  # fmt: skip
+            if state is not None and (Path(source) / "generation_config.json").is_file():  # not read without a path
+                model.generation_config = GenerationConfig.from_pretrained(source)
             processor = JanusProcessor.from_pretrained(processor_source, trust_remote_code=False, **kwargs)
         except Exception as err:  # truncated / corrupt files surface as many types (safetensors, json, OSError)
             raise ValueError(

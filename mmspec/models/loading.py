@@ -91,10 +91,7 @@ def quantised_state(folder, path=None):
         return None
     state = {}
     for file in files:
-        try:
-            state.update(read_weights(file))
-        except ValueError as err:
-            raise ValueError(f"{_where(path)}: cannot read {file.name}: {err}") from err
+        state.update(read_weights(file, label=f"{_where(path)}: cannot read {file.name}"))
     return state
 
 
@@ -136,6 +133,10 @@ def _load_transformers(folder, path, dtype):
         )
     except (OSError, RuntimeError, ValueError, KeyError, SafetensorError) as err:
         raise ValueError(f"path={str(path)!r}: cannot load {cls.__name__} weights: {err}") from err
+    if state is not None and (Path(folder) / "generation_config.json").is_file():  # from_pretrained(None) skips it
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}  # missing / unexpected / mismatched keys
     if problems:
         raise ValueError(f"path={str(path)!r}: weights do not match the {type(model).__name__} config: {problems}")
@@ -256,10 +257,7 @@ def _read_weights(folder, path):
 
     state = {}
     for file in _weight_files(folder, path):
-        try:
-            part = read_weights(file)  # int8 / int4 storage dequantised here (`mmspec.models.storage`)
-        except ValueError as err:
-            raise ValueError(f"{_where(path)}: cannot read {file.name}: {err}") from err
+        part = read_weights(file, label=f"{_where(path)}: cannot read {file.name}")  # int8 / int4 dequantised here
         twice = sorted(set(part) & set(state))
         if twice:
             raise ValueError(f"{_where(path)}: key {twice[0]!r} is stored in more than one shard")

@@ -46,8 +46,9 @@ def _quantize_rows(weight, bits, group_size):
     return q[:, 0::2] | (q[:, 1::2] << 4), scale[..., 0].to(torch.float16)
 
 
-def quantize(state, scheme="int8", group_size=DEFAULT_GROUP_SIZE):
-    """`(tensors, metadata)` to write for `state` ({name: tensor}) in `scheme` (see the module docstring)."""
+def quantize(state, scheme="int8", group_size=DEFAULT_GROUP_SIZE, int8_prefixes=()):
+    """`(tensors, metadata)` to write for `state` ({name: tensor}) in `scheme` (see the module docstring); tensors
+    whose names start with one of `int8_prefixes` are stored int8 in an int4 file (e.g. a model's image decoder)."""
     if scheme not in STORAGE_SCHEMES:
         raise ValueError(f"storage must be one of {STORAGE_SCHEMES}, got {scheme!r}")
     if not (isinstance(group_size, int) and group_size >= 2 and group_size % 2 == 0):
@@ -65,7 +66,7 @@ def quantize(state, scheme="int8", group_size=DEFAULT_GROUP_SIZE):
             tensors[name] = value.to(torch.float16).contiguous()
             continue
         row = value.numel() // value.shape[0]
-        bits = 4 if scheme == "int4" and row % group_size == 0 else 8
+        bits = 4 if scheme == "int4" and row % group_size == 0 and not name.startswith(tuple(int8_prefixes)) else 8
         q, scale = _quantize_rows(value, bits, group_size)
         tensors[f"{name}.qweight"], tensors[f"{name}.qscale"] = q.contiguous(), scale.contiguous()
         entries[name] = {"bits": bits, "shape": list(value.shape)}
@@ -109,27 +110,28 @@ def dequantize(tensors, metadata, where="weights"):
     return state
 
 
-def read_weights(path):
+def read_weights(path, label=None):
     """{name: tensor} of a safetensors file, dequantised if it holds quantised storage (float tensors come back in
-    float32 where dequantised, as stored otherwise). A corrupt file or inconsistent storage is a ValueError naming
-    `path`."""
+    float32 where dequantised, as stored otherwise). A corrupt file or inconsistent storage is a ValueError starting
+    with `label` (default: the quoted path)."""
     from safetensors import safe_open
 
     path = Path(path)
+    label = repr(str(path)) if label is None else label
     try:
         with safe_open(path, "pt") as handle:
             metadata = handle.metadata()
             tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     except Exception as err:  # noqa: BLE001 - a damaged file can fail in many ways (header, size, dtype)
-        raise ValueError(f"{str(path)!r}: corrupt or not a safetensors file ({err})") from err
-    return dequantize(tensors, metadata, where=repr(str(path)))
+        raise ValueError(f"{label}: corrupt or not a safetensors file ({err})") from err
+    return dequantize(tensors, metadata, where=label)
 
 
-def write_weights(state, path, scheme="int8", group_size=DEFAULT_GROUP_SIZE):
+def write_weights(state, path, scheme="int8", group_size=DEFAULT_GROUP_SIZE, int8_prefixes=()):
     """Write `state` to the safetensors file `path` in `scheme`, atomically (temporary file + rename)."""
     from safetensors.torch import save_file
 
-    tensors, metadata = quantize(state, scheme, group_size)
+    tensors, metadata = quantize(state, scheme, group_size, int8_prefixes)
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     save_file(tensors, tmp, metadata=metadata)
@@ -150,7 +152,7 @@ def storage_of(path):
     return {"F16": "float16", "F32": "float32", "BF16": "bfloat16"}.get(floats[0], floats[0]) if floats else "none"
 
 
-def convert_folder(folder, scheme, group_size=DEFAULT_GROUP_SIZE):
+def convert_folder(folder, scheme, group_size=DEFAULT_GROUP_SIZE, int8_prefixes=()):
     """Rewrite every `*.safetensors` file of a model folder in `scheme` (read through `read_weights`, so a file that
     is already quantised is re-quantised from its dequantised values). Returns {file name: (bytes before, after)}."""
     folder = Path(folder)
@@ -160,7 +162,7 @@ def convert_folder(folder, scheme, group_size=DEFAULT_GROUP_SIZE):
     sizes = {}
     for file in files:
         before = file.stat().st_size
-        write_weights(read_weights(file), file, scheme, group_size)
+        write_weights(read_weights(file), file, scheme, group_size, int8_prefixes)
         sizes[file.name] = (before, file.stat().st_size)
     return sizes
 
@@ -174,6 +176,7 @@ def main(argv=None):
     parser.add_argument("folders", nargs="+", help="model folders (every *.safetensors file in each is rewritten)")
     parser.add_argument("--storage", choices=STORAGE_SCHEMES, required=True, help="storage scheme")
     parser.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="int4 group size (even, >= 2)")
+    parser.add_argument("--int8-prefix", action="append", default=[], help="int4: tensors with this name prefix int8")
     args = parser.parse_args(argv)
     if args.group_size < 2 or args.group_size % 2 or args.group_size > 4096:
         parser.error(f"--group-size must be an even integer in [2, 4096], got {args.group_size}")
@@ -182,7 +185,7 @@ def main(argv=None):
             parser.error(f"folder {folder!r} holds no *.safetensors weights")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for folder in args.folders:
-        for name, (before, after) in convert_folder(folder, args.storage, args.group_size).items():
+        for name, (before, after) in convert_folder(folder, args.storage, args.group_size, args.int8_prefix).items():
             logging.getLogger(__name__).info("%s/%s: %d -> %d bytes (%s)", folder, name, before, after, args.storage)
 
 

@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from vlm_fixtures import IMAGE_TOKENS, tiny_llava, tiny_lm, tiny_processor, tiny_tokenizer
 
 from mmspec.cli.vlm import EAGLE_HEADS
@@ -17,6 +16,7 @@ from mmspec.models.hf.draft import save_draft_delta, truncated_draft
 from mmspec.models.hf.eagle import TextEagleHead
 from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.models.llamagen.gpt import LlamaGenGPT
+from mmspec.models.storage import read_weights, storage_of, write_weights
 from mmspec.pipelines.ar_image import SpeculativeARImagePipeline
 from mmspec.pipelines.janus import SpeculativeJanusPipeline
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
@@ -80,9 +80,10 @@ def test_vlm_head_with_draft_vocab_ids_beyond_the_vocabulary_is_refused(tmp_path
     """Issue 31: a `draft_vocab` id past the vocabulary loaded, then raised IndexError at call time."""
     folder = tmp_path / "eagle-bad-vocab"
     shutil.copytree(DEFAULT_ZOO / "mnist-vlm-eagle", folder)
-    weights = load_file(folder / "diffusion_pytorch_model.safetensors")
+    path = folder / "diffusion_pytorch_model.safetensors"
+    weights = read_weights(path)  # the zoo's storage (int4), dequantised; written back in the same scheme
     weights["draft_vocab"][5] = 60000
-    save_file(weights, folder / "diffusion_pytorch_model.safetensors")
+    write_weights(weights, path, storage_of(path))
     with pytest.raises(ValueError, match=_names(folder, "draft_vocab", "[0, 49152)", "found 60000")):
         SpeculativeVLMPipeline.from_zoo(eagle=str(folder))
 

@@ -15,6 +15,7 @@ from test_eval_fid import METHOD, tiny_pipe
 
 from mmspec.eval.fid_sampling import load_shards, run_fingerprint, sample_shards, shard_path
 from mmspec.eval.fingerprint import StaleArtefactError
+from mmspec.models.storage import read_weights
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,7 +198,7 @@ def test_readme_sweep_command_rebuilds_the_shipped_settings():
 
 def _zoo_with_other_target(folder):
     """A copy of the shipped zoo (links) whose mnist-c2i weights differ."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     folder.mkdir()
     for part in (ROOT / "assets").iterdir():
@@ -205,7 +206,7 @@ def _zoo_with_other_target(folder):
             (folder / part.name).symlink_to(part)
     shutil.copytree(ROOT / "assets" / "mnist-c2i", folder / "mnist-c2i")
     for file in (folder / "mnist-c2i").glob("*.safetensors"):
-        state = load_file(file)
+        state = read_weights(file)
         key = sorted(state)[0]
         state[key] = state[key] + 0.25
         save_file(state, file)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import mmspec.models
 from mmspec.models import MODEL_CLASSES, load, read_config
@@ -22,6 +22,7 @@ from mmspec.models.config_fields import CONFIG_FIELDS
 from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.models.llamagen.gpt import LlamaGenGPT
 from mmspec.models.llamagen.vq import LlamaGenVQ
+from mmspec.models.storage import read_weights
 
 
 ZOO = Path(__file__).resolve().parents[2] / "assets"
@@ -43,7 +44,7 @@ def _zoo_copy(tmp_path, name="mnist-c2i", dest=None, **changes):
 
 
 def _rewrite_weights(folder, change):
-    weights = load_file(folder / WEIGHTS)
+    weights = read_weights(folder / WEIGHTS)
     change(weights)
     (folder / WEIGHTS).unlink()  # a link into assets/: never write through it
     save_file(weights, folder / WEIGHTS, metadata={"format": "pt"})
@@ -206,7 +207,7 @@ def test_sharded_weights_load_and_a_missing_shard_is_named(tmp_path):
 @pytest.mark.parametrize("name", ["mnist-c2i", "mnist-c2i-draft", "mnist-c2i-eagle", "mnist-vq", "mnist-classifier"])
 def test_zoo_loads_exactly_its_stored_weights_as_trainable_float32(name):
     model = load(ZOO / name)
-    stored = load_file(ZOO / name / WEIGHTS)
+    stored = read_weights(ZOO / name / WEIGHTS)
     state = model.state_dict()
     assert state.keys() == stored.keys()
     assert all(torch.equal(state[k], v.float()) for k, v in stored.items())

@@ -5,12 +5,13 @@ import json
 import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from vlm_fixtures import tiny_lm, tiny_tokenizer
 
 from mmspec.models import DEFAULT_ZOO, load
 from mmspec.models.hf.draft import load_vlm_draft, save_draft_delta, truncated_draft
 from mmspec.models.hf.eagle import TextEagleHead
+from mmspec.models.storage import read_weights
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
 
@@ -36,7 +37,7 @@ def _copy(saved, tmp_path):
 
 
 def _rewrite(file, change):
-    state = load_file(file)
+    state = read_weights(file)
     change(state)
     save_file(state, file, metadata={"format": "pt"})
 
@@ -45,7 +46,7 @@ def _rewrite(file, change):
 def test_missing_weight_is_refused_naming_folder_and_key(saved, tmp_path, component):
     folder = _copy(saved, tmp_path)
     file = folder / component / WEIGHTS[component]
-    key = sorted(k for k in load_file(file) if "layers.0.mlp.down_proj" in k or "layer.mlp.down_proj" in k)[0]
+    key = sorted(k for k in read_weights(file) if "layers.0.mlp.down_proj" in k or "layer.mlp.down_proj" in k)[0]
     _rewrite(file, lambda state: state.pop(key))
     with pytest.raises(ValueError, match=rf"{component}'.*(weights lack|missing).*{key.split('.')[-3]}"):
         SpeculativeVLMPipeline.from_pretrained(folder)

@@ -161,7 +161,7 @@ def test_accelerator_windows_need_no_read_per_forward(lm_pipe, drafter, knobs, m
     reads, forwards = [], []  # forwards of the target, the draft LM and the EAGLE head: each asks for its window
     read, needed = hf._read_slots_in_use, hf.slots_needed
     monkeypatch.setattr(hf, "_read_slots_in_use", lambda *a: reads.append(1) or read(*a))
-    monkeypatch.setattr(hf, "slots_needed", lambda *a: forwards.append(1) or needed(*a))
+    monkeypatch.setattr(hf, "slots_needed", lambda *a, **k: forwards.append(1) or needed(*a, **k))
     texts = prompts(2, seed=3)
     exact = lm_pipe(prompt=texts, max_new_tokens=40, acceptance="greedy", drafter=drafter, **knobs).sequences
     monkeypatch.setattr(hf, "_free_reads", lambda t: False)  # as on a GPU

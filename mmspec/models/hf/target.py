@@ -360,13 +360,13 @@ class HFTarget(CachedTarget):
             vision = dict(inputs_embeds=embeds, image_mask=image_token_mask(self.model, input_ids) & valid)
         return TargetOutput(p, hidden if return_hidden else None, input_ids=input_ids, lengths=lengths, **vision)
 
-    @torch.no_grad()
     @property
     def bucket_rows(self) -> bool:
         """The target's `forward` pads its items to the cache's row bucket when captured (a draft LM's forwards are
         its drafter's: its cache compacts exactly)."""
         return self.source == "target"
 
+    @torch.no_grad()
     def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
         if self.compiler is not None:  # the cache's items (`select_rows` keeps row buckets when captured)
             tokens, parents = self.pad_items(tokens), self.pad_items(parents)

@@ -24,6 +24,25 @@ def tiny_gpt(seed=0, *, vocab_size=16, dim=32, n_layer=2, n_head=2, num_classes=
     return model.eval()
 
 
+def near_copy(model, scale=0.05, seed=1):
+    """A copy of `model` with every weight moved by `scale`·N(0, 1) (from `seed`): a draft that mostly agrees."""
+    import copy
+
+    near = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    return near
+
+
+def tiny_vq(codebook_size=16, ch_mult=(1, 2, 2)):
+    """A random LlamaGen VQ (1 channel, `len(ch_mult) - 1` downsamplings) in eval mode."""
+    from mmspec.models.llamagen.vq import LlamaGenVQ
+
+    return LlamaGenVQ(codebook_size=codebook_size, codebook_embed_dim=4, ch=8, ch_mult=ch_mult, z_channels=8,
+                      in_channels=1, num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+
+
 def random_forest(rows, m, generator):
     """Parents `[rows, m]` of a random topologically ordered forest (`parents[r, i]` uniform in `[-1, i)`, -1: the
     committed prefix), drawn from `generator`."""

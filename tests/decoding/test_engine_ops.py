@@ -52,13 +52,11 @@ class _Run:
 @pytest.fixture(scope="module")
 def tiny_run():
     from mmspec.models.llamagen.eagle import EagleHead
-    from mmspec.models.llamagen.vq import LlamaGenVQ
     from mmspec.pipelines import SpeculativeARImagePipeline
 
     target = factories.tiny_gpt(0, vocab_size=V, num_classes=4, block_size=GRID**2, std=0.3)
     head = EagleHead.from_target(target, initializer_range=0.3).init_weights(torch.Generator().manual_seed(2)).eval()
-    vq = LlamaGenVQ(codebook_size=V, codebook_embed_dim=4, ch=8, ch_mult=(1, 2, 2), z_channels=8, in_channels=1,
-                    num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    vq = factories.tiny_vq(V)
     pipe = SpeculativeARImagePipeline(target, vq, copy.deepcopy(target), head)
     pipe.set_progress_bar_config(disable=True)
     return _Run(pipe, METHODS)

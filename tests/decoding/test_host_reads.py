@@ -10,8 +10,6 @@ round breaks every method's budget after a few rounds; one added per call breaks
 Each run is short (a few rounds) at batch 1 and on a ragged batch (CFG on, where the pipeline has it).
 """
 
-import copy
-
 import factories
 import pytest
 import torch
@@ -94,17 +92,12 @@ AR_METHODS = {
 @pytest.fixture(scope="module")
 def ar_pipe():
     from mmspec.models.llamagen.eagle import EagleHead
-    from mmspec.models.llamagen.vq import LlamaGenVQ
     from mmspec.pipelines import SpeculativeARImagePipeline
 
     target = factories.tiny_gpt(0, vocab_size=V, num_classes=4, block_size=GRID**2, std=0.3)
-    near = copy.deepcopy(target)
-    with torch.no_grad():
-        for p in near.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    near = factories.near_copy(target)
     head = EagleHead.from_target(target, initializer_range=0.3).init_weights(torch.Generator().manual_seed(2)).eval()
-    vq = LlamaGenVQ(codebook_size=V, codebook_embed_dim=4, ch=8, ch_mult=(1, 2, 2), z_channels=8, in_channels=1,
-                    num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    vq = factories.tiny_vq(V)
     pipe = SpeculativeARImagePipeline(target, vq, near, head)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -1,15 +1,12 @@
 """Captured forwards on LlamaGen (`pipe.enable_compile`, `mmspec.decoding.compiled`): one graph and no break per
 forward shape, no recompile over whole generations, greedy tokens identical to eager under CPU inductor."""
 
-import copy
-
 import factories
 import pytest
 import torch
 
 from mmspec.cache import tree_inputs
 from mmspec.decoding.compiled import bucket_width, pad_block
-from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.pipelines import SpeculativeARImagePipeline
 
 
@@ -19,12 +16,8 @@ V, GRID, CLASSES = 16, 4, 4
 @pytest.fixture(scope="module")
 def parts():
     target = factories.tiny_gpt(0, vocab_size=V, num_classes=CLASSES, block_size=GRID**2, std=0.3)
-    near = copy.deepcopy(target)
-    with torch.no_grad():
-        for p in near.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    vq = LlamaGenVQ(codebook_size=V, codebook_embed_dim=4, ch=8, ch_mult=(1, 2, 2), z_channels=8, in_channels=1,
-                    num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    near = factories.near_copy(target)
+    vq = factories.tiny_vq(V)
     return target, near, vq
 
 
@@ -156,12 +149,8 @@ def test_sampled_law_under_inductor():
     from scipy import stats as scipy_stats
 
     target = factories.tiny_gpt(0, vocab_size=V, num_classes=CLASSES, block_size=4, std=0.3)
-    near = copy.deepcopy(target)
-    with torch.no_grad():
-        for p in near.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    vq = LlamaGenVQ(codebook_size=V, codebook_embed_dim=4, ch=8, ch_mult=(1, 2), z_channels=8, in_channels=1,
-                    num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    near = factories.near_copy(target)
+    vq = factories.tiny_vq(V, ch_mult=(1, 2))
     n = 2000
     plain = run(SpeculativeARImagePipeline(target, vq), seed=1, num_images_per_prompt=n, acceptance="none").images
     pipe = SpeculativeARImagePipeline(target, vq, near).enable_compile()

@@ -12,7 +12,6 @@ from scipy import stats as scipy_stats
 from mmspec.decoding import ACCEPTED, BONUS, PREFILL
 from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.models.llamagen.gpt import LlamaGenGPT
-from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.pipelines import SpeculativeARImagePipeline, SpeculativeImageOutput
 
 
@@ -28,13 +27,9 @@ def tiny_gpt(seed, dim=32, n_layer=2, std=0.3):
 @pytest.fixture(scope="module")
 def parts():
     target = tiny_gpt(0)
-    near = copy.deepcopy(target)  # a draft that mostly agrees with the target
-    with torch.no_grad():
-        for p in near.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    near = factories.near_copy(target)  # a draft that mostly agrees with the target
     head = EagleHead.from_target(target, initializer_range=0.3).init_weights(torch.Generator().manual_seed(2)).eval()
-    vq = LlamaGenVQ(codebook_size=V, codebook_embed_dim=4, ch=8, ch_mult=(1, 2, 2), z_channels=8, in_channels=1,
-                    num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    vq = factories.tiny_vq(V)
     return target, near, head, vq
 
 
@@ -227,7 +222,6 @@ def test_incompatible_components(parts):
 def test_nan_logits_raise(parts, method, broken):
     """NaN weights (target or drafter) give a clear ValueError, never silent tokens: the pipeline's distributions
     are validated where they are made (`SamplingParams.probs`), so its verifier calls skip re-validation."""
-    import copy
 
     target, near, head, vq = (copy.deepcopy(m) for m in parts)
     with torch.no_grad():

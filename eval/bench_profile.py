@@ -135,26 +135,27 @@ class _Probe:
         self.loop_reads += self.reads.count - before_reads
         return out
 
-    def token_loop(self, decode):
+    def loop(self, decode, forward, drafter_methods):
+        """`decode(target, drafter, ...)` counted: the target's `forward` method as phase "target" (one round each),
+        the drafter's `drafter_methods` as phase "drafter"."""
+
         def wrapped(target, drafter, *a, **k):
             with contextlib.ExitStack() as stack:
-                stack.enter_context(_patched(target, "forward", self._count_forward))
+                stack.enter_context(_patched(target, forward, self._count_forward))
                 if drafter is not None:
-                    for name in ("propose", "commit"):
+                    for name in drafter_methods:
                         stack.enter_context(_patched(drafter, name, _in_phase(self.ops, "drafter")))
                 return self._measure(lambda: decode(target, drafter, *a, **k))
 
         return wrapped
 
-    def masked_loop(self, decode_masked):
-        def wrapped(target, draft, *a, **k):
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(_patched(target, "features", self._count_forward))
-                if draft is not None:
-                    stack.enter_context(_patched(draft, "features", _in_phase(self.ops, "drafter")))
-                return self._measure(lambda: decode_masked(target, draft, *a, **k))
+    def token_loop(self, decode):
+        """The token loop (`mmspec.decoding.loop.decode`): target `forward`, drafter `propose` / `commit`."""
+        return self.loop(decode, "forward", ("propose", "commit"))
 
-        return wrapped
+    def masked_loop(self, decode_masked):
+        """MAR's masked loop: the target's and the draft runner's `features`."""
+        return self.loop(decode_masked, "features", ("features",))
 
     def head_last(self, head_last, target_of):
         """MAR: the diffusion head's sampling counts under the runner's phase (target / drafter)."""

@@ -63,15 +63,20 @@ def host_checks_enabled(device) -> bool:
 
 
 @contextlib.contextmanager
+def _raised(flag):
+    """Raise the thread's counter `flag` for the block (nested blocks stack)."""
+    setattr(_state, flag, getattr(_state, flag, 0) + 1)
+    try:
+        yield
+    finally:
+        setattr(_state, flag, getattr(_state, flag) - 1)
+
+
 def on_host():
     """Mark a block that touches host memory only (the tokenizer's / processor's tensors before they move to the
     device, host-side bookkeeping built from them): `HostReads` does not count what it reads there, since on an
     accelerator nothing waits for the device. Never wrap code that reads a device tensor."""
-    _state.on_host = getattr(_state, "on_host", 0) + 1
-    try:
-        yield
-    finally:
-        _state.on_host -= 1
+    return _raised("on_host")
 
 
 def _is_read(func, args, kwargs):
@@ -86,15 +91,10 @@ def _is_read(func, args, kwargs):
     return False
 
 
-@contextlib.contextmanager
 def forced_accelerator():
     """Inside the block `host_checks_enabled` is False on every device (as inside `HostReads`), without counting:
     for tracing the accelerator path on a CPU (e.g. `torch._dynamo.explain` of what a GPU would run)."""
-    _state.force_accelerator = getattr(_state, "force_accelerator", 0) + 1
-    try:
-        yield
-    finally:
-        _state.force_accelerator -= 1
+    return _raised("force_accelerator")
 
 
 class HostReads(TorchDispatchMode):
@@ -137,14 +137,15 @@ class HostReads(TorchDispatchMode):
         for name in _COPY_METHODS:
             self._saved[name] = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._patched(name))
-        _state.force_accelerator = getattr(_state, "force_accelerator", 0) + 1
+        self._forced = forced_accelerator()
+        self._forced.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            _state.force_accelerator -= 1
+            self._forced.__exit__(None, None, None)
             for name, original in self._saved.items():
                 setattr(torch.Tensor, name, original)
             self._saved = {}

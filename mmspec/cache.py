@@ -163,6 +163,12 @@ class StaticKVCache:
         mask.scatter_(2, key_slots[:, None, :].expand(rows, m, k), key_mask)
         return mask
 
+    def sync_window(self, committed: int) -> None:
+        """Restart the host-side bound of the slots in use (`touched_bound`, kept by the transformers adapter's
+        `slots_needed`) from `committed`, a span its owner knows on the host (the loop's one read per round, or 0
+        for a fresh cache): from then on the bound is trusted without a read of the device."""
+        self.touched_bound, self.host_synced = int(committed), True
+
     def select_rows(self, index):
         """Keep only rows `index [R']` (e.g. to drop finished sequences from later forwards); copies the storage."""
         self.k, self.v = self.k[:, index], self.v[:, index]

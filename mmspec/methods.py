@@ -174,7 +174,7 @@ EAGLE_HEADS = ("eagle", *VISION_POLICIES)
 # `torch.compile` modes and backends it accepts. mode None: "reduce-overhead" (CUDA graphs) on CUDA, plain inductor
 # elsewhere; backend None: inductor. "eager" / "aot_eager" trace and count graphs without generating code (tests).
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-COMPILE_BACKENDS = (None, "inductor", "eager", "aot_eager")
+COMPILE_BACKENDS = (None, "inductor", "cudagraphs", "eager", "aot_eager")
 
 
 def check_compile(mode=None, backend=None):

@@ -83,7 +83,8 @@ class SpecStats:
         ids). `num_generated` is what the row committed this round (accepted drafts + the next token, fewer when
         the sequence ends). Logged as tensor references (no work, no host sync); `finalize()` adds them up."""
         if rows is None:
-            rows = torch.arange(torch.as_tensor(num_accepted).numel())
+            accepted = torch.as_tensor(num_accepted)
+            rows = torch.arange(accepted.numel(), device=accepted.device)
         self._rounds_log.append((rows, num_drafted, num_accepted, num_generated))
 
     def finalize(self):

@@ -21,8 +21,9 @@ class CapturedForwards:
         Args:
             mode: `torch.compile` mode (`mmspec.methods.COMPILE_MODES`); None: "reduce-overhead" (CUDA graphs) on
                 CUDA, plain inductor elsewhere.
-            backend: `mmspec.methods.COMPILE_BACKENDS`; None: inductor. "eager" / "aot_eager" trace and count graphs
-                without generating code.
+            backend: `mmspec.methods.COMPILE_BACKENDS`; None: inductor. "cudagraphs": CUDA graphs of the traced
+                kernels without inductor's code generation (fast to compile). "eager" / "aot_eager" trace and count
+                graphs without generating code.
         """
         check_compile(mode, backend)
         self._compiler = Compiler(mode, backend)

@@ -15,10 +15,13 @@ shape, with exact counts of the graphs it compiled (`pipe.enable_compile(...)`, 
   block, and nothing attends to them: the block's outputs are those of the unpadded forward.
 
 Mode None is "reduce-overhead" (inductor + CUDA graphs) on CUDA and plain inductor elsewhere; backend None is
-inductor. "eager" / "aot_eager" trace without generating code: the fast way to count graphs and breaks in tests.
+inductor. "cudagraphs" captures the traced graph's own kernels in CUDA graphs without generating code (seconds to
+compile where inductor takes minutes; the launches go, the kernels stay eager's). "eager" / "aot_eager" trace
+without generating code: the fast way to count graphs and breaks in tests.
 Sampling and verification stay eager (a per-row `torch.Generator` is not traceable): only forwards are captured.
 """
 
+import dataclasses
 import logging
 import types
 
@@ -27,9 +30,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompiledForward", "Compiler", "bucket_width", "dense", "pad_block", "pad_rows", "row_bucket"]
+__all__ = ["CompiledForward", "Compiler", "bucket_width", "dense", "owned", "pad_block", "pad_rows", "row_bucket"]
 
 RECOMPILE_LIMIT = 64  # per wrapper's code object, scoped to its calls; far above the shapes of one method
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the inductor modes that capture CUDA graphs
 
 
 def _inner_backend(mode, backend):
@@ -55,6 +59,12 @@ class CompiledForward:
         if mode is None and backend in (None, "inductor"):
             mode = "reduce-overhead" if device.type == "cuda" else None
         self.name, self.mode, self.backend = name, mode, backend
+        # CUDA graphs (inductor's "reduce-overhead" / "max-autotune") replay into memory they own: each call starts a
+        # new step and hands back its own copies, so an output kept across calls (a hidden state for the drafter)
+        # is never overwritten by the next replay
+        self.cudagraphs = device.type == "cuda" and (
+            backend == "cudagraphs" or (backend in (None, "inductor") and mode in CUDAGRAPH_MODES)
+        )
         self.graphs = self.calls = 0
         self.shapes = set()
         self._inner = _inner_backend(mode, backend)
@@ -102,7 +112,10 @@ class CompiledForward:
         args, kwargs = tuple(dense(a) for a in args), {k: dense(v) for k, v in kwargs.items()}
         self.shapes.add(self.signature(args, kwargs))
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-            return self._compiled(*args, **kwargs)
+            if not self.cudagraphs:
+                return self._compiled(*args, **kwargs)
+            torch.compiler.cudagraph_mark_step_begin()
+            return owned(self._compiled(*args, **kwargs))
 
     @property
     def recompiles(self) -> int:
@@ -131,12 +144,14 @@ class Compiler:
         return self.forwards[key]
 
     @staticmethod
-    def static(*tensors):
-        """Mark CUDA tensors that a captured forward mutates in place (the KV cache) as static addresses, so CUDA
-        graphs write them where they are instead of copying them in and out; nothing elsewhere."""
-        for t in tensors:
-            if t.device.type == "cuda":
-                torch._dynamo.mark_static_address(t)
+    def static(*items):
+        """Mark CUDA tensors that a captured forward mutates in place as static addresses, so CUDA graphs write them
+        where they are instead of copying them in and out (or skipping the capture for a mutated input); nothing
+        elsewhere. An item is a tensor or an object holding them (a KV cache: every tensor attribute)."""
+        for item in items:
+            for t in [item] if torch.is_tensor(item) else [v for v in vars(item).values() if torch.is_tensor(v)]:
+                if t.device.type == "cuda":
+                    torch._dynamo.mark_static_address(t)
 
     def report(self) -> dict:
         """`{role: {"graphs", "shapes", "recompiles", "calls"}}` summed over the models of each role."""
@@ -146,6 +161,25 @@ class Compiler:
             for name, value in wrapper.report().items():
                 row[name] += value
         return out
+
+
+def owned(value):
+    """`value` with every tensor in it cloned (tuples, lists, dicts, transformers `ModelOutput`s and dataclasses are
+    rebuilt around the clones; other objects, such as a cache, pass as they are): a CUDA graph's outputs live in
+    memory its next replay overwrites."""
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(owned(v) for v in value)
+    if isinstance(value, tuple):  # a named tuple
+        return type(value)(*(owned(v) for v in value))
+    if isinstance(value, dict):  # a transformers ModelOutput too (a dict and a dataclass)
+        items = {k: owned(v) for k, v in value.items()}
+        return items if type(value) is dict else type(value)(**items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: owned(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})  # fmt: skip
+    return value
 
 
 def dense(value):

@@ -304,7 +304,7 @@ class EagleDrafter:
         `depth + 1` (the widest a round accepts), so every round's first forward has one shape."""
         if self.compiler is None:
             return self.head, self.hidden, self.ids
-        self.compiler.static(self.cache.k, self.cache.v)
+        self.compiler.static(self.cache)
         width = self.depth + 1
         return CapturedHead(self.head, self.compiler, width), *pad_pairs(self.hidden, self.ids, width)
 

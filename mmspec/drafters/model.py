@@ -78,7 +78,7 @@ class ModelDrafter:
         g = self.guidance
         model = self.model
         if self.compiler is not None:
-            self.compiler.static(self.cache.k, self.cache.v)
+            self.compiler.static(self.cache)
             model = self.compiler.forward("drafter", self.model)
         num_draft = state.remaining().clamp(min=1, max=self.k)
         length = min(self.k, state.max_remaining)  # no drafts past the last token of any row

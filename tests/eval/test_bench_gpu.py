@@ -34,7 +34,8 @@ def _check_costs(report, archs, compiled=True):
             t = entry[variant]
             assert t is not None, entry.get("compiled_reason")
             assert set(t) == {"plain_step_s", "verify_s", "draft_step_s"}
-            assert list(t["verify_s"]) == [str(w) for w in entry["verify_widths"]]
+            widths = entry["verify_widths" if variant == "eager" else "compiled_verify_widths"]
+            assert list(t["verify_s"]) == [str(w) for w in widths]
         assert set(entry["engine_s"]) == {"chain", "tree"}
         _positive_numbers({k: v for k, v in entry.items() if k not in ("bound_step_s", "compiled_reason",
                                                                         "engine_compiled_s", "engine_compiled_reason")})  # fmt: skip
@@ -58,6 +59,7 @@ def test_smoke_writes_every_section(tmp_path):
     assert report["costs"]["smollm2-135m"]["compiled"] is None
     zoo = report["zoo"]
     assert zoo["batch_sizes"] == [1, 2] and set(zoo["rows"]) == {"ar-image", "mar"}
+    assert zoo["failed"] == {} and zoo["skipped"] == {} and report["partial"] is False
     for pipeline, methods in zoo["rows"].items():
         assert "plain" in methods
         for method, by_batch in methods.items():
@@ -106,3 +108,23 @@ def test_usage_errors_before_any_model_loads(argv, flag, capsys):
         main(["gpu", *argv])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_section_past_its_budget_is_stopped_and_the_rest_recorded_as_skipped():
+    """`Budget.hard` interrupts work that runs past the section's end (one long compile must not eat the next
+    section), and `projection_widths` names the widths the compiled pass must measure."""
+    import time
+
+    from mmspec.eval.bench_gpu import Budget, BudgetSpent, projection_widths
+
+    budget = Budget(0.2)
+    start = time.monotonic()
+    with pytest.raises(BudgetSpent):
+        with budget.hard():
+            while time.monotonic() - start < 10:
+                sum(range(1000))
+    assert time.monotonic() - start < 2 and budget.over()
+    with Budget(5).hard():  # inside its budget: no signal, and the timer is cleared afterwards
+        pass
+    time.sleep(0.01)
+    assert projection_widths((2, 4, 8, 16, 32, 64)) == [8, 32]

@@ -187,7 +187,9 @@ def right_align(input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: 
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got {tuple(input_ids.shape)}")
     if attention_mask is None:
-        return input_ids, torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long)
+        return input_ids, torch.full(
+            (input_ids.shape[0],), input_ids.shape[1], dtype=torch.long, device=input_ids.device
+        )
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
     keep = attention_mask.bool()
@@ -196,7 +198,7 @@ def right_align(input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: 
         raise ValueError("every row of attention_mask needs at least one token")
     order = torch.sort((~keep).long(), dim=1, stable=True).indices  # tokens first, order kept
     ids = input_ids.gather(1, order)
-    ids = torch.where(torch.arange(ids.shape[1])[None, :] < lengths[:, None], ids, pad_token_id)
+    ids = torch.where(torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None], ids, pad_token_id)
     return ids, lengths
 
 
@@ -288,7 +290,7 @@ class HFTarget(CachedTarget):
         hf_cache = StaticCache(cache)
         hf_cache.write_slots = dense(slots) if captured else slots  # a tree level's slots: a strided view
         if captured:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
-            self.compiler.static(cache.k, cache.v)
+            self.compiler.static(cache)
             module = self.compiler.forward("target" if self.source == "target" else "drafter", module)
         out = module(position_ids=self.positions(logical), attention_mask=visible, past_key_values=hf_cache,
                      use_cache=True, **inputs)  # fmt: skip

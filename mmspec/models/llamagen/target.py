@@ -77,7 +77,7 @@ class LlamaGenTarget(CachedTarget):
         padded to `bucket_width` (scratch slots after it, attended by nothing) and the outputs cut back to it."""
         m = rows.shape[1]
         padded = pad_block(bucket_width(m, self.buckets), rows, *inputs)
-        self.compiler.static(self.cache.k, self.cache.v)
+        self.compiler.static(self.cache)
         run = self.compiler.forward("target", self.model)
         out = run(padded[0], self.cache, *padded[1:], return_hidden=return_hidden, validate=False)
         hidden = None if out.hidden is None else self.live_rows(out.hidden[:, :m])

@@ -112,6 +112,9 @@ def add_arguments(parser):
     parser.add_argument("--pipeline", type=names_of(ZOO_PIPELINES), default=None,
                         help="zoo pipelines, in this order (default all: " + ",".join(ZOO_PIPELINES)
                         + "; --smoke ar-image,mar)")  # fmt: skip
+    parser.add_argument("--methods", type=lambda text: [m for m in text.split(",") if m], default=None,
+                        help="zoo methods to run (comma list; plain always runs; default: every method the zoo has "
+                        "drafters for). Unknown names are a usage error")  # fmt: skip
     for section in ("zoo", "costs"):
         parser.add_argument(f"--{section}-budget", type=int_in_range(1, MAX_BUDGET_S), default=None,
                             help=f"seconds for section {section} on CUDA (default {BUDGET_S[section]:.0f}); what is "
@@ -149,6 +152,12 @@ def check_args(parser, args):
     from mmspec.cli.checks import check_device
 
     check_device(parser, args.device)
+    from mmspec.eval.zoo_runs import METHODS
+
+    known = {m for methods in METHODS.values() for m in methods}
+    unknown = sorted(set(args.methods or ()) - known)
+    if unknown:
+        parser.error(f"argument --methods: unknown {unknown}; use names from {sorted(known)}")
     if "zoo" in args.sections and not Path(args.zoo).is_dir():
         parser.error(f"argument --zoo: {args.zoo!r} is not a folder (or leave zoo out of --sections)")
 
@@ -472,7 +481,9 @@ def _arch_costs(args, name, device, dtype, widths, repeats, budget):
     else:
         full, draft = (_compiled(x, args.compile_mode, args.smoke, args.compile_backend) for x in (full, draft))
         try:
+            skips = cudagraph_skips()
             entry["compiled"] = _step_times(full, draft, entry["compiled_verify_widths"], device, repeats)
+            entry["cudagraph_skips"] = cudagraph_skips() - skips
         except BudgetSpent as err:
             entry["compiled_reason"] = str(err)
         except Exception as err:  # a compile failure is recorded, not fatal
@@ -565,6 +576,14 @@ def _set_compile(run, on, smoke, backend=None):
     return None
 
 
+def cudagraph_skips():
+    """How many times inductor / dynamo's cudagraphs backend gave up capturing a graph so far (its counter; each skip
+    also logs the reason under ``TORCH_LOGS=cudagraphs``): a compiled row whose count grew ran without CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def _zoo_pass(args, run, variant, b, device, repeats, rows):
     """One timed pass (all of a pipeline's methods interleaved, at batch `b`, eager or compiled) into `rows`; a
     compiled pass warms up twice (compile, then the CUDA graphs' recording). Returns the reason it has no numbers,
@@ -586,6 +605,7 @@ def _zoo_pass(args, run, variant, b, device, repeats, rows):
             reason = _set_compile(run, variant == "compiled", args.smoke, backend)
         except Exception as err:
             reason = f"enable_compile failed: {type(err).__name__}: {str(err)[:300]}"
+    skips = cudagraph_skips()
     if reason is None:
         try:
             timing = time_interleaved({m: timed(m) for m in run.methods}, repeats=repeats,
@@ -606,6 +626,7 @@ def _zoo_pass(args, run, variant, b, device, repeats, rows):
             if variant == "compiled":
                 report = getattr(run.pipes[m], "compile_report", None)
                 row["compile_report"] = report() if report is not None else None
+                row["cudagraph_skips"] = cudagraph_skips() - skips
     if reason is None and not args.quiet:
         logger.info("zoo %s b%d %s: %s", run.pipeline, b, variant,
                     ", ".join(f"{m} {timing.median(m):.3f}s" for m in run.methods))  # fmt: skip
@@ -640,7 +661,10 @@ def zoo(args, device, budget, save=None):
     rows, skipped, failed, runs = {}, {}, {}, {}
     out = {"batch_sizes": batches, "repeats": repeats, "rows": rows, "skipped": skipped, "failed": failed}
     for p in args.pipeline or (("ar-image", "mar") if args.smoke else ZOO_PIPELINES):
-        methods = available_methods(p, args.zoo)[: 2 if args.smoke else None]
+        methods = available_methods(p, args.zoo)
+        if args.methods:  # plain stays: every speedup is against it
+            methods = tuple(m for m in methods if m == "plain" or m in args.methods)
+        methods = methods[: 2 if args.smoke else None]
         try:
             with budget.hard():
                 runs[p] = build(p, args.zoo, device, methods, max_new_tokens=8 if args.smoke else 64,

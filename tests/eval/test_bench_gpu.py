@@ -37,7 +37,9 @@ def _check_costs(report, archs, compiled=True):
             widths = entry["verify_widths" if variant == "eager" else "compiled_verify_widths"]
             assert list(t["verify_s"]) == [str(w) for w in widths]
         assert set(entry["engine_s"]) == {"chain", "tree"}
-        _positive_numbers({k: v for k, v in entry.items() if k not in ("bound_step_s", "compiled_reason",
+        if compiled:  # counted: 0 on the CPU (no CUDA graphs to skip)
+            assert entry["cudagraph_skips"] == 0
+        _positive_numbers({k: v for k, v in entry.items() if k not in ("bound_step_s", "compiled_reason", "cudagraph_skips",
                                                                         "engine_compiled_s", "engine_compiled_reason")})  # fmt: skip
         rows = report["projection"][name]
         assert set(rows) == {"eagle", "lantern", "sjd-pac", "vispec", "plain"}
@@ -100,6 +102,7 @@ def test_costs_and_projection_survive_without_diffusers(tmp_path):
         (["--smoke", "--repeats", "0"], "--repeats"),
         (["--smoke", "--batch-size", "100000"], "--batch-size"),
         (["--smoke", "--zoo", "/no/such/zoo"], "--zoo"),
+        (["--smoke", "--methods", "plain,warp-drive"], "--methods"),
         (["--smoke", "--json", "/no/such/folder/out.json"], "--json"),
     ],
 )

@@ -410,9 +410,14 @@ def engine_round_time(spec, tree, device, repeats, tokens=33):
     k = 24 if tree else 6
     p = torch.softmax(torch.randn(b, k + 1, v, generator=gen, device=device), -1)
     if tree:  # a binary tree in topological order: two children of the root, then two per node
-        parents = torch.tensor([[-1, -1] + [(i - 2) // 2 for i in range(2, k)]], device=device)
+        parent_list = [-1, -1] + [(i - 2) // 2 for i in range(2, k)]
+        depth = []
+        for par in parent_list:
+            depth.append(1 if par < 0 else depth[par] + 1)
+        parents = torch.tensor([parent_list], device=device)
+        # with the host-known bounds a tree drafter passes (tree_depth, tree_top_k)
         proposal = Proposal(torch.randint(0, v, (b, k), generator=gen, device=device),
-                            torch.full((b,), k, device=device), parents=parents)  # fmt: skip
+                            torch.full((b,), k, device=device), parents=parents, bounds=(max(depth), 2))  # fmt: skip
     else:
         q = torch.softmax(torch.randn(b, k, v, generator=gen, device=device), -1)
         proposal = Proposal(torch.multinomial(q[0], 1).T, torch.full((b,), k, device=device), q_draft=q)

@@ -204,13 +204,10 @@ def verify_tree(
             dup = sib & (tokens[:, :, None] == tokens[:, None, :])
             dup = dup & ~torch.eye(n, dtype=torch.bool, device=p.device)
             checks.add(dup.any(), "mode='without_replacement' needs distinct siblings")
-    cached = (
-        layout is not None
-        and bounds is not None
-        and not validate
-        and (greedy or num_rows(generator) is None)
-        and not host_checks_enabled(p.device)
-    )
+    # per-row generators draw a fixed grid of coins per row, sized by the host-known bounds (`_all_nodes`); without
+    # bounds, the walk down the tree draws only where a row tries a child
+    grid = None if greedy or num_rows(generator) is None or bounds is None else (int(bounds[0]), int(bounds[1]))
+    cached = layout is not None and bounds is not None and not validate and not host_checks_enabled(p.device)
     if cached:  # the layout's structure, once; a round's absent nodes (last among their siblings) masked here
         structure = _layout_structure(tuple(layout), (int(bounds[0]), int(bounds[1])), p.device)
         parents, children, rank, depth, ancestry, earlier = (t.expand(batch, *t.shape[1:]) for t in structure)
@@ -218,20 +215,20 @@ def verify_tree(
         width = children.shape[-1]
         has = (children >= 0) & present.gather(1, children.clamp(min=0).view(batch, -1)).view(batch, n + 1, width)
         return _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier,
-                          p, q, generator, max_depth, has)  # fmt: skip
+                          p, q, generator, max_depth, has, grid)  # fmt: skip
     parents, children, rank, depth, ancestry, earlier, max_depth = _tree_children(
         parents, present, validate, checks, bounds
     )
-    if not greedy and num_rows(generator) is not None:
-        # per-row generators: a row draws a coin only for the children it tries, so its stream depends on the
-        # outcomes; the walk down the tree, one sibling at a time (these calls read the counts per draw anyway)
+    if not greedy and num_rows(generator) is not None and grid is None:
+        # per-row generators and no bounds: a row draws a coin only for the children it tries, so its stream
+        # depends on the outcomes; the walk down the tree, one sibling at a time
         return _walk(rule, mode, tokens, children, p, q, generator, max_depth)
     return _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,
-                      generator, max_depth)  # fmt: skip
+                      generator, max_depth, None, grid)  # fmt: skip
 
 
 def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,
-               generator, max_depth, has=None):  # fmt: skip
+               generator, max_depth, has=None, grid=None):  # fmt: skip
     """`verify_tree` for every node at once: a fixed number of batched ops per sibling slot (no walk per level).
 
     Each node's acceptance probability given that its earlier siblings were rejected is the rule's step on its
@@ -242,6 +239,10 @@ def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, dep
     rule's test. It is on the accepted path if it and each of its ancestors is the first locally accepted child of
     its parent; a row emits from its last path node's residual after all of that node's children were rejected
     (its target distribution at a leaf). The same draws, the same floating-point steps: bitwise the walk's result.
+    Per-row generators (`grid = (depth bound, children bound)`, host-known): every row draws the whole grid of coins
+    from its own generator, whatever its tree and the other rows' trees, and node i takes the coin of (its depth,
+    its rank) -- i.i.d. uniforms used once each, so the law is the walk's, and a row's stream never depends on its
+    batch.
     """
     batch, n1, vocab = p.shape
     n = n1 - 1
@@ -283,6 +284,10 @@ def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, dep
     a_node = a_node.gather(1, at) if n else a_node[:, :0]  # [B, N]
     if greedy:
         ok = present & (a_node > 0)
+    elif grid is not None:  # per-row generators: each row's own grid of coins
+        coins = rand((batch, grid[0] * grid[1]), generator, device=device, dtype=p.dtype)
+        step = ((depth - 1) * grid[1] + rank).clamp(0, max(grid[0] * grid[1] - 1, 0))
+        ok = present & (coins.gather(1, step) < a_node)
     elif max_depth * width:
         coins = rand((max_depth, width, batch), generator, device=device, dtype=p.dtype)  # the walk's draws
         step = ((depth - 1) * width + rank).clamp(0, max_depth * width - 1)

@@ -145,11 +145,12 @@ def _tree_inputs(mode, seed=0):
 
 @pytest.mark.parametrize("mode", ["deterministic", "iid", "without_replacement"])
 @pytest.mark.parametrize("rule", [None, "relaxed", "grouped"])
-def test_tree_row_independent_of_batch(mode, rule):
+@pytest.mark.parametrize("bounds", [None, (3, 3)])  # None: the walk; bounds: every row draws its grid of coins
+def test_tree_row_independent_of_batch(mode, rule, bounds):
     tokens, p, q = _tree_inputs(mode, seed=len(mode))
     rule = {None: None, "relaxed": Lantern(NB, delta=0.3), "grouped": Grouped(group_size=3, delta=0.1)}[rule]
     gens = _gens()
-    batched = verify_tree(tokens, PARENTS, p, q, mode=mode, generator=gens, rule=rule)
+    batched = verify_tree(tokens, PARENTS, p, q, mode=mode, generator=gens, rule=rule, bounds=bounds)
     for b, n in enumerate(NODES):
         g = torch.Generator().manual_seed(SEEDS[b])
         alone = verify_tree(
@@ -160,6 +161,7 @@ def test_tree_row_independent_of_batch(mode, rule):
             mode=mode,
             generator=[g],
             rule=rule,
+            bounds=bounds,
         )
         row = _row(batched, b)
         width = alone.path.shape[1]

@@ -143,6 +143,34 @@ def test_monte_carlo_first_two_tokens(mode, make_generator, chi2_pvalue):
     assert chi2_pvalue(y1 * V + y2, (p1[:, None] * p2).flatten()) > 1e-4
 
 
+@pytest.mark.parametrize("mode", ["deterministic", "iid"])
+def test_monte_carlo_per_row_generators_with_bounds(mode, make_generator, chi2_pvalue):
+    """Per-row generators with host-known bounds: each row draws its whole grid of coins (no walk); the law of the
+    first two tokens is still the target's."""
+    n = 20_000
+    gen = make_generator(40)
+    gens = [make_generator(10_000 + i) for i in range(n)]
+    p1, p2, p3, q1, q2 = (t.float() for t in _model(6))
+    if mode == "deterministic":
+        tok = torch.tensor([2, 2, 0, 1, 3]).expand(n, 5)
+    else:
+        root = _draw(q1.expand(n, V), gen, 3)
+        tok = torch.cat([root, _draw(q2[root[:, 0]], gen, 2)], dim=1)
+    a = tok[:, 0]
+    p_target = torch.stack(
+        [p1.expand(n, V), p2[a], p2[tok[:, 1]], p2[tok[:, 2]], p3[a, tok[:, 3]], p3[a, tok[:, 4]]], 1
+    )
+    q_draft = None if mode == "deterministic" else torch.stack([q1.expand(n, V)] * 3 + [q2[a], q2[a]], dim=1)
+    res = verify_tree(tok, torch.tensor(PARENTS), p_target, q_draft, mode=mode, generator=gens, bounds=(2, 3))
+    y1 = res.tokens[:, 0]
+    y2 = torch.where(res.num_accepted >= 1, res.tokens[:, 1], _draw(p2[y1], gen).squeeze(-1))
+    assert chi2_pvalue(y1, p1) > 1e-4
+    assert chi2_pvalue(y1 * V + y2, (p1[:, None] * p2).flatten()) > 1e-4
+    with pytest.raises(ValueError, match="below the tree's depth"):  # a tree deeper than its bounds is refused
+        verify_tree(tok[:2], torch.tensor(PARENTS), p_target[:2], None if q_draft is None else q_draft[:2], mode=mode,
+                    generator=gens[:2], bounds=(1, 3))  # fmt: skip
+
+
 def test_monte_carlo_ragged_trees_per_row_parents(make_generator, chi2_pvalue):
     """Per-row parents and absent nodes (-1): chain rows, bushy rows and empty trees in one batch."""
     gen = make_generator(30)

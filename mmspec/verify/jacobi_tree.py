@@ -119,7 +119,7 @@ def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, 
         index = _index_tensors(tuple(layout_list), tuple(main), tail, p_target.device)
     rows, chain_nodes = index[2], index[3]
     chain = verify_chain(rule, chain_tokens.clamp(min=0), p_target.index_select(1, rows), q_draft[:, n0:], generator=generator,
-                         num_draft=torch.where(reached, present, 0), validate=validate)  # fmt: skip
+                         num_draft=present * reached, validate=validate)  # fmt: skip
     width = depth + tail + 1
     out = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
     path = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
@@ -128,14 +128,17 @@ def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, 
     out[:, depth:] = torch.where(reached[:, None], chain.tokens, out[:, depth:])
     chain_path = torch.where(chain_nodes < chain.num_accepted[:, None] + n0 + 1, chain_nodes, -1)
     path[:, depth + 1 :] = torch.where(reached[:, None], chain_path, path[:, depth + 1 :])
-    nan = torch.full_like(chain.accept_prob, float("nan"))
     return VerifyResult(
-        num_accepted=tree.num_accepted + torch.where(reached, chain.num_accepted, 0),
+        num_accepted=tree.num_accepted + chain.num_accepted * reached,
         accept_mask=torch.cat([tree.accept_mask, chain.accept_mask & reached[:, None]], dim=1),
         tokens=out,
         path=path,
         accept_prob=torch.cat(
-            [tree.accept_prob, torch.where(reached[:, None], chain.accept_prob.to(nan.dtype), nan)], 1
+            [
+                tree.accept_prob,
+                chain.accept_prob.masked_fill(~reached[:, None], float("nan")),
+            ],
+            1,
         ),
     )
 

@@ -25,7 +25,14 @@ from diffusers.configuration_utils import register_to_config
 
 from mmspec.cache import ConcatKV, StaticKVCache, forward_inputs
 from mmspec.models.config_fields import check_fields
-from mmspec.models.llamagen.gpt import LlamaGenGPT, TransformerBlock, ffn_hidden_dim, find_multiple, rope_2d
+from mmspec.models.llamagen.gpt import (
+    LlamaGenGPT,
+    TransformerBlock,
+    ffn_hidden_dim,
+    find_multiple,
+    rope_2d,
+    rope_factors,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -126,8 +133,11 @@ class EagleHead(ModelMixin, ConfigMixin):
                                  f"(expected {name}={getattr(t, name)}, found {getattr(c, name)})")  # fmt: skip
 
     def rope(self, input_pos):
+        """`rope_factors` of the 2-D RoPE at `input_pos` (made once per forward; `apply_rope` takes them as they are)."""
         c = self.config
-        return rope_2d(input_pos, self.head_dim, c.rope_base, c.cls_token_num, int(round(c.block_size**0.5)))
+        return rope_factors(
+            rope_2d(input_pos, self.head_dim, c.rope_base, c.cls_token_num, int(round(c.block_size**0.5)))
+        )
 
     def setup_cache(self, rows, max_seq, dtype=None, device=None):
         """One-layer cache with slot == RoPE position; slots `< cls_token_num` are invalid, lengths start there.

@@ -89,12 +89,21 @@ def rope_2d(input_pos, head_dim, base, cls_token_num, grid_size):
     return rope.masked_fill((input_pos < cls_token_num)[..., None, None], 0.0)
 
 
+def rope_factors(rope):
+    """`rope [rows or 1, M, head_dim // 2, 2]` (cos, sin) -> the factors `apply_rope` multiplies by, `(c, s)`, each
+    `[rows or 1, M, 1, head_dim // 2, 2]`: c = (cos, cos), s = (-sin, sin) per pair. Made once per forward, shared by
+    every layer (a layer then rotates in five ops, not by slicing cos and sin out of `rope` again)."""
+    cos, sin = rope[..., 0], rope[..., 1]
+    return torch.stack([cos, cos], -1)[:, :, None], torch.stack([-sin, sin], -1)[:, :, None]
+
+
 def apply_rope(x, rope):
-    """Rotate `x [rows, M, heads, head_dim]` by `rope [rows or 1, M, head_dim // 2, 2]` (in float32)."""
+    """Rotate `x [rows, M, heads, head_dim]` by `rope` (`rope_2d`'s `[rows or 1, M, head_dim // 2, 2]`, or its
+    `rope_factors`), in float32: pair (a, b) -> (a cos - b sin, b cos + a sin). Computed as `x c + flip(x) s`, the
+    same products and sums in the same order (a + (-b) is a - b in IEEE arithmetic), so bitwise the textbook form."""
+    c, s = rope if isinstance(rope, tuple) else rope_factors(rope)
     xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
-    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
-    return out.flatten(3).type_as(x)
+    return (xs * c + xs.flip(-1) * s).flatten(3).type_as(x)
 
 
 # ---------------------------------------------------------------------- blocks
@@ -399,7 +408,7 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         return GPTOutput(self.output(h).float(), h if return_hidden else None)
 
     def _run(self, h, input_pos, mask, cache, write_slots):
-        rope = self.rope(input_pos)
+        rope = rope_factors(self.rope(input_pos))
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask, cache, i, write_slots)
         return h

@@ -245,9 +245,12 @@ CONTINUOUS_DEFAULTS = {
 DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost")
 DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' `assistant_confidence_threshold` default
 # a draft forward's cost in one-token target forwards, per drafter, when `draft_step_cost` is unset (measured on the
-# zoo's VLM at batch 1 on a CPU: the 4-layer draft LM with SmolLM2's output head, the one-layer EAGLE head)
-DRAFT_STEP_COSTS = {"model": 0.25, "eagle": 0.1}
-DEFAULT_VERIFY_TOKEN_COST = 0.2  # a 4-token verification ~1.6x a one-token step (1.2-1.8x on the CPUs measured)
+# zoo's VLM at batch 1, 1 thread, `bench vlm --time-phases`: the 4-layer draft LM with SmolLM2's output head 0.24,
+# 0.17 with FR-Spec's vocabulary; the one-layer EAGLE head 0.08)
+DRAFT_STEP_COSTS = {"model": 0.25, "eagle": 0.08}
+# each further token of a verification forward, likewise: 5 tokens cost 2.5x one on the AMD EPYC host (0.37 per
+# token), 7 tokens 2.85x (0.31); 4 tokens 1.2-1.8x on the Intel hosts (0.07-0.27)
+DEFAULT_VERIFY_TOKEN_COST = 0.3
 MAX_COST = 100.0  # the cost knobs' upper bound: past it a draft or a verified token costs more than any use
 
 
@@ -449,6 +452,11 @@ PRESETS = {
     "grouped": dict(acceptance="grouped", drafter="jacobi"),
     "jacobi": dict(acceptance="jacobi"),
     "sjd-pac": dict(acceptance="jacobi", coupling=True, jacobi_tree_width=3, jacobi_tree_depth=2, jacobi_window=16),
+    # adaptive draft lengths (`draft_length`): chains of at most 8, each row's K set per round
+    "exact-draft-heuristic": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="heuristic"),
+    "exact-draft-cost": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="cost"),
+    "exact-eagle-heuristic": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="heuristic"),
+    "exact-eagle-cost": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="cost"),
 }
 
 
@@ -632,7 +640,7 @@ def _resolve_draft_length(values, pipeline, drafter):
     if policy != "cost":
         given = [name for name in ("draft_step_cost", "verify_token_cost") if values[name] is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} configure draft_length='cost', got draft_length={policy!r}")
+            raise ValueError(f"{', '.join(given)}: read by draft_length='cost' only, got draft_length={policy!r}")
     if policy == "fixed":
         return
     if drafter not in ("model", "eagle") or (values["tree_top_k"] > 1 and _tree_drafter(pipeline, drafter)):

@@ -84,7 +84,7 @@ def test_registry_resolves_the_draft_length_knobs():
     assert method.draft_confidence == DEFAULT_DRAFT_CONFIDENCE
     for drafter in ("model", "eagle"):
         method = resolve_method("greedy", drafter, None, "vlm", draft_length="cost")
-        assert (method.draft_step_cost, method.verify_token_cost) == (DRAFT_STEP_COSTS[drafter], 0.2)
+        assert (method.draft_step_cost, method.verify_token_cost) == (DRAFT_STEP_COSTS[drafter], 0.3)
     fixed = resolve_method("exact", "model", None, "vlm")
     assert (fixed.draft_length, fixed.draft_confidence, fixed.draft_step_cost) == ("fixed", None, None)
     policy = real_make_draft_length(fixed, 4)

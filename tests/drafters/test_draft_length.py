@@ -61,19 +61,24 @@ def test_heuristic_is_transformers_schedule():
 
 
 def test_cost_model_drafts_longer_for_rows_that_accept_more():
-    rate = expected_rate(torch.tensor([0.0, 0.5, 0.95], dtype=torch.float64), 8, 0.25, 0.2)
+    alpha = torch.tensor([0.0, 0.5, 0.95], dtype=torch.float64)
+    survival = alpha[:, None] ** torch.arange(1, 9, dtype=torch.float64)  # a geometric run: S(i) = alpha^i
+    rate = expected_rate(survival, 0.25, 0.2)
     assert torch.allclose(rate[0], 1 / (1 + 0.45 * torch.arange(1, 9, dtype=torch.float64)))  # E(K) = 1
     assert rate[2, 1].item() == pytest.approx((1 + 0.95 + 0.95**2) / 1.9)  # K = 2: 3 tokens at most, cost 1.9
     policy = CostLength(8, draft_step_cost=0.1, verify_token_cost=0.1)
     policy.start(2, "cpu")
-    assert policy.host_max == int(policy.best_k(torch.tensor(0.8, dtype=torch.float64)))
+    assert policy.host_max == int(policy.best_k(torch.full((8,), 0.2, dtype=torch.float64)))
     done = torch.zeros(2, dtype=torch.bool)
-    for _ in range(4):  # row 0 accepts all it drafts, row 1 nothing
+    for _ in range(6):  # row 0 accepts all it drafts, row 1 nothing
         k = policy.lengths()
         policy.update(k, torch.stack([k[0], torch.tensor(0)]), done)
-    alpha, k = policy.alpha(), policy.lengths()
-    assert alpha[0] > 0.9 > 0.3 > alpha[1]
-    assert k[0] == 8 and k[1] == 1
+    hazard, k = policy.hazard(), policy.lengths()
+    assert hazard[0, :4].max() < 0.2 < 0.5 < hazard[1, 0]  # row 1 was rejected at its first draft every round
+    assert k[0] >= 6 and k[1] <= 2  # (positions row 1 never reached keep the prior)
+    # a run that, once past its first draft, goes on: longer K than the same first-draft hazard alone would give
+    bursty = torch.tensor([[0.3] + [0.02] * 7], dtype=torch.float64)
+    assert policy.best_k(bursty) > policy.best_k(torch.full((1, 8), 0.3, dtype=torch.float64))
     assert CostLength(8, draft_step_cost=5.0, verify_token_cost=5.0).first_k() == 1  # drafts too dear: K = 1
 
 
@@ -206,7 +211,7 @@ def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
     drafts) equals the model's; the rows' K diverged."""
     target_tables, draft_tables = _tables(0, 3.0), _tables(1, 3.0)
     policy = (HeuristicLength(3) if name == "heuristic"
-              else CostLength(3, draft_step_cost=0.05, verify_token_cost=0.05, prior=(1.0, 1.0)))  # fmt: skip
+              else CostLength(3, draft_step_cost=0.05, verify_token_cost=0.3, decay=0.5))  # fmt: skip
     drafter = ToyChainDrafter(draft_tables, policy)
     gens = [torch.Generator().manual_seed(7_000 + i) for i in range(ROWS)]
     state = SequenceState(torch.zeros(ROWS, dtype=torch.long), T + 1, generator=gens)

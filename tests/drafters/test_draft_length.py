@@ -68,7 +68,7 @@ def test_cost_model_drafts_longer_for_rows_that_accept_more():
     assert rate[2, 1].item() == pytest.approx((1 + 0.95 + 0.95**2) / 1.9)  # K = 2: 3 tokens at most, cost 1.9
     policy = CostLength(8, draft_step_cost=0.1, verify_token_cost=0.1)
     policy.start(2, "cpu")
-    assert policy.host_max == int(policy.best_k(torch.full((8,), 0.2, dtype=torch.float64)))
+    assert policy.host_max == int(policy.best_k(torch.full((8,), 0.2, dtype=torch.float64))) == policy.first_k()
     done = torch.zeros(2, dtype=torch.bool)
     for _ in range(6):  # row 0 accepts all it drafts, row 1 nothing
         k = policy.lengths()

@@ -64,8 +64,14 @@ class CostLength(RowLengths):
         return expected_rate(survival, self.d, self.v).argmax(-1) + 1
 
     def first_k(self):
+        """Every row's first K, from the prior's hazard alone (host arithmetic: no tensor is read)."""
         r0, n0 = self.prior
-        return int(self.best_k(torch.full((self.k_max,), r0 / n0, dtype=torch.float64)))  # host tensor: no read
+        survival, total, rates = 1.0, 1.0, []
+        for k in range(1, self.k_max + 1):
+            survival *= 1 - r0 / n0
+            total += survival
+            rates.append(total / (1 + (self.v + self.d) * k))
+        return 1 + rates.index(max(rates))
 
     def start(self, batch, device):
         super().start(batch, device)

@@ -38,7 +38,7 @@ from mmspec.cli.args import (
     seed_int,
     threads_int,
 )
-from mmspec.cli.checks import check_device, check_knob_combination, check_zoo_folders
+from mmspec.cli.checks import check_device, check_knob_combination, check_method, check_zoo_folders
 from mmspec.methods import PRESETS
 
 
@@ -99,6 +99,7 @@ def check_args(parser, args):
             parser.error(f"argument --methods: {name}: {err}: the zoo {args.zoo!r} lacks its drafter folder")
         check_sampling_only(parser, preset["acceptance"], args.temperature, name)
         check_knob_combination(parser, knob_values(args) | preset)
+        check_method(parser, preset["acceptance"], preset.get("drafter"), knob_values(args) | preset)
     check_batch_size(parser, args)
     check_device(parser, args.device)
 

@@ -10,7 +10,10 @@ output head is most of a draft step's weight traffic), ``draft-model-confident``
 transformers' assistant), ``draft-model-tree`` (the same draft LM growing an EAGLE-2
 tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node, ``--model-tree-nodes`` nodes) and
 ``eagle`` (mmspec, the EAGLE head: a chain of ``--tree-depth`` with ``--tree-top-k 1``, else an EAGLE-2 tree of
-``--tree-nodes`` nodes); the vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
+``--tree-nodes`` nodes); the adaptive draft-length rows (`draft_length=`, chains of at most
+``--adaptive-max-tokens``, per-row K): ``draft-model-heuristic`` / ``eagle-heuristic`` (transformers' schedule: +2
+after a fully accepted round, -1 otherwise), ``draft-model-cost`` / ``eagle-cost`` (the per-row cost model) and
+``draft-model-frspec-cost`` (the cost model on the FR-Spec draft LM); the vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
 ``specvlm`` (SpecVLM's gated elastic compressor) and ``msd`` (MSD's decoupled drafting), each from its zoo folder
 ``mnist-vlm-{vispec,specvlm,msd}`` (asking for a row whose folder is missing is a usage error before loading).
 
@@ -76,7 +79,20 @@ METHODS = (
     "draft-model-tree",
     "draft-model-frspec",
     "eagle",
+    "draft-model-heuristic",
+    "draft-model-cost",
+    "draft-model-frspec-cost",
+    "eagle-heuristic",
+    "eagle-cost",
 )
+# the adaptive rows: (drafter, draft-length policy, FR-Spec vocabulary) -- chains of at most --adaptive-max-tokens
+ADAPTIVE = {
+    "draft-model-heuristic": ("model", "heuristic", False),
+    "draft-model-cost": ("model", "cost", False),
+    "draft-model-frspec-cost": ("model", "cost", True),
+    "eagle-heuristic": ("eagle", "heuristic", False),
+    "eagle-cost": ("eagle", "cost", False),
+}
 # the vision-aware EAGLE heads (mmspec.drafters.vision_eagle: vispec, specvlm, msd), run with the `eagle` row's knobs
 VISION_METHODS = tuple(name for name in EAGLE_HEADS if name != "eagle")
 ALL_METHODS = METHODS + VISION_METHODS
@@ -88,7 +104,10 @@ WORKLOADS = ("templated", "free-form")
 TEMPLATED_PROMPT = "Describe the image."
 DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128}  # free-form answers are long: cut at 128 tokens
 DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
-                                       "draft-model-frspec"), "mnist-vlm-eagle": ("eagle", "draft-model-frspec"),
+                                       "draft-model-frspec", "draft-model-heuristic", "draft-model-cost",
+                                       "draft-model-frspec-cost"),
+                   "mnist-vlm-eagle": ("eagle", "draft-model-frspec", "draft-model-frspec-cost", "eagle-heuristic",
+                                       "eagle-cost"),
                    **{f"mnist-vlm-{name}": (name,) for name in VISION_METHODS}}  # fmt: skip
 
 
@@ -132,6 +151,8 @@ def add_arguments(parser):
     parser.add_argument("--num-draft-tokens", type=nodes, default=4, help="draft-model chain length")
     parser.add_argument("--confident-draft-tokens", type=nodes, default=8, help="draft-model-confident K")
     parser.add_argument("--draft-confidence", type=_confidence, default=0.4, help="draft-model-confident stop")
+    parser.add_argument("--adaptive-max-tokens", type=nodes, default=8,
+                        help="the adaptive rows' K_max (draft-model-heuristic / -cost, eagle-heuristic / -cost)")  # fmt: skip
     parser.add_argument("--model-tree-depth", type=depth, default=5, help="draft-model-tree depth")
     parser.add_argument("--model-tree-top-k", type=top_k, default=2, help="draft-model-tree children per node")
     parser.add_argument("--model-tree-nodes", type=nodes, default=10, help="draft-model-tree nodes")
@@ -190,16 +211,18 @@ def check_args(parser, args):
         parser.error(f"argument --methods: {','.join(sorted(missing & set(args.methods)))} need(s) the zoo folder(s) "
                      f"{', '.join(str(Path(args.zoo) / f) for f in folders)}, which do not exist")  # fmt: skip
     eagle_config = Path(args.zoo) / "mnist-vlm-eagle" / "config.json"
-    if "draft-model-frspec" in args.methods and eagle_config.is_file():
+    frspec_rows = [m for m in args.methods if "frspec" in m]
+    if frspec_rows and eagle_config.is_file():
         try:
             vocab = json.loads(eagle_config.read_text()).get("draft_vocab_size", 0)
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
             parser.error(f"argument --zoo: {str(eagle_config)!r} is not a JSON object ({err})")
         if not vocab:
             if explicit:
-                parser.error("argument --methods: draft-model-frspec needs an EAGLE head with a draft vocabulary "
-                             f"(draft_vocab_size > 0 in {str(eagle_config)!r})")  # fmt: skip
-            args.methods.remove("draft-model-frspec")
+                parser.error(f"argument --methods: {','.join(frspec_rows)} need(s) an EAGLE head with a draft "
+                             f"vocabulary (draft_vocab_size > 0 in {str(eagle_config)!r})")  # fmt: skip
+            for m in frspec_rows:
+                args.methods.remove(m)
     big = [b for b in args.batch_size if b > args.num_prompts]
     if big:
         parser.error(f"argument --batch-size: {big[0]} is more than --num-prompts {args.num_prompts}")
@@ -351,10 +374,17 @@ def run(args, pipe=None, canvases=None, heads=None):
     }  # fmt: skip
     for name in VISION_METHODS:  # the vision-aware heads: EAGLE's knobs
         ours[name] = dict(ours["eagle"])
+    k_max = getattr(args, "adaptive_max_tokens", 8)
+    for name, (drafter, policy, vocab) in ADAPTIVE.items():
+        size = dict(num_draft_tokens=k_max) if drafter == "model" else dict(tree_depth=k_max, tree_top_k=1)
+        ours[name] = dict(greedy, drafter=drafter, draft_length=policy, **size)
+        if vocab:
+            ours[name]["draft_vocab"] = getattr(pipe.eagle_head, "draft_vocab", None)
     frspec = pipe.eagle_head is not None and pipe.eagle_head.config.draft_vocab_size > 0
-    methods = [m for m in args.methods if not (m == "draft-model-frspec" and (not frspec or pipe.draft_model is None))
+    methods = [m for m in args.methods if not ("frspec" in m and (not frspec or pipe.draft_model is None))
                and not (m.startswith("draft-model") and pipe.draft_model is None)
-               and not (m == "hf-assisted" and pipe.draft_model is None) and not (m == "eagle" and pipe.eagle_head is None)
+               and not (m == "hf-assisted" and pipe.draft_model is None)
+               and not (m.startswith("eagle") and pipe.eagle_head is None)
                and not (m in VISION_METHODS and m not in heads) and not (do_sample and m.startswith("hf-"))]  # fmt: skip
     if "plain" not in methods:
         methods.insert(0, "plain")

@@ -18,6 +18,9 @@ Read by the pipelines' input checks, the CLI (`--acceptance` / `--drafter` choic
   loaded model's vocabulary; the CLI reads the zoo's vocabulary from its config.json before anything loads), the
   temperature range (0 = greedy) and the largest guidance scale (defined with the rules, in `mmspec.sampling`).
 * `CONTINUOUS_LIMITS`: the bounds of the MAR pipeline's real-valued knobs (`pipelines.continuous.LIMITS`).
+* `DRAFT_LENGTHS`: the draft-length policies (`draft_length=`, `mmspec.drafters.lengths`), with
+  `DEFAULT_DRAFT_CONFIDENCE` (the `"confidence"` policy's stop) and `DRAFT_STEP_COSTS` (the `"cost"` policy's draft
+  step cost per drafter, when `draft_step_cost` is unset).
 * `PRESETS`: the named method settings the benchmarks and the demo offer (`plain`, `exact-eagle`, ...).
 * `CONTINUOUS_DEFAULTS`: the defaults of the MAR pipeline's knobs (`pipelines.continuous.DEFAULTS`).
 """
@@ -42,6 +45,9 @@ __all__ = [
     "PRESETS",
     "TREE_DRAFTERS",
     "COMPILE_BACKENDS",
+    "DEFAULT_DRAFT_CONFIDENCE",
+    "DRAFT_LENGTHS",
+    "DRAFT_STEP_COSTS",
     "COMPILE_MODES",
     "CONTINUOUS_DEFAULTS",
     "CONTINUOUS_LIMITS",
@@ -231,6 +237,23 @@ CONTINUOUS_DEFAULTS = {
 }
 
 
+# Draft-length policies (`draft_length=`; `mmspec.drafters.lengths`, one file each): how many tokens each row of a
+# draft-model or EAGLE chain drafts per round, within [1, K_max] (K_max = `num_draft_tokens` / `tree_depth`).
+# "fixed": K_max every round (the default); "heuristic": transformers' schedule (+2 after a fully accepted round, -1
+# otherwise); "confidence": a chain stops after a draft token below `draft_confidence`; "cost": the K maximising
+# expected tokens per unit of cost from a running acceptance estimate (`draft_step_cost`, `verify_token_cost`).
+DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost")
+DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' `assistant_confidence_threshold` default
+# a draft forward's cost in one-token target forwards, per drafter, when `draft_step_cost` is unset (measured on the
+# zoo's VLM at batch 1, 1 thread, `bench vlm --time-phases`: the 4-layer draft LM with SmolLM2's output head 0.24,
+# 0.17 with FR-Spec's vocabulary; the one-layer EAGLE head 0.08)
+DRAFT_STEP_COSTS = {"model": 0.25, "eagle": 0.08}
+# each further token of a verification forward, likewise: 5 tokens cost 2.5x one on the AMD EPYC host (0.37 per
+# token), 7 tokens 2.85x (0.31); 4 tokens 1.2-1.8x on the Intel hosts (0.07-0.27)
+DEFAULT_VERIFY_TOKEN_COST = 0.3
+MAX_COST = 100.0  # the cost knobs' upper bound: past it a draft or a verified token costs more than any use
+
+
 # The branching part of an SJD-PAC tree (width + width**2 + ... + width**(depth-1) nodes) is bounded like the
 # other size knobs: every node is a token of the target forward.
 MAX_JACOBI_TREE_NODES = 1024
@@ -366,6 +389,48 @@ def _knobs():
                 used_by=("jacobi",),
             ),
             Knob(
+                "draft_length",
+                DRAFT_LENGTHS,
+                "fixed",
+                "draft-length policy of draft-model / EAGLE chains: fixed K, transformers' heuristic schedule, "
+                "a confidence stop, or the per-row cost model",
+                used_by=("model", "eagle"),
+            ),
+            Knob(
+                "draft_confidence",
+                float,
+                None,
+                f"a chain stops after a draft token with a raw draft probability below this (default "
+                f"{DEFAULT_DRAFT_CONFIDENCE} with draft_length='confidence'; given alone: that policy)",
+                lambda v: 0 < v < 1,
+                "in (0, 1)",
+                optional=True,
+                used_by=("model", "eagle"),
+            ),
+            Knob(
+                "draft_step_cost",
+                float,
+                None,
+                "draft_length='cost': one draft forward's cost in one-token target forwards (default "
+                + ", ".join(f"{k} {v}" for k, v in DRAFT_STEP_COSTS.items())
+                + ")",
+                lambda v: 0 <= v <= MAX_COST,
+                f"in [0, {MAX_COST:g}]",
+                optional=True,
+                used_by=("model", "eagle"),
+            ),
+            Knob(
+                "verify_token_cost",
+                float,
+                None,
+                f"draft_length='cost': each further token of a verification forward, in one-token target forwards "
+                f"(default {DEFAULT_VERIFY_TOKEN_COST})",
+                lambda v: 0 <= v <= MAX_COST,
+                f"in [0, {MAX_COST:g}]",
+                optional=True,
+                used_by=("model", "eagle"),
+            ),
+            Knob(
                 "resample",
                 tuple(RESAMPLES),
                 "optimal",
@@ -387,6 +452,11 @@ PRESETS = {
     "grouped": dict(acceptance="grouped", drafter="jacobi"),
     "jacobi": dict(acceptance="jacobi"),
     "sjd-pac": dict(acceptance="jacobi", coupling=True, jacobi_tree_width=3, jacobi_tree_depth=2, jacobi_window=16),
+    # adaptive draft lengths (`draft_length`): chains of at most 8, each row's K set per round
+    "exact-draft-heuristic": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="heuristic"),
+    "exact-draft-cost": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="cost"),
+    "exact-eagle-heuristic": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="heuristic"),
+    "exact-eagle-cost": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="cost"),
 }
 
 
@@ -501,6 +571,10 @@ class MethodSettings(Mapping):
     coupling: bool
     jacobi_tree_width: int
     jacobi_tree_depth: int
+    draft_length: str
+    draft_confidence: float | None
+    draft_step_cost: float | None
+    verify_token_cost: float | None
     resample: str
 
     def __getitem__(self, name):
@@ -550,4 +624,33 @@ def resolve_method(acceptance, drafter, available, pipeline="image", **knobs) ->
     for name, knob in KNOBS.items():
         if values[name] is None and knob.auto is not None:
             values[name] = knob.auto_for.get(acceptance, knob.auto)
+    _resolve_draft_length(values, pipeline, drafter)
     return MethodSettings(acceptance=acceptance, drafter=drafter, **values)
+
+
+def _resolve_draft_length(values, pipeline, drafter):
+    """The draft-length knobs together (in place): `draft_confidence` alone with `draft_length="fixed"` is the
+    `"confidence"` policy (the knob's meaning before the policies); `"confidence"` without a threshold takes
+    `DEFAULT_DRAFT_CONFIDENCE`; the cost knobs belong to `"cost"`, which fills them from `DRAFT_STEP_COSTS` /
+    `DEFAULT_VERIFY_TOKEN_COST`; a policy other than `"fixed"` needs a chain drafter (`"model"` / `"eagle"` at
+    `tree_top_k=1`: a tree's size is its node budget, a Jacobi window is the target's own)."""
+    if values["draft_length"] == "fixed" and values["draft_confidence"] is not None:
+        values["draft_length"] = "confidence"
+    policy = values["draft_length"]
+    if policy != "cost":
+        given = [name for name in ("draft_step_cost", "verify_token_cost") if values[name] is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: read by draft_length='cost' only, got draft_length={policy!r}")
+    if policy == "fixed":
+        return
+    if drafter not in ("model", "eagle") or (values["tree_top_k"] > 1 and _tree_drafter(pipeline, drafter)):
+        what = f"drafter={drafter!r}" + (f" with tree_top_k={values['tree_top_k']}" if drafter else "")
+        raise ValueError(f"draft_length={policy!r} and draft_confidence set the length of draft-model / EAGLE "
+                         f"chains (tree_top_k=1); {what} drafts no such chain")  # fmt: skip
+    if policy == "confidence" and values["draft_confidence"] is None:
+        values["draft_confidence"] = DEFAULT_DRAFT_CONFIDENCE
+    if policy == "cost":
+        if values["draft_step_cost"] is None:
+            values["draft_step_cost"] = DRAFT_STEP_COSTS[drafter]
+        if values["verify_token_cost"] is None:
+            values["verify_token_cost"] = DEFAULT_VERIFY_TOKEN_COST

@@ -15,6 +15,7 @@ import torch
 
 from mmspec.drafters.compat import check_image_draft_model, check_image_eagle_head
 from mmspec.drafters.eagle import EagleDrafter
+from mmspec.drafters.lengths import make_draft_length
 from mmspec.drafters.model import ModelDrafter
 from mmspec.memory import check_call_memory, kv_cache_bytes
 from mmspec.models import DEFAULT_ZOO
@@ -334,10 +335,12 @@ class SpeculativeARImagePipeline(TokenImagePipeline):
         if method.drafter == "model":
             cond_rows = guidance.condition_rows(cond.inputs, self.transformer.null_condition(cond.batch))
             mask_rows = None if cond.mask is None else guidance.condition_rows(cond.mask, cond.mask)
-            return ModelDrafter(self.draft_model, guidance, method.num_draft_tokens, cond_rows, mask_rows)
+            return ModelDrafter(self.draft_model, guidance, method.num_draft_tokens, cond_rows, mask_rows,
+                                length=make_draft_length(method, method.num_draft_tokens))  # fmt: skip
         if method.drafter == "eagle":
+            length = make_draft_length(method, method.tree_depth) if not method.tree else None
             return EagleDrafter(self.eagle_head, self.transformer, guidance, method.tree_depth, method.tree_top_k,
-                                method.tree_nodes)  # fmt: skip
+                                method.tree_nodes, length=length)  # fmt: skip
         return super().make_drafter(method, guidance, target, cond)
 
     def prefill(self, target, cond, scratch, draft):

@@ -47,6 +47,7 @@ from mmspec.counting import on_host
 from mmspec.decoding import DecodeTrace, Guidance, SequenceState, decode
 from mmspec.drafters.compat import check_vlm_draft_model, check_vlm_eagle_head
 from mmspec.drafters.eagle import EagleDrafter
+from mmspec.drafters.lengths import make_draft_length
 from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.memory import check_hf_call_memory
 from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS, acceptance_names, resolve_drafter, resolve_method
@@ -204,12 +205,13 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
 
     @staticmethod
     def check_draft_knobs(acceptance, drafter, num_draft_tokens, tree_nodes, tree_depth, tree_top_k, draft_vocab,
-                          draft_confidence, return_dict):  # fmt: skip
+                          draft_confidence, return_dict, **length_knobs):  # fmt: skip
         """The drafting knobs, resolved once by the registry (`mmspec.methods.resolve_method`: types, `>= 1`, the
-        upper bounds of `VLM_LIMITS`, each costing memory and time linearly, and the defaults); `draft_vocab`
-        integer ids, `draft_confidence` a number in (0, 1). Returns the `MethodSettings`."""
+        upper bounds of `VLM_LIMITS`, each costing memory and time linearly, the draft-length policy and its knobs,
+        and the defaults); `draft_vocab` integer ids. Returns the `MethodSettings`."""
         knobs = resolve_method(acceptance, drafter, None, "vlm", num_draft_tokens=num_draft_tokens,
-                               tree_nodes=tree_nodes, tree_depth=tree_depth, tree_top_k=tree_top_k)  # fmt: skip
+                               tree_nodes=tree_nodes, tree_depth=tree_depth, tree_top_k=tree_top_k,
+                               draft_confidence=draft_confidence, **length_knobs)  # fmt: skip
         if draft_vocab is not None and (
             not isinstance(draft_vocab, (torch.Tensor, list, tuple, np.ndarray))
             or torch.as_tensor(draft_vocab).is_floating_point()
@@ -218,12 +220,6 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
             raise TypeError(
                 f"draft_vocab must be a 1-D tensor / list of int token ids, got {type(draft_vocab).__name__}"
             )
-        if draft_confidence is not None and (
-            isinstance(draft_confidence, bool)
-            or not isinstance(draft_confidence, numbers.Real)
-            or not 0 < draft_confidence < 1  # also NaN
-        ):
-            raise ValueError(f"draft_confidence must be a number in (0, 1) or None, got {draft_confidence!r}")
         if not isinstance(return_dict, bool):
             raise TypeError(f"return_dict must be a bool, got {return_dict!r}")
         return knobs
@@ -345,7 +341,10 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         tree_depth: int | None = KNOBS["tree_depth"].default,
         tree_top_k: int = KNOBS["tree_top_k"].default,
         draft_vocab: torch.Tensor | None = None,
-        draft_confidence: float | None = None,
+        draft_confidence: float | None = KNOBS["draft_confidence"].default,
+        draft_length: str = KNOBS["draft_length"].default,
+        draft_step_cost: float | None = KNOBS["draft_step_cost"].default,
+        verify_token_cost: float | None = KNOBS["verify_token_cost"].default,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "text",
         return_dict: bool = True,
@@ -371,9 +370,17 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
             draft_vocab: `drafter="model"` only, optional 1-D ids: the draft LM scores only these tokens (FR-Spec;
                 e.g. `pipe.eagle_head.draft_vocab`, the 2,048 most frequent answer tokens): at batch 1 its output
                 head is most of a draft step's weight traffic. Verification is unchanged (lossless).
-            draft_confidence: `drafter="model"` chains only, optional in (0, 1): a row stops drafting after a token
-                the draft LM was less sure of (raw probability) -- transformers' `assistant_confidence_threshold`;
-                lossless (the stop depends on the draft alone).
+            draft_confidence: chains only (`tree_top_k=1`), optional in (0, 1): a row stops drafting after a token
+                the drafter was less sure of (raw probability) -- transformers' `assistant_confidence_threshold`;
+                lossless (the stop depends on the draft alone). Given with `draft_length="fixed"`: the
+                `"confidence"` policy.
+            draft_length: chains only: how many tokens each row drafts per round, within [1, K_max] (K_max: the
+                draft model's `num_draft_tokens`, the EAGLE chain's `tree_depth`): `"fixed"` (K_max every round),
+                `"heuristic"` (transformers' schedule: +2 after a row's fully accepted round, -1 otherwise),
+                `"confidence"` (stop below `draft_confidence`, default 0.4) or `"cost"` (per row, the K maximising
+                expected tokens per unit of cost; `docs/methods.md`). Lossless in every case.
+            draft_step_cost, verify_token_cost: `draft_length="cost"`: a draft forward's cost and each further
+                verified token's, in one-token target forwards (registry defaults per drafter).
             generator: one `torch.Generator` or a list with one per answer (then an answer does not depend on what
                 else is in its batch).
             output_type: `"text"` (decoded answers and ids) | `"ids"` (ids only).
@@ -390,7 +397,8 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         rule_name, drafter = self.check_inputs(acceptance, drafter, max_new_tokens, do_sample, output_type,
                                                callback_on_step_end)  # fmt: skip
         knobs = self.check_draft_knobs(acceptance, drafter, num_draft_tokens, tree_nodes, tree_depth, tree_top_k,
-                                       draft_vocab, draft_confidence, return_dict)  # fmt: skip
+                                       draft_vocab, draft_confidence, return_dict, draft_length=draft_length,
+                                       draft_step_cost=draft_step_cost, verify_token_cost=verify_token_cost)  # fmt: skip
         if not isinstance(time_phases, bool):
             raise TypeError(f"time_phases must be a bool, got {time_phases!r}")
         guidance = Guidance(SamplingParams(1.0, temperature, top_k, top_p, do_sample))
@@ -399,8 +407,6 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
             raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got {top_k}")
         if draft_vocab is not None and drafter != "model":
             raise ValueError('draft_vocab restricts the draft LM (drafter="model"); the EAGLE head has its own')
-        if draft_confidence is not None and drafter != "model":
-            raise ValueError('draft_confidence stops the draft LM\'s chains (drafter="model")')
 
         # 2. prepare: chat template + processor, generators, target and drafter
         device = self._execution_device
@@ -417,7 +423,7 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         with on_host():  # image tokens per prompt, from the host copy
             host_prompt = (prompt_lengths, (image_token_mask(self.model, host_ids).sum(1)).tolist())
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
-                                  draft_confidence, host_prompt)  # fmt: skip
+                                  host_prompt=host_prompt)  # fmt: skip
         check_hf_call_memory(target, draft, batch=batch, prompt_tokens=input_ids.shape[1], num_tokens=max_new_tokens,
                              acceptance=rule_name, drafter=drafter, knobs=knobs, device=device,
                              settings={"max_new_tokens": max_new_tokens},
@@ -484,16 +490,19 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         return extra
 
     def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None,
-                     draft_confidence=None, host_prompt=None):  # fmt: skip
-        """The engine drafter for the resolved `drafter` name (None: plain decoding). `host_prompt`: the prompt
-        lengths and image tokens per row as host lists (`EagleDrafter`)."""
+                     host_prompt=None):  # fmt: skip
+        """The engine drafter for the resolved `drafter` name (None: plain decoding), a chain with its draft-length
+        policy (`knobs.draft_length`). `host_prompt`: the prompt lengths and image tokens per row as host lists
+        (`EagleDrafter`)."""
         if drafter is None:
             return None
         if drafter == "model":
             draft = HFTarget(self.draft_model, guidance, source="draft", vocab=draft_vocab)
             vision = model_inputs if hasattr(self.draft_model.model, "vision_tower") else {}
             size = knobs.tree_nodes if knobs.tree else knobs.num_draft_tokens  # tree nodes / chain length
+            length = None if knobs.tree else make_draft_length(knobs, size)
             return TextModelDrafter(draft, size, input_ids, lengths, top_k=knobs.tree_top_k, depth=knobs.tree_depth,
-                                    confidence=draft_confidence, **vision)  # fmt: skip
+                                    length=length, **vision)  # fmt: skip
+        length = None if knobs.tree else make_draft_length(knobs, knobs.tree_depth)
         return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs.tree_depth, top_k=knobs.tree_top_k,
-                            total=knobs.tree_nodes, host_prompt=host_prompt)  # fmt: skip
+                            total=knobs.tree_nodes, host_prompt=host_prompt, length=length)  # fmt: skip

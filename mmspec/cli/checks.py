@@ -17,6 +17,7 @@ __all__ = [
     "check_device",
     "check_knob_combination",
     "check_knobs_used",
+    "check_method",
     "check_mnist",
     "check_output_file",
     "check_output_folder",
@@ -151,9 +152,10 @@ def check_mnist(parser, flag, why):
 # method flags together (the registry `mmspec.methods`)
 
 
-def check_knobs_used(parser, knobs, acceptance, drafter):
+def check_knobs_used(parser, knobs, acceptance, drafter, pipeline="image"):
     """Usage error for a knob flag that the method (`acceptance` run on `drafter`) never reads (`Knob.used_by`):
-    it would be silently ignored, and the run would not be the one asked for."""
+    it would be silently ignored, and the run would not be the one asked for; then the knobs together
+    (`check_method`)."""
     from mmspec.methods import KNOBS
 
     for name in knobs:
@@ -162,6 +164,22 @@ def check_knobs_used(parser, knobs, acceptance, drafter):
             method = f"--acceptance {acceptance}" + (f" with the {drafter} drafter" if drafter else "")
             parser.error(f"argument --{name.replace('_', '-')}: is read only by {', '.join(used_by)}, not by {method}")
     check_knob_combination(parser, knobs)
+    check_method(parser, acceptance, drafter, knobs, pipeline)
+
+
+def check_method(parser, acceptance, drafter, knobs, pipeline="image"):
+    """Usage error unless the registry resolves the method as the pipeline will (`mmspec.methods.resolve_method`:
+    e.g. a draft-length policy on a drafter that drafts no chain, a cost knob without the cost policy); the message
+    names the first knob it mentions."""
+    import re
+
+    from mmspec.methods import KNOBS, resolve_method
+
+    try:
+        resolve_method(acceptance, drafter, None, pipeline, **{k: v for k, v in knobs.items() if k in KNOBS})
+    except ValueError as err:
+        name = next((w for w in re.findall(r"[a-z_]+", str(err)) if w in KNOBS), "drafter")
+        parser.error(f"argument --{name.replace('_', '-')}: {err}")
 
 
 def check_knob_combination(parser, knobs):

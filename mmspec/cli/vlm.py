@@ -20,15 +20,19 @@ from mmspec.cli.args import (
     MAX_THREADS,
     SPEEDUP_REPEATS,
     HelpFormatter,
+    add_knob_arguments,
     int_in_range,
     sampling_type,
     seed_int,
 )
-from mmspec.cli.checks import check_device, check_output_file, check_top_k_vocab, check_zoo_folders
+from mmspec.cli.checks import check_device, check_method, check_output_file, check_top_k_vocab, check_zoo_folders
 from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS
 
 
 logger = logging.getLogger(__name__)
+
+# the registry's draft-length knobs, one flag each (`mmspec.cli.args.add_knob_arguments`)
+DRAFT_LENGTH_KNOBS = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost")
 
 
 def add_arguments(parser):
@@ -76,6 +80,7 @@ def add_arguments(parser):
     parser.add_argument(
         "--tree-top-k", type=int_in_range(1, VLM_LIMITS["tree_top_k"]), default=1, help="> 1: EAGLE-2 trees"
     )
+    add_knob_arguments(parser, DRAFT_LENGTH_KNOBS)
     parser.add_argument("--seed", type=seed_int, default=0, help="canvas and sampling seed")
     parser.add_argument("--save-image", default=None, help="write the canvas used here (PNG)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding run")
@@ -83,6 +88,11 @@ def add_arguments(parser):
         "--threads", type=int_in_range(0, MAX_THREADS), default=0, help="torch CPU threads (0: torch's default)"
     )
     parser.add_argument("--device", default="cpu")
+
+
+def _length_knobs(args):
+    """The draft-length flags that were set, as pipeline keywords."""
+    return {name: getattr(args, name) for name in DRAFT_LENGTH_KNOBS if getattr(args, name, None) is not None}
 
 
 def _text_config(parser, zoo):
@@ -137,6 +147,10 @@ def check_args(parser, args):
                                      ("--tree-depth", args.tree_depth, None), ("--tree-top-k", args.tree_top_k, 1)):  # fmt: skip
             if value != default:
                 parser.error(f"argument {flag}: not used with --acceptance none")
+    knobs = dict(num_draft_tokens=args.num_draft_tokens, tree_nodes=args.tree_nodes, tree_depth=args.tree_depth,
+                 tree_top_k=args.tree_top_k, **_length_knobs(args))  # fmt: skip
+    check_method(parser, args.acceptance, None if args.acceptance == "none" else args.drafter,
+                 {k: v for k, v in knobs.items() if v is not None}, "vlm")  # fmt: skip
     if args.save_image is not None:
         check_output_file(parser, "--save-image", args.save_image, "image")
     check_device(parser, args.device)
@@ -168,7 +182,8 @@ def run(args):
     pipe.set_progress_bar_config(disable=True)
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p)  # fmt: skip
-    knobs = dict(num_draft_tokens=args.num_draft_tokens, tree_depth=args.tree_depth, tree_top_k=args.tree_top_k)
+    knobs = dict(num_draft_tokens=args.num_draft_tokens, tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
+                 **_length_knobs(args))  # fmt: skip
     if args.tree_nodes is not None:
         knobs["tree_nodes"] = args.tree_nodes
     method = dict(acceptance=args.acceptance)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 
-__all__ = ["Drafter", "Proposal"]
+__all__ = ["Drafter", "JointSync", "Proposal"]
 
 
 @dataclass
@@ -83,3 +83,25 @@ class Drafter(Protocol):
 
     def select_rows(self, index: Tensor) -> None:
         """Keep only batch items `index [B']` (finished rows leave)."""
+
+
+class JointSync:
+    """Several parts' host bookkeeping as one drafter's `sync_value` / `sync_host` (a drafter that holds a draft
+    adapter and a draft-length policy, each with its own value to read): the loop reads the values that are not None
+    as one 1-D tensor with its one read per round and hands them back part by part."""
+
+    def __init__(self, *parts):
+        self.parts = parts
+        self._read = ()
+
+    def value(self):
+        pairs = [(part, getattr(part, "sync_value", lambda: None)()) for part in self.parts]
+        pairs = [(part, value) for part, value in pairs if value is not None]
+        self._read = tuple(part for part, _ in pairs)
+        if not pairs:
+            return None
+        return torch.stack([value.reshape(()).to(torch.long) for _, value in pairs])
+
+    def host(self, values) -> None:
+        for part, value in zip(self._read, values, strict=True):
+            part.sync_host(value)

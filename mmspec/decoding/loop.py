@@ -76,19 +76,25 @@ def _drop_finished(state, target, drafter):
     active = ~state.finished
     remaining = torch.where(active, state.remaining(), 0).max()
     values = [active.sum(), state.total_generated(), remaining]
-    # a target or drafter that keeps host-side bookkeeping (`sync_value` / `sync_host`) rides on the same read
+    # a target or drafter that keeps host-side bookkeeping (`sync_value` / `sync_host`) rides on the same read: a
+    # device scalar (handed back as an int) or a 1-D tensor of several (handed back as a list)
     syncers = []
     for part in (target, drafter):
         value = getattr(part, "sync_value", lambda: None)()
         if value is not None:
-            syncers.append(part)
+            syncers.append((part, value.dim(), value.numel()))
             values.append(value.to(values[0].dtype))
     # per-row generators are reindexed on the host: the active flags ride on the same read
     per_row = isinstance(state.generator, (list, tuple))
-    read = torch.stack(values) if not per_row else torch.cat([torch.stack(values), active.to(values[0].dtype)])
+    read = torch.cat([v.reshape(-1) for v in values] + ([active.to(values[0].dtype)] if per_row else []))
     read = read.tolist()
-    flags = read[len(values) :]
-    left, generated, state.max_remaining, *synced = read[: len(values)]
+    width = 3 + sum(n for _, _, n in syncers)
+    flags = read[width:]
+    left, generated, state.max_remaining = read[:3]
+    synced, at = [], 3
+    for _, dim, n in syncers:
+        synced.append(read[at] if dim == 0 else read[at : at + n])
+        at += n
     if 0 < left < state.batch_size:
         # the surviving rows in order, without a second read: `left` is known on the host, and a stable sort puts
         # the active rows (key 0) first in their original order
@@ -97,7 +103,7 @@ def _drop_finished(state, target, drafter):
         target.select_rows(index)
         if drafter is not None:
             drafter.select_rows(index)
-    for part, value in zip(syncers, synced, strict=True):
+    for (part, _, _), value in zip(syncers, synced, strict=True):
         part.sync_host(value)
     return left, generated
 

@@ -61,5 +61,6 @@ class Target(Protocol):
         """Keep only batch items `index [B']`.
 
         Optional (looked up with `getattr`, on a target or a drafter): `sync_value() -> Tensor | None` (a device
-        scalar) and `sync_host(value: int)`: the loop reads the scalar with its one read per round and hands it back
-        after compaction, for host-side bookkeeping (the transformers adapters' attention windows)."""
+        scalar, or a 1-D tensor of several) and `sync_host(value)`: the loop reads it with its one read per round
+        and hands it back after compaction (an int, or a list for a 1-D tensor), for host-side bookkeeping (the
+        transformers adapters' attention windows, an adaptive draft length's next width)."""

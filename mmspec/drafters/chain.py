@@ -9,7 +9,7 @@ from mmspec.random import num_rows
 from mmspec.sampling import sample
 
 
-__all__ = ["refeed", "sample_chain"]
+__all__ = ["chain_lengths", "refeed", "sample_chain"]
 
 
 def refeed(state, first_round):
@@ -18,6 +18,16 @@ def refeed(state, first_round):
     if first_round:
         return state.pending[:, None]
     return torch.stack([state.last_committed, state.pending], dim=1)
+
+
+def chain_lengths(policy, state):
+    """A round's chain shape from the draft-length `policy` (`mmspec.decoding.draft_length.DraftLength`): each row's
+    `num_draft [B]` (its K, never past its last token, at least 1) and the chain's padded length on the host (the
+    widest row's K, no drafts past the last token of any row)."""
+    k, length = policy.lengths(), min(policy.host_max, state.max_remaining)
+    if k is None:  # every row drafts k_max
+        return state.remaining().clamp(min=1, max=policy.k_max), length
+    return torch.minimum(state.remaining(), k).clamp(min=1, max=length), length
 
 
 def sample_chain(step, feed, length, guidance, generator, num_draft=None, confidence=None):
@@ -33,7 +43,8 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
         num_draft: optional `[B]` drafts each item needs; with per-item generators an item draws only its own
             drafts (its randomness does not depend on the rest of the batch).
         confidence: optional in (0, 1): an item stops drafting (`num_draft` capped) after a token the drafter gave
-            a raw (unprocessed) probability below this; the loop ends when no item drafts further.
+            a raw (unprocessed; under CFG the conditional stream's) probability below this; the loop ends when no
+            item drafts further.
 
     Returns:
         `(draft_tokens [B, K], q_draft [B, K, V], num_draft)`; `K <= length` (fewer only with `confidence`).
@@ -48,7 +59,8 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
         probs.append(q)
         feed = tok[:, None]
         if confidence is not None:  # rows stop after an unsure token (its raw draft probability)
-            sure = torch.softmax(logits.float(), dim=-1).gather(1, feed)[:, 0] >= confidence
+            raw = logits[: feed.shape[0]]  # CFG: the conditional stream's rows come first
+            sure = torch.softmax(raw.float(), dim=-1).gather(1, feed)[:, 0] >= confidence
             num_draft = torch.where(sure, num_draft, num_draft.clamp(max=d + 1))
             if not bool((num_draft > d + 1).any()):
                 break

@@ -19,12 +19,14 @@ the last prompt pair `(h[L_r - 1], first token)` is left pending; from then on t
 
 import logging
 from inspect import signature
+from types import SimpleNamespace
 
 import torch
 
 from mmspec.decoding.compiled import dense
-from mmspec.decoding.drafter import Proposal
-from mmspec.drafters.chain import sample_chain
+from mmspec.decoding.drafter import JointSync, Proposal
+from mmspec.drafters.chain import chain_lengths, sample_chain
+from mmspec.drafters.lengths import FixedLength
 from mmspec.drafters.tree import DraftTree, grow_tree
 from mmspec.models.hf.inputs import image_token_mask
 from mmspec.models.llamagen.eagle import EagleHead
@@ -74,7 +76,7 @@ def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None, vali
 
 @torch.no_grad()
 def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, guidance, generator, num_draft=None,
-                validate=True):  # fmt: skip
+                validate=True, confidence=None):  # fmt: skip
     """EAGLE chain with *sampled* drafts: `length` tokens, each drawn from the head's processed distribution.
 
     Step 1 is `commit_accepted` (as in `draft_tree`). Each draft token is sampled from the head's `q_draft`, processed
@@ -92,9 +94,12 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
         num_draft: optional `[B]` drafts each item needs (`<= length`); with per-item generators an item draws only
             its own drafts, so its randomness does not depend on the rest of the batch.
         validate: check `num_valid` (one host sync; see `commit_accepted`).
+        confidence: optional in (0, 1): an item stops drafting after a token the head gave a raw probability below
+            this (`mmspec.drafters.chain.sample_chain`; the chain may then be shorter than `length`).
 
     Returns:
-        `(draft_tokens [B, K], q_draft [B, K, V])`.
+        `(draft_tokens [B, K], q_draft [B, K, V], num_draft [B] or None)`: `K <= length`, `num_draft` as given
+        (capped by the confidence stop).
     """
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
@@ -106,9 +111,9 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
             cache.commit(1)
         return head.compute_logits(target, feat[0][:, 0])
 
-    tokens, q_draft, _ = sample_chain(step, None, length, guidance, generator, num_draft)
-    cache.rollback(cache.lengths - (length - 1))
-    return tokens, q_draft
+    tokens, q_draft, num_draft = sample_chain(step, None, length, guidance, generator, num_draft, confidence)
+    cache.rollback(cache.lengths - (tokens.shape[1] - 1))
+    return tokens, q_draft, num_draft
 
 
 @torch.no_grad()
@@ -222,6 +227,8 @@ class EagleDrafter:
         top_k: 1 = a chain of `depth` tokens sampled from `q_draft` (accepted with `sum min(p, q)`); > 1 = the
             EAGLE-2 dynamic tree with `top_k` deterministic children per node and `total` nodes.
         total: tree nodes kept (trees only).
+        length: chains only, optional: the draft-length policy (`mmspec.decoding.draft_length.DraftLength`) with
+            `k_max = depth`: each row's chain length per round. Default: `depth` every round.
 
     Attributes (text targets, set at `prefill`, one entry per batch item):
         draft_image_tokens: `[B]` image tokens the head reads for the prompt: a `TextEagleHead` reads a pair at every
@@ -232,7 +239,7 @@ class EagleDrafter:
 
     needs_hidden = True
 
-    def __init__(self, head, target, guidance, depth, top_k=1, total=24, host_prompt=None):
+    def __init__(self, head, target, guidance, depth, top_k=1, total=24, host_prompt=None, length=None):
         for name, value in (("depth", depth), ("top_k", top_k), ("total", total)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -241,6 +248,11 @@ class EagleDrafter:
         self.depth, self.top_k, self.total = int(depth), int(top_k), int(total)
         self.chain = self.top_k == 1
         self.max_width = self.depth if self.chain else min(self.total, self.top_k + (self.depth - 1) * self.top_k**2)
+        if length is not None and (not self.chain or length.k_max != self.depth):
+            raise ValueError(f"length: a chain's policy (top_k=1) with k_max = depth = {self.depth}")
+        self.length = FixedLength(self.depth) if length is None else length
+        window = SimpleNamespace(sync_value=self._window_value, sync_host=self._window_host)  # the head cache's
+        self._sync = JointSync(window, self.length)
         self.cache = None
         self.draft_forwards = 0
         self.compiler = None  # `mmspec.decoding.compiled.Compiler`: the head's per-step forward runs captured
@@ -256,6 +268,7 @@ class EagleDrafter:
         `(h[L_r - 1], first token)` -- `num_valid = L_r` per row (right-padded prompts). A vision-aware head writes
         every prompt pair but the last through its policy here (`prefill_prompt`); the last one stays pending."""
         rows = target_out.hidden.shape[0]
+        self.length.start(state.batch_size, state.count.device)
         scratch = self.depth * self.top_k + 2  # drafted pairs: the chain, or the tree's frontiers
         if target_out.input_ids is None:
             prefix = self.target.config.cls_token_num
@@ -312,12 +325,13 @@ class EagleDrafter:
         g = self.guidance
         head, hidden, ids = self._head_and_pairs()
         if self.chain:
-            num_draft = state.remaining().clamp(min=1, max=self.depth)
-            length = min(self.depth, state.max_remaining)  # no drafts past the last token of any row
-            drafts, q = draft_chain(head, self.target, self.cache, hidden, ids, self.num_valid,
-                                    length=length, guidance=g, generator=state.generator, num_draft=num_draft,
-                                    validate=False)  # fmt: skip
-            self.draft_forwards += length
+            num_draft, length = chain_lengths(self.length, state)
+            drafts, q, num_draft = draft_chain(head, self.target, self.cache, hidden, ids, self.num_valid,
+                                               length=length, guidance=g, generator=state.generator,
+                                               num_draft=num_draft, validate=False,
+                                               confidence=self.length.confidence)  # fmt: skip
+            self.draft_forwards += drafts.shape[1]
+            self._num_draft = num_draft
             return Proposal(drafts, num_draft, q_draft=q)
         tree = draft_tree(head, self.target, self.cache, hidden, ids, self.num_valid, depth=self.depth,
                           top_k=self.top_k, total=self.total, validate=False,
@@ -335,17 +349,26 @@ class EagleDrafter:
         self.hidden = hidden
         self.ids = g.rows(result.tokens.clamp(min=0))
         self.num_valid = g.rows(result.num_emitted)
+        if self.chain:
+            self.length.update(self._num_draft, result.num_accepted, state.finished)
 
     def sync_value(self):
-        """A head whose forwards read an attention window of its cache: the committed span (a device scalar), read
-        by the loop with its one read per round; None otherwise."""
+        """Read by the loop with its one read per round: a head whose forwards read an attention window of its
+        cache, the committed span; an adaptive draft length, the next round's widest chain (None: neither)."""
+        return self._sync.value()
+
+    def sync_host(self, values) -> None:
+        self._sync.host(values)
+
+    def _window_value(self):
         return self.cache.lengths.max() if getattr(self.head, "windowed_cache", False) else None
 
-    def sync_host(self, committed: int) -> None:
-        """The loop's read of `sync_value`: the head cache's window bound restarts from the committed span."""
+    def _window_host(self, committed: int) -> None:
+        """The loop's read: the head cache's window bound restarts from the committed span."""
         self.cache.sync_window(committed)
 
     def select_rows(self, index):
         rows = self.guidance.row_index(index, self.cache.rows // self.guidance.streams)
         self.cache.select_rows(rows)
         self.hidden, self.ids, self.num_valid = self.hidden[rows], self.ids[rows], self.num_valid[rows]
+        self.length.select_rows(index)

@@ -22,7 +22,8 @@ import torch
 
 from mmspec.decoding.compiled import pad_rows, row_bucket
 from mmspec.decoding.drafter import Proposal
-from mmspec.drafters.chain import refeed, sample_chain
+from mmspec.drafters.chain import chain_lengths, refeed, sample_chain
+from mmspec.drafters.lengths import FixedLength
 
 
 logger = logging.getLogger(__name__)
@@ -38,16 +39,21 @@ class ModelDrafter:
         guidance: the call's `Guidance` (row layout + processing shared with the target).
         num_draft_tokens: K, the chain length.
         cond, cond_mask: the condition rows the target was prefilled with (model rows, all streams).
+        length: optional draft-length policy (`mmspec.decoding.draft_length.DraftLength`) with `k_max =
+            num_draft_tokens`: each row's K per round. Default: K every round.
     """
 
     needs_hidden = False
 
-    def __init__(self, model, guidance, num_draft_tokens, cond, cond_mask=None):
+    def __init__(self, model, guidance, num_draft_tokens, cond, cond_mask=None, length=None):
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
         self.model, self.guidance, self.k = model, guidance, int(num_draft_tokens)
         self.cond, self.cond_mask = cond, cond_mask
         self.max_width = self.k
+        if length is not None and length.k_max != self.k:
+            raise ValueError(f"length: a policy with k_max = num_draft_tokens = {self.k}, got {length.k_max}")
+        self.length = FixedLength(self.k) if length is None else length
         self.cache = None
         self.draft_forwards = 0
         self.compiler = None  # `mmspec.decoding.compiled.Compiler`: the draft forwards run captured
@@ -71,6 +77,7 @@ class ModelDrafter:
         self.model.prefill(self.cond, self.cache, cond_mask=self.cond_mask)
         self.live = None
         self._first_round = True
+        self.length.start(state.batch_size, state.count.device)
 
     @torch.no_grad()
     def propose(self, state):
@@ -80,8 +87,7 @@ class ModelDrafter:
         if self.compiler is not None:
             self.compiler.static(self.cache)
             model = self.compiler.forward("drafter", self.model)
-        num_draft = state.remaining().clamp(min=1, max=self.k)
-        length = min(self.k, state.max_remaining)  # no drafts past the last token of any row
+        num_draft, length = chain_lengths(self.length, state)
 
         def step(feed):  # `[last committed, pending]` / `[pending]`, then each draft: fed and committed
             rows = g.rows(pad_rows(feed, self.cache.rows // g.streams))  # captured: the cache's row bucket
@@ -89,10 +95,11 @@ class ModelDrafter:
             self.cache.commit(feed.shape[1])
             return logits if self.live is None else logits[self._live_rows]
 
-        tokens, q_draft, _ = sample_chain(step, refeed(state, self._first_round), length, g, state.generator,
-                                          num_draft)  # fmt: skip
-        self.draft_forwards += length
+        tokens, q_draft, num_draft = sample_chain(step, refeed(state, self._first_round), length, g,
+                                                  state.generator, num_draft, confidence=self.length.confidence)  # fmt: skip
+        self.draft_forwards += tokens.shape[1]
         self._first_round = False
+        self._num_draft = num_draft
         return Proposal(tokens, num_draft, q_draft=q_draft)
 
     def commit(self, result, target_out, state):
@@ -100,11 +107,20 @@ class ModelDrafter:
         count = pad_rows(state.count, self.cache.rows // self.guidance.streams)  # padding rows: the first's length
         lengths = self.guidance.rows(self.model.config.cls_token_num + count - 2)
         self.cache.rollback(torch.minimum(lengths, self.cache.lengths))
+        self.length.update(self._num_draft, result.num_accepted, state.finished)
+
+    def sync_value(self):
+        """An adaptive draft length's next width, read with the loop's one read per round (None: fixed K)."""
+        return self.length.sync_value()
+
+    def sync_host(self, value) -> None:
+        self.length.sync_host(value)
 
     def select_rows(self, index):
         """Keep batch items `index`; captured, the cache keeps `row_bucket(len(index))` items (the kept ones, then
         copies of the first as padding whose drafts are never read), as the target's (`CachedTarget.select_rows`)."""
         items = self.cache.rows // self.guidance.streams
+        self.length.select_rows(index)  # the live rows (the state's)
         if self.compiler is not None:
             self.live = index.shape[0]
             index = pad_rows(index, row_bucket(self.live, items))

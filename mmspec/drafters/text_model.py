@@ -20,8 +20,9 @@ of `top_k` tokens costs about what one token costs, so the tree buys acceptance 
 import torch
 
 from mmspec.cache import chain_inputs
-from mmspec.decoding.drafter import Proposal
-from mmspec.drafters.chain import refeed, sample_chain
+from mmspec.decoding.drafter import JointSync, Proposal
+from mmspec.drafters.chain import chain_lengths, refeed, sample_chain
+from mmspec.drafters.lengths import ConfidenceStop, FixedLength
 from mmspec.drafters.tree import grow_tree
 from mmspec.models.hf.inputs import decoder_of
 from mmspec.models.hf.target import HFTarget
@@ -43,13 +44,17 @@ class TextModelDrafter:
         confidence: chains only, optional in (0, 1): a row stops drafting after a token the draft gave a raw
             (unprocessed) probability below this -- transformers' `assistant_confidence_threshold`. Depends on the
             draft alone, so verification stays lossless; at batch 1 it saves the draft forwards a rejection would
-            waste and lets `num_draft_tokens` be larger.
+            waste and lets `num_draft_tokens` be larger. The same as `length=ConfidenceStop(num_draft_tokens,
+            confidence)`.
+        length: chains only, optional: the draft-length policy (`mmspec.decoding.draft_length.DraftLength`, e.g.
+            `mmspec.drafters.lengths.HeuristicLength(num_draft_tokens)`): each row's K per round, at most its
+            `k_max`, which must equal `num_draft_tokens`. Default: K = `num_draft_tokens` every round.
     """
 
     needs_hidden = False
 
     def __init__(self, draft: HFTarget, num_draft_tokens: int, input_ids, lengths, *, top_k=1, depth=5,
-                 confidence=None, **model_inputs):  # fmt: skip
+                 confidence=None, length=None, **model_inputs):  # fmt: skip
         for name, value in (("num_draft_tokens", num_draft_tokens), ("top_k", top_k), ("depth", depth)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -63,6 +68,13 @@ class TextModelDrafter:
         self.chain = self.top_k == 1
         self.max_width = self.k if self.chain else min(self.k, self.top_k + (self.depth - 1) * self.top_k**2)
         self.draft_forwards = 0
+        if length is not None and (not self.chain or confidence is not None or length.k_max != self.k):
+            raise ValueError("length: a chain's policy (tree_top_k=1, no confidence given apart) with k_max = "
+                             f"num_draft_tokens = {self.k}")  # fmt: skip
+        if length is None:
+            length = FixedLength(self.k) if self.confidence is None else ConfidenceStop(self.k, self.confidence)
+        self.length = length
+        self._sync = JointSync(self.draft, self.length)
 
     @property
     def compiler(self):
@@ -79,18 +91,19 @@ class TextModelDrafter:
         self.draft.prefill(self.input_ids, self.lengths, state.max_length, scratch, **self.model_inputs)
         self.prompt_lengths = self.lengths
         self._first_round = True
+        self.length.start(state.batch_size, state.count.device)
 
     @torch.no_grad()
     def propose(self, state):
         if not self.chain:
             return self._propose_tree(state)
-        num_draft = state.remaining().clamp(min=1, max=self.k)
-        length = min(self.k, state.max_remaining)  # no drafts past the last token of any row
+        num_draft, length = chain_lengths(self.length, state)
         tokens, q_draft, num_draft = sample_chain(self._last_logits, refeed(state, self._first_round), length,
                                                   self.draft.guidance, state.generator, num_draft,
-                                                  confidence=self.confidence)  # fmt: skip
+                                                  confidence=self.length.confidence)  # fmt: skip
         self.draft_forwards += tokens.shape[1]
         self._first_round = False
+        self._num_draft = num_draft
         return Proposal(tokens, num_draft, q_draft=q_draft)
 
     def _last_logits(self, feed):
@@ -130,14 +143,18 @@ class TextModelDrafter:
     def commit(self, result, target_out, state):
         lengths = self.prompt_lengths + state.count - 2
         self.draft.cache.rollback(torch.minimum(lengths, self.draft.cache.lengths))
+        if self.chain:
+            self.length.update(self._num_draft, result.num_accepted, state.finished)
 
     def sync_value(self):
-        """The draft model's committed cache span, read with the loop's one read per round (`HFTarget.sync_value`)."""
-        return self.draft.sync_value()
+        """The draft model's committed cache span (`HFTarget.sync_value`) and, for an adaptive draft length, the
+        next round's widest chain: read with the loop's one read per round."""
+        return self._sync.value()
 
-    def sync_host(self, committed: int) -> None:
-        self.draft.sync_host(committed)
+    def sync_host(self, values) -> None:
+        self._sync.host(values)
 
     def select_rows(self, index):
         self.draft.select_rows(index)
         self.prompt_lengths = self.prompt_lengths[index]
+        self.length.select_rows(index)

@@ -148,6 +148,16 @@ CASES = [
     (["bench", "t2i", "--methods", "plain,grouped", "--temperature", "0"], "--temperature"),
     # cross-knob bounds
     (["eval", "fid", "--preset", "sjd-pac", "--jacobi-window", "1", "--jacobi-tree-depth", "4"], "--jacobi-tree"),
+    # draft-length policies: chains of the draft model / EAGLE only, the cost knobs with the cost policy only
+    (
+        ["generate", "--acceptance", "exact", "--drafter", "eagle", "--tree-top-k", "3", "--draft-length", "cost"],
+        "--draft-length",
+    ),  # fmt: skip
+    (["generate", "--acceptance", "jacobi", "--draft-length", "heuristic"], "--draft-length"),
+    (["generate", "--acceptance", "exact", "--drafter", "model", "--draft-step-cost", "0.1"], "--draft-step-cost"),
+    (["generate", "--acceptance", "exact", "--drafter", "model", "--verify-token-cost", "101"], "--verify-token"),
+    (["bench", "ar-image", "--methods", "plain,exact-eagle-cost", "--tree-top-k", "2"], "--draft-length"),
+    (["bench", "vlm", "--adaptive-max-tokens", "0"], "--adaptive-max-tokens"),
     # output paths that cannot be written (root passes os.access there)
     (["eval", "fid", "--out", UNWRITABLE], "--out"),
     (["eval", "fid", "--out", "{tmp}/runs", "--json", UNWRITABLE + "/r.json"], "--json"),
@@ -181,6 +191,8 @@ def test_good_values_still_pass(tmp_path, monkeypatch, capsys, no_loading):
     for argv in (["bench", "continuous", "--temperature", top, "--num-images", "0", "--timing-batches", "1"],
                  ["vlm", "--do-sample", "--top-p", "1", "--top-k", "49152", "--temperature", "0.7"],
                  ["generate", "--top-k", "256"],
+                 ["generate", "--acceptance", "exact", "--drafter", "model", "--draft-length", "cost",
+                  "--draft-step-cost", "0", "--verify-token-cost", "100"],
                  ["eval", "fid", "--preset", "grouped", "--out", str(tmp_path / "new" / "run")]):  # fmt: skip
         with pytest.raises(Reached):
             cli.main(argv)

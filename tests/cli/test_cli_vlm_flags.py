@@ -41,6 +41,13 @@ CASES = [
     (["--zoo", "{tmp}/zoo-without-eagle"], "--drafter"),
     (["--zoo", "{tmp}/zoo-without-eagle", "--drafter", "model"], "--drafter"),
     (["--threads", "100000"], "--threads"),
+    (["--draft-length", "longest"], "--draft-length"),
+    (["--draft-length", "heuristic", "--tree-top-k", "4"], "--draft-length"),  # a tree has no chain length
+    (["--acceptance", "none", "--draft-length", "cost"], "--draft-length"),
+    (["--draft-confidence", "1.5"], "--draft-confidence"),
+    (["--draft-length", "cost", "--draft-step-cost", "-1"], "--draft-step-cost"),
+    (["--draft-length", "cost", "--verify-token-cost", "nan"], "--verify-token-cost"),
+    (["--draft-length", "heuristic", "--verify-token-cost", "0.2"], "--verify-token-cost"),  # not the cost policy
 ]
 
 

@@ -45,6 +45,11 @@ BUDGETS = {
     "vlm/vispec": (1, 6),
     "vlm/specvlm": (1, 8),
     "vlm/msd": (1, 6),
+    # adaptive draft lengths: the next round's widest chain rides on the loop's read (no read of its own)
+    "vlm/draft-chain+heuristic": (1, 8),
+    "vlm/eagle-chain+cost": (1, 6),
+    "ar/draft-chain+cost": (1, 9),
+    "ar/eagle-chain+heuristic": (1, 8),
     # a list of per-row generators (batch 3, ragged), plain decoding: the compaction reindexes the list with the
     # active flags of the loop's one read (no read of its own); the draws of the speculative methods with per-row
     # counts (`mmspec.random._draw`) still read their counts once per draw (open)
@@ -86,6 +91,8 @@ AR_METHODS = {
     "ar/sjd": dict(acceptance="jacobi", jacobi_window=4, coupling=False),
     "ar/scd": dict(acceptance="jacobi", jacobi_window=4, coupling=True),
     "ar/sjd-pac": dict(acceptance="jacobi", jacobi_window=4, jacobi_tree_width=2, jacobi_tree_depth=3),
+    "ar/draft-chain+cost": dict(acceptance="exact", drafter="model", draft_length="cost"),
+    "ar/eagle-chain+heuristic": dict(acceptance="exact", drafter="eagle", tree_depth=4, draft_length="heuristic"),
 }
 
 
@@ -154,6 +161,8 @@ VLM_METHODS = {
     "vlm/vispec": ("eagle", dict(tree_depth=4)),
     "vlm/specvlm": ("eagle", dict(tree_depth=4)),
     "vlm/msd": ("eagle", dict(tree_depth=4)),
+    "vlm/draft-chain+heuristic": ("model", dict(num_draft_tokens=3, draft_length="heuristic")),
+    "vlm/eagle-chain+cost": ("eagle", dict(tree_depth=4, draft_length="cost")),
 }
 
 

@@ -20,12 +20,14 @@ def test_bench_vlm_reports_every_method(tmp_path):
     args = parser.parse_args(["--batch-size", "1,2", "--max-new-tokens", "12", "--prompt", "w1 w2"])
     report = bench_vlm.run(args, pipe=pipe, canvases=canvases)
     b1, b2 = report["by_batch_size"]["1"], report["by_batch_size"]["2"]
-    assert set(b1) == set(bench_vlm.METHODS) - {"draft-model-frspec"} and set(b2) == {
+    frspec = {"draft-model-frspec", "draft-model-frspec-cost"}  # the tiny head has no draft vocabulary
+    assert set(b1) == set(bench_vlm.METHODS) - frspec and set(b2) == {
         "plain",
         "draft-model",
         "draft-model-confident",
         "draft-model-tree",
         "eagle",
+        *(set(bench_vlm.ADAPTIVE) - frspec),
     }
     for table in (b1, b2):
         for name, entry in table.items():
@@ -34,4 +36,5 @@ def test_bench_vlm_reports_every_method(tmp_path):
     assert b1["plain"]["tau"] == 1.0 and b1["plain"]["tau_without_bonus"] == 0.0
     assert b1["draft-model"]["tau"] > 1.0 and b1["draft-model-tree"]["tau"] > 1.0 and b1["eagle"]["tau"] >= 1.0
     assert b1["hf-assisted"]["draft_calls"] > 0 and b1["hf-assisted"]["tau"] is None
+    assert report["knobs"]["eagle-cost"]["draft_length"] == "cost" and b1["eagle-cost"]["tau"] >= 1.0
     assert "speedup_vs_hf_assisted" in b1["eagle"] and report["knobs"]["hf-assisted"]["num_assistant_tokens"]

@@ -1,0 +1,90 @@
+"""`draft_length="cost"`: each row drafts the K that maximises its expected tokens per unit of cost.
+
+The model (`docs/methods.md`, "Draft length"): within a round, draft i is accepted only if drafts 1..i-1 were, and
+then with probability `1 - h_i` (h_i: the row's *hazard* at position i), so the run of accepted drafts survives to
+position i with `S(i) = (1 - h_1) ... (1 - h_i)` and a round of K drafts emits `E(K) = 1 + S(1) + ... + S(K)` tokens
+(the bonus / correction token included). It costs `C(K) = c(K + 1) + K * d`: a verification forward over K + 1
+tokens, `c(m) = 1 + v * (m - 1)` in units of a one-token target forward (`verify_token_cost` = v: the cost curve is
+not flat), plus K draft forwards of `draft_step_cost` = d each. The row's next K is `argmax_{1 <= K <= k_max} E(K) /
+C(K)` (tokens per unit of time, the renewal-reward rate of a stream of such rounds). The hazards are running
+estimates per row and position: discounted counts of the rounds that reached position i and of those rejected
+there (each round: `n_i <- g * n_i + [reached i]`, `r_i <- g * r_i + [rejected at i]`, g = `decay`), `h_i = (r_i +
+r0) / (n_i + n0)` with prior pseudo-counts (r0, n0) = (0.4, 2) (h = 0.2 where nothing was seen). A constant hazard
+is a geometric run length (acceptance rate `1 - h` per draft); per-position hazards also capture runs that, once
+started, tend to go on -- the templated stretches a drafter knows -- which a single rate would price too low.
+Everything is computed on the device per row; the next width rides on the loop's one read
+(`mmspec.decoding.draft_length`)."""
+
+import torch
+
+from mmspec.decoding.draft_length import RowLengths
+
+
+__all__ = ["CostLength", "expected_rate"]
+
+
+def expected_rate(survival, draft_step_cost: float, verify_token_cost: float):
+    """`[..., k_max]` expected tokens per unit of cost `E(K) / C(K)` for K = 1..k_max, from `survival [..., k_max]`
+    (`S(i)`: the probability that the first i drafts are all accepted; module docstring)."""
+    ks = torch.arange(1, survival.shape[-1] + 1, device=survival.device, dtype=survival.dtype)
+    return (1 + survival.cumsum(-1)) / (1 + (verify_token_cost + draft_step_cost) * ks)
+
+
+class CostLength(RowLengths):
+    """Per-row K maximising expected tokens per unit of cost (module docstring).
+
+    Args:
+        k_max: the longest chain.
+        draft_step_cost: d, one draft forward's cost in one-token target forwards.
+        verify_token_cost: v, each further token of a verification forward, likewise.
+        confidence: optional in (0, 1): the in-round stop (`ConfidenceStop`).
+        decay: g in (0, 1]: the weight of the previous rounds' counts (0.8: about the last five rounds).
+        prior: (r0, n0), the pseudo-counts of rejections and of rounds at every position (0.4, 2: h = 0.2).
+    """
+
+    name = "cost"
+
+    def __init__(self, k_max, draft_step_cost, verify_token_cost, confidence=None, decay=0.8, prior=(0.4, 2.0)):
+        super().__init__(k_max)
+        if not (0 <= draft_step_cost and 0 <= verify_token_cost and 0 < decay <= 1 and 0 <= prior[0] < prior[1]):
+            raise ValueError(f"need costs >= 0, decay in (0, 1] and prior pseudo-counts 0 <= r0 < n0, got "
+                             f"{draft_step_cost}, {verify_token_cost}, {decay}, {prior}")  # fmt: skip
+        self.d, self.v, self.decay, self.prior = float(draft_step_cost), float(verify_token_cost), float(decay), prior
+        self.confidence = confidence
+        self.counts = None
+
+    def hazard(self):
+        """`[B, k_max]` each row's running rejection probability at each draft position (given it was reached)."""
+        r0, n0 = self.prior
+        reached, rejected = self.counts
+        return (rejected + r0) / (reached + n0)
+
+    def best_k(self, hazard):
+        survival = (1 - hazard).cumprod(-1)
+        return expected_rate(survival, self.d, self.v).argmax(-1) + 1
+
+    def first_k(self):
+        """Every row's first K, from the prior's hazard alone (host arithmetic: no tensor is read)."""
+        r0, n0 = self.prior
+        survival, total, rates = 1.0, 1.0, []
+        for k in range(1, self.k_max + 1):
+            survival *= 1 - r0 / n0
+            total += survival
+            rates.append(total / (1 + (self.v + self.d) * k))
+        return 1 + rates.index(max(rates))
+
+    def start(self, batch, device):
+        super().start(batch, device)
+        self.counts = torch.zeros(2, batch, self.k_max, dtype=torch.float32, device=device)  # (reached, rejected)
+
+    def next_k(self, num_draft, num_accepted):
+        pos = torch.arange(self.k_max, device=num_draft.device)[None]  # draft pos + 1
+        n, m = num_draft[:, None], num_accepted[:, None]
+        reached = (pos <= m) & (pos < n)
+        rejected = (pos == m) & (m < n)
+        self.counts = self.decay * self.counts + torch.stack([reached, rejected]).to(self.counts.dtype)
+        return self.best_k(self.hazard())
+
+    def select_rows(self, index):
+        super().select_rows(index)
+        self.counts = self.counts[:, index]

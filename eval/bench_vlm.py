@@ -15,7 +15,9 @@ tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node,
 after a fully accepted round, -1 otherwise), ``draft-model-cost`` / ``eagle-cost`` (the per-row cost model) and
 ``draft-model-frspec-cost`` (the cost model on the FR-Spec draft LM); the vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
 ``specvlm`` (SpecVLM's gated elastic compressor) and ``msd`` (MSD's decoupled drafting), each from its zoo folder
-``mnist-vlm-{vispec,specvlm,msd}`` (asking for a row whose folder is missing is a usage error before loading).
+``mnist-vlm-{vispec,specvlm,msd}``, and ``eagle3`` (the EAGLE-3 head of ``mnist-vlm-eagle3``: the target's low /
+middle / high hidden states, its own draft-vocabulary output head; the format vLLM and SGLang serve) with the same
+knobs (asking for a row whose folder is missing is a usage error before loading).
 
 Workloads (``--workload``): ``templated`` (the default): ``--num-prompts`` held-out canvases (MNIST *test* digits,
 ``--min-digits`` 4 per canvas by default so the descriptions are long), all asked ``--prompt`` ("Describe the image.",
@@ -93,7 +95,8 @@ ADAPTIVE = {
     "eagle-heuristic": ("eagle", "heuristic", False),
     "eagle-cost": ("eagle", "cost", False),
 }
-# the vision-aware EAGLE heads (mmspec.drafters.vision_eagle: vispec, specvlm, msd), run with the `eagle` row's knobs
+# the other EAGLE heads, each from its zoo folder and run with the `eagle` row's knobs: eagle3 (mmspec.models.hf.eagle3)
+# and the vision-aware ones (mmspec.drafters.vision_eagle: vispec, specvlm, msd)
 VISION_METHODS = tuple(name for name in EAGLE_HEADS if name != "eagle")
 ALL_METHODS = METHODS + VISION_METHODS
 SPECVLM_EXPERTS = ("prune", "pool", "conv", "resampler", "text-only")  # mmspec.compressors.default_experts

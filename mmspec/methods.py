@@ -170,11 +170,12 @@ class Knob:
 # Upper bounds of the VLM pipeline's size knobs: each costs memory and time linearly (a tree's target forward scores
 # every node), far past any useful setting (EAGLE-2: depth 6, top-k 10, 60 nodes), so a typo is refused instead of
 # allocating gigabytes. `max_new_tokens` is also bounded by the model's context (prompt + new tokens).
-# the VLM's EAGLE-head kinds: "eagle" (text features only) and the vision-aware policies of
+# the VLM's EAGLE-head kinds: "eagle" (text features only), "eagle3" (an EAGLE-3 head on the target's low / middle /
+# high hidden states, `mmspec.models.hf.eagle3`, the format vLLM and SGLang serve) and the vision-aware policies of
 # `mmspec.drafters.vision_eagle.VisionEagleHead`; the zoo's head of kind `k` is the folder `mnist-vlm-<k>`
 # (`SpeculativeVLMPipeline.from_zoo(eagle=k)`, `mmspec vlm --eagle-head k`, `bench vlm` rows, `train vlm-vision`)
 VISION_POLICIES = ("vispec", "specvlm", "msd")
-EAGLE_HEADS = ("eagle", *VISION_POLICIES)
+EAGLE_HEADS = ("eagle", "eagle3", *VISION_POLICIES)
 
 # Captured forwards (`pipe.enable_compile(mode=None, backend=None)`, `mmspec.decoding.compiled`): the
 # `torch.compile` modes and backends it accepts. mode None: "reduce-overhead" (CUDA graphs) on CUDA, plain inductor

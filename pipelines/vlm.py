@@ -18,6 +18,7 @@ of `tree_depth` tokens with `tree_top_k=1`, or an EAGLE-2 dynamic tree of `tree_
 | `eagle_head`                          | zoo folder (`from_zoo(eagle=...)`) | what the head reads at the image                     | draft-side image tokens |
 |---------------------------------------|------------------------------------|------------------------------------------------------|-------------------------|
 | `TextEagleHead` (EAGLE)               | `<name>-eagle` (`"eagle"`)          | the target's hidden states at every image token       | all of them             |
+| `Eagle3Head` (EAGLE-3)                | `<name>-eagle3`                     | the target's low / middle / high hidden states at every image token, and its placeholder embedding or image features (`image_inputs`) | all of them |
 | `VisionEagleHead`, policy `"vispec"`  | `<name>-vispec`                     | learned-query adaptor over the projected image features: a few tokens at the end of the image span + a global vector (ViSpec) | the queries - 1 |
 | `VisionEagleHead`, policy `"specvlm"` | `<name>-specvlm`                    | one compressor per input (prune / pool / conv / resampler / text-only), picked by a question-conditioned gate (SpecVLM) | the chosen compressor's |
 | `VisionEagleHead`, policy `"msd"`     | `<name>-msd`                        | the raw projected image features at the image tokens (MSD's decoupled drafting) | all of them |
@@ -95,8 +96,9 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         draft_model: optional smaller model sharing the tokenizer, for `drafter="model"` (a LLaVA draft also gets
             the image).
         eagle_head: optional EAGLE head trained on `model`, for `drafter="eagle"`: a
-            `mmspec.models.hf.eagle.TextEagleHead` or a vision-aware `mmspec.drafters.vision_eagle.VisionEagleHead`
-            (ViSpec / SpecVLM / MSD; module docstring).
+            `mmspec.models.hf.eagle.TextEagleHead`, an EAGLE-3 `mmspec.models.hf.eagle3.Eagle3Head` (the target
+            then returns the inputs of its `aux_layers`) or a vision-aware
+            `mmspec.drafters.vision_eagle.VisionEagleHead` (ViSpec / SpecVLM / MSD; module docstring).
 
     Examples:
         >>> pipe = SpeculativeVLMPipeline.from_zoo("assets")
@@ -419,7 +421,10 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         batch = input_ids.shape[0]
         check_generator(generator, batch, device)
         self.check_context(prompt_lengths, max_new_tokens)
-        target = HFTarget(self.model, guidance)
+        # an EAGLE-3 head reads the target's aux hidden states (the inputs of its `aux_layers`), recorded in the
+        # target's own forwards; every other drafter its final-norm hidden states
+        aux_layers = getattr(self.eagle_head.config, "aux_layers", None) if drafter == "eagle" else None
+        target = HFTarget(self.model, guidance, hidden_layers=aux_layers)
         with on_host():  # image tokens per prompt, from the host copy
             host_prompt = (prompt_lengths, (image_token_mask(self.model, host_ids).sum(1)).tolist())
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,

@@ -2,7 +2,8 @@
 
 `mmspec generate` (`mmspec.cli.generate`, the README's main job) samples a grid of digits from the shipped MNIST zoo
 with speculative decoding and prints the speed statistics next to plain AR decoding of the same images; `mmspec vlm`
-(`mmspec.cli.vlm`) asks the VLM zoo about an image. `mmspec bench`, `train`, `eval` and `demo` hand their arguments
+(`mmspec.cli.vlm`) asks the VLM zoo about an image; `mmspec export` (`mmspec.cli.export`) writes an EAGLE-3 head as
+the draft folder vLLM / SGLang load. `mmspec bench`, `train`, `eval` and `demo` hand their arguments
 to their own entry points (`mmspec bench --help`, ...). Only the chosen command's module is imported, so
 `mmspec --help` does not import torch.
 
@@ -24,6 +25,7 @@ COMMANDS = {
     "vlm": ("mmspec.cli.vlm:main", "ask the VLM zoo about an image (speculative decoding) and print speed stats"),
     "bench": ("mmspec.eval.bench:main", "benchmarks (see `mmspec bench --help`)"),
     "train": ("mmspec.train.__main__:main", "train zoo models (see `mmspec train --help`)"),
+    "export": ("mmspec.cli.export:main", "export an EAGLE-3 head for vLLM / SGLang (see `mmspec export --help`)"),
     "eval": ("mmspec.eval:main", "evaluation scripts: fid (see `mmspec eval --help`)"),
     "demo": (
         "mmspec.demo.__main__:main",

@@ -154,7 +154,6 @@ def draft_tree(
         raise ValueError(f"with guidance_scale the rows must be [cond; uncond] (even), got {rows}")
     if depth < 1 or top_k < 1 or total < 1:
         raise ValueError(f"depth, top_k and total must be >= 1, got {depth}, {top_k}, {total}")
-    dim = hidden.shape[-1]
 
     def log_probs(features):  # [rows, K, dim] -> [B, K, V]
         logits = cfg_combine(head.compute_logits(target, features), guidance_scale)
@@ -167,6 +166,7 @@ def draft_tree(
 
     # 1. accepted chain -> committed head state
     root_feat = commit_accepted(head, target, cache, hidden, input_ids, num_valid, validate)  # [rows, 1, dim]
+    dim = root_feat.shape[-1]  # the head's feature width (an EAGLE-3 head's is not its input's)
     base_len = cache.lengths
     fed = {"out": root_feat}  # the head outputs of the last fed frontier
 

@@ -155,6 +155,27 @@ CONFIG_FIELDS = {
         "model_type": Choice("c2i", "t2i"),
     },
     "EagleHead": {**_GPT_COMMON, "fc_bias": Bool()},
+    "Eagle3Head": {
+        **{
+            k: _POS_INT
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "target_hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "max_position_embeddings",
+            )
+        },
+        "rope_theta": Float(0.0, low_open=True),
+        "rms_norm_eps": Float(0.0, low_open=True),
+        "initializer_range": Float(0.0),
+        "draft_vocab_size": Int(0),
+        "aux_layers": IntList(0),
+        "image_inputs": Choice("placeholder", "embeds"),
+    },
     "LlamaGenVQ": {
         "in_channels": _POS_INT,
         "ch": _POS_INT,

@@ -43,6 +43,7 @@ MODEL_CLASSES = {
     "EagleHead": "mmspec.models.llamagen.eagle",
     "MAR": "mmspec.models.mar.model",
     "TextEagleHead": "mmspec.models.hf.eagle",
+    "Eagle3Head": "mmspec.models.hf.eagle3",
     "VisionEagleHead": "mmspec.drafters.vision_eagle",
 }
 # where a class lived before it moved: used only while its `MODEL_CLASSES` module does not exist

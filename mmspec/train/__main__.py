@@ -30,6 +30,7 @@ TASKS = {
     "vlm-answers": ("mmspec.train.vlm_answers", "the VLM target's own answers on training canvases (drafter data)"),
     "vlm-draft": ("mmspec.train.vlm_draft", "layer-truncated SmolLM2 draft distilled on the VLM target's answers"),
     "vlm-eagle": ("mmspec.train.vlm_eagle", "EAGLE head on the VLM target's features (training-time test)"),
+    "vlm-eagle3": ("mmspec.train.vlm_eagle3", "EAGLE-3 head (aux hidden states) by online distillation from the VLM"),
     "vlm-vision": (
         "mmspec.train.vlm_vision",
         "vision-aware EAGLE head (vispec | msd | specvlm) by online distillation",

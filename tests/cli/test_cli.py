@@ -136,7 +136,7 @@ def test_bench_subcommand_help_shows_its_options(capsys):
 
 
 def test_command_tables():
-    assert set(cli.COMMANDS) == {"generate", "vlm", "bench", "train", "eval", "demo"}
+    assert set(cli.COMMANDS) == {"generate", "vlm", "bench", "train", "export", "eval", "demo"}
     for entry, help_text in cli.COMMANDS.values():
         assert callable(cli_args._entry_point(entry)) and help_text
     assert cli_args._entry_point(cli.COMMANDS["bench"][0]) is bench.main

@@ -190,10 +190,20 @@ def test_janus_pipeline_refuses_drafters_naming_them(part):
 
 
 # ------------------------------------------------------------------ the shipped zoo still loads
+NOT_SHIPPED = {"eagle3"}  # issue 29: the EAGLE-3 head's code is in, its zoo folder not trained yet
+
+
 @pytest.mark.parametrize("kind", EAGLE_HEADS)
 def test_vlm_zoo_loads_with_every_shipped_head(kind):
+    if kind in NOT_SHIPPED:  # when the folder lands, this fails until the kind leaves NOT_SHIPPED
+        assert not (DEFAULT_ZOO / f"mnist-vlm-{kind}").exists()
+        with pytest.raises(ValueError, match=f"mnist-vlm-{kind}"):
+            SpeculativeVLMPipeline.from_zoo(eagle=kind)
+        return
     pipe = SpeculativeVLMPipeline.from_zoo(eagle=kind)
-    assert isinstance(pipe.eagle_head, VisionEagleHead if kind != "eagle" else TextEagleHead)
+    from mmspec.models.hf.eagle3 import Eagle3Head
+
+    assert isinstance(pipe.eagle_head, {"eagle": TextEagleHead, "eagle3": Eagle3Head}.get(kind, VisionEagleHead))
     assert pipe.draft_model is not None
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 
-__all__ = ["capture_decoder_inputs", "image_token_mask"]
+__all__ = ["capture_decoder_inputs", "capture_layer_inputs", "image_token_mask"]
 
 
 def decoder_of(model):
@@ -51,3 +51,28 @@ def image_token_mask(model, input_ids: Tensor) -> Tensor:
     if image_id is None or not hasattr(model.model, "vision_tower"):
         return torch.zeros_like(input_ids, dtype=torch.bool)
     return input_ids == image_id
+
+
+@contextmanager
+def capture_layer_inputs(model, layers):
+    """Within the block, every forward of `model`'s decoder stack stores the input of each decoder layer in `layers`
+    (indices into its `layers`) in the yielded dict, `{index: [rows, L, dim]}`: the residual stream entering layer
+    `i`, i.e. transformers' `hidden_states[i]` (0: the input embeddings) and the "aux hidden state" `i` of vLLM's
+    EAGLE-3 (`mmspec.models.hf.eagle3`). A later forward in the block overwrites the entries."""
+    stack = decoder_of(model).layers
+    seen, handles = {}, []
+
+    def hook_for(index):
+        def hook(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            seen[index] = hidden.detach()
+
+        return hook
+
+    try:
+        for index in layers:
+            handles.append(stack[index].register_forward_pre_hook(hook_for(index), with_kwargs=True))
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()

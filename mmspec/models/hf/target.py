@@ -42,7 +42,7 @@ from mmspec.decoding.cached_target import CachedTarget
 from mmspec.decoding.compiled import bucket_width, dense, pad_block
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
-from mmspec.models.hf.inputs import capture_decoder_inputs, decoder_of, image_token_mask
+from mmspec.models.hf.inputs import capture_decoder_inputs, capture_layer_inputs, decoder_of, image_token_mask
 
 
 logger = logging.getLogger(__name__)
@@ -212,6 +212,10 @@ class HFTarget(CachedTarget):
         source: `"target"` or `"draft"` (the adapter also runs draft LMs): names the model in NaN errors.
         vocab: draft LMs only, optional `[N]` token ids: score only these (FR-Spec draft vocabulary, Zhao et al.
             2025); every other token gets logit `-inf`, i.e. probability 0 in `q_draft`.
+        hidden_layers: optional decoder layer indices: the hidden states `prefill` / `forward` return (for the
+            drafter) are the inputs of these layers concatenated `[rows, M, len * dim]` (EAGLE-3's aux hidden states,
+            `mmspec.models.hf.eagle3`; recorded in the same forward, `capture_layer_inputs`) instead of the final-norm
+            hidden states.
 
     Hooks for models that generate another modality through the same decoder (`mmspec.models.janus.target.JanusTarget`):
     `token_inputs` (what the decoder gets for new tokens: `input_ids`, or `inputs_embeds` of image tokens),
@@ -223,7 +227,7 @@ class HFTarget(CachedTarget):
     supports_guidance = False  # text targets: one stream
 
     def __init__(self, model, guidance: Guidance, positions: Positions | None = None, source: str = "target",
-                 vocab: Tensor | None = None):  # fmt: skip
+                 vocab: Tensor | None = None, hidden_layers: tuple[int, ...] | None = None):  # fmt: skip
         if guidance.streams != 1 and not self.supports_guidance:
             raise ValueError("classifier-free guidance is not supported for text targets (guidance_scale must be 1)")
         text = model.config.get_text_config()
@@ -236,6 +240,14 @@ class HFTarget(CachedTarget):
         self.text_config = text
         self.max_slots = 0
         self.vocab, self.vocab_weight = vocab, None
+        if hidden_layers is not None:
+            layers = list(hidden_layers) if isinstance(hidden_layers, (list, tuple)) else None
+            depth = text.num_hidden_layers
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth for i in layers):
+                raise ValueError(f"hidden_layers must be a non-empty list of decoder layer indices in [0, {depth}) "
+                                 f"of {type(model).__name__}, got {hidden_layers!r}")  # fmt: skip
+            hidden_layers = tuple(layers)
+        self.hidden_layers = hidden_layers
         if vocab is not None:
             if source == "target":
                 raise ValueError("vocab restricts a draft LM's output; the target always scores every token")
@@ -345,7 +357,7 @@ class HFTarget(CachedTarget):
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
         mask = causal & valid[:, None, :]
-        with capture_decoder_inputs(self.model) if return_vision else nullcontext({}) as seen:
+        with capture_decoder_inputs(self.model) if return_vision else nullcontext({}) as seen, self._aux() as aux:
             hidden = self.run(self.model.model, self.cache, slots, slots, mask, input_ids=input_ids, **model_inputs)
         self.cache.commit(lengths)
         last = hidden[torch.arange(rows, device=device), lengths - 1][:, None]  # [B, 1, dim]
@@ -359,7 +371,19 @@ class HFTarget(CachedTarget):
             if embeds is None or tuple(embeds.shape[:2]) != (rows, width):
                 raise RuntimeError(f"{self.source}: the decoder's input embeddings were not recorded at prefill")
             vision = dict(inputs_embeds=embeds, image_mask=image_token_mask(self.model, input_ids) & valid)
-        return TargetOutput(p, hidden if return_hidden else None, input_ids=input_ids, lengths=lengths, **vision)
+        drafter_hidden = hidden if aux is None else self._aux_states(aux)
+        return TargetOutput(p, drafter_hidden if return_hidden else None, input_ids=input_ids, lengths=lengths,
+                            **vision)  # fmt: skip
+
+    def _aux(self):
+        """Records the `hidden_layers` inputs during a forward (a no-op context without them)."""
+        return (
+            nullcontext(None) if self.hidden_layers is None else capture_layer_inputs(self.model, self.hidden_layers)
+        )
+
+    def _aux_states(self, seen):
+        """The recorded `hidden_layers` inputs, concatenated in order `[rows, M, len * dim]`."""
+        return torch.cat([seen[i] for i in self.hidden_layers], dim=-1)
 
     @property
     def bucket_rows(self) -> bool:
@@ -379,9 +403,12 @@ class HFTarget(CachedTarget):
         m = rows.shape[1]
         if self.compiler is not None:  # one of two widths (`buckets`): padded nodes in scratch, seen by nothing
             rows, logical, slots, mask = pad_block(bucket_width(m, self.buckets), rows, logical, slots, mask)
-        hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, capture=True,
-                          **self.token_inputs(rows))[:, :m]  # fmt: skip
+        with self._aux() as aux:
+            hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, capture=True,
+                              **self.token_inputs(rows))[:, :m]  # fmt: skip
         p = self.live_items(self.guidance.probs(self.logits(hidden), self.source))
+        if aux is not None:
+            hidden = self._aux_states(aux)[:, :m]
         return TargetOutput(p, self.live_rows(hidden) if return_hidden else None)
 
     def select_state_rows(self, rows: Tensor) -> None:

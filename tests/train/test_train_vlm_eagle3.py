@@ -1,0 +1,135 @@
+"""`python -m mmspec.train vlm-eagle3` (EAGLE-3 head by online distillation, issue 29) on a tiny random LLaVA: a few
+steps write a loadable head whose config records the aux layers and the image-input convention, with per-depth loss
+and held-out acceptance in the card; `--target-cache` trains the same weights; kill-and-resume is bit-identical; a
+changed flag on resume is refused naming it; bad flags are usage errors before anything loads."""
+
+import json
+
+import pytest
+import torch
+from test_train_vlm_vision import _tiny_data
+from vlm_fixtures import tiny_llava, tiny_processor
+
+from mmspec.train import __main__ as train_main
+from mmspec.train import common
+from mmspec.train import vlm_eagle3 as task
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, processor = tiny_llava(4, seed=3), tiny_processor()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, processor, _tiny_data(processor)
+
+
+@pytest.fixture
+def files(tmp_path, tiny, monkeypatch):
+    model, processor, data = tiny
+    target = tmp_path / "target"
+    model.config.save_pretrained(target)
+    path = tmp_path / "answers.pt"
+    torch.save(data, path)
+    import mmspec.models.hf.zoo as vlm_zoo
+
+    monkeypatch.setattr(vlm_zoo, "load_vlm", lambda folder: (model, processor))
+    return {"target": str(target), "data": str(path)}
+
+
+def _argv(files, out, *extra):
+    return ["vlm-eagle3", "--target", files["target"], "--data", files["data"], "--out", str(out), "--steps", "4",
+            "--batch-size", "2", "--checkpoint-every", "2", "--eval-items", "2", "--unroll", "2", "--draft-vocab", "32",
+            "--aux-layers", "1,2,3", "--intermediate-size", "48", "--quiet", "--threads", "1", *extra]  # fmt: skip
+
+
+def _parse(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    task.add_arguments(parser)
+    return parser.parse_args(argv[1:])
+
+
+@pytest.mark.parametrize("image_inputs", ["placeholder", "embeds"])
+def test_a_few_steps_write_a_loadable_head_with_losses_and_acceptance_by_depth(files, tmp_path, image_inputs):
+    from mmspec.models import load
+    from mmspec.models.hf.eagle3 import Eagle3Head
+
+    out = tmp_path / "out"
+    head = task.run(_parse(_argv(files, out, "--image-inputs", image_inputs, "--storage", "int4")))
+    loaded = load(out)
+    assert isinstance(loaded, Eagle3Head) and loaded.config.image_inputs == image_inputs
+    assert loaded.config.aux_layers == [1, 2, 3] and loaded.config.intermediate_size == 48
+    assert torch.equal(loaded.draft_vocab, head.draft_vocab) and loaded.config.draft_vocab_size == 32
+    record = json.loads((out / "training.json").read_text())
+    metrics = record["metrics"]
+    assert {"final_train_loss_step0", "final_train_loss_step1"} <= set(metrics)
+    for prefix in ("", "templated_", "free-form_"):
+        accept = [metrics[f"{prefix}accept_depth{d}"] for d in range(1, task.EVAL_DEPTH + 1)]
+        assert all(0.0 <= a <= 1.0 for a in accept) and accept == sorted(accept, reverse=True), metrics
+        assert accept[0] == metrics[f"{prefix}top1_step0"]
+    assert record["extra"]["image_inputs"] == image_inputs and record["extra"]["aux_layers"] == [1, 2, 3]
+    assert "int4" in record["extra"]["storage"]
+    card = (out / "README.md").read_text()
+    assert "accept_depth3" in card and "loss_step1" in card and f"image_inputs: {image_inputs}" in card
+
+
+def test_target_cache_trains_the_same_weights(files, tmp_path):
+    plain = task.run(_parse(_argv(files, tmp_path / "plain", "--fp32-weights")))
+    cached = task.run(_parse(_argv(files, tmp_path / "cached", "--fp32-weights", "--target-cache")))
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(cached.state_dict()[k], v, atol=1e-3, rtol=1e-3)  # the cache holds float16
+
+
+def test_kill_and_resume_gives_bit_identical_weights(files, tmp_path, monkeypatch):
+    whole = task.run(_parse(_argv(files, tmp_path / "whole", "--fp32-weights")))
+
+    class Killed(Exception):
+        pass
+
+    save = common.save_checkpoint
+
+    def killed_after_first(path, state):
+        save(path, state)
+        raise Killed
+
+    monkeypatch.setattr(common, "save_checkpoint", killed_after_first)
+    argv = _argv(files, tmp_path / "killed", "--fp32-weights")
+    with pytest.raises(Killed):
+        task.run(_parse(argv))
+    monkeypatch.setattr(common, "save_checkpoint", save)
+    resumed = task.run(_parse(argv))
+    for k, v in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("flag, value, stored", [("--image-inputs", "embeds", "placeholder"),
+                                                 ("--aux-layers", "0,2,3", "1 2 3")])  # fmt: skip
+def test_resume_with_a_changed_flag_is_refused_naming_it(files, tmp_path, capsys, flag, value, stored):
+    argv = _argv(files, tmp_path / "out")
+    train_main.main([*argv[: argv.index("--steps") + 1], "2", *argv[argv.index("--steps") + 2 :]])
+    with pytest.raises(SystemExit) as exit_:
+        train_main.main([*argv, flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{flag}" in err and "differs from the checkpoint's" in err and stored in err, err
+
+
+class Ran(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [(["--aux-layers", "3,1"], "--aux-layers"), (["--aux-layers", "a"], "--aux-layers"),
+     (["--image-inputs", "pixels"], "--image-inputs"), (["--num-attention-heads", "4", "--num-key-value-heads", "3"],
+     "--num-key-value-heads"), (["--unroll", "0"], "--unroll")],
+)  # fmt: skip
+def test_bad_flags_are_usage_errors_before_anything_loads(files, tmp_path, monkeypatch, capsys, extra, flag):
+    monkeypatch.setattr(task, "run", lambda args: (_ for _ in ()).throw(Ran()))
+    with pytest.raises(SystemExit) as exit_:
+        train_main.main(_argv(files, tmp_path / "out", *extra))
+    assert exit_.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(Ran):
+        train_main.main(_argv(files, tmp_path / "out"))

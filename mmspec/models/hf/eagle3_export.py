@@ -242,6 +242,7 @@ def export_eagle3(head, target, out, engine, embed_tokens=False):
     tmp = out / (WEIGHTS_NAME + ".partial")
     save_file(tensors, tmp, metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS_NAME)
+    (out / WEIGHTS_NAME).chmod(0o644)  # safetensors writes 0600; a serving container may run as another user
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     logger.info("wrote %s (%s: %s)", out, engine, config["architectures"][0])
     return out

@@ -268,7 +268,7 @@ class EagleDrafter:
         `(h[L_r - 1], first token)` -- `num_valid = L_r` per row (right-padded prompts). A vision-aware head writes
         every prompt pair but the last through its policy here (`prefill_prompt`); the last one stays pending."""
         rows = target_out.hidden.shape[0]
-        self.length.start(state.batch_size, state.count.device)
+        self.length.start(state.count.shape[0], state.count.device)
         scratch = self.depth * self.top_k + 2  # drafted pairs: the chain, or the tree's frontiers
         if target_out.input_ids is None:
             prefix = self.target.config.cls_token_num

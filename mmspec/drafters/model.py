@@ -77,7 +77,7 @@ class ModelDrafter:
         self.model.prefill(self.cond, self.cache, cond_mask=self.cond_mask)
         self.live = None
         self._first_round = True
-        self.length.start(state.batch_size, state.count.device)
+        self.length.start(state.count.shape[0], state.count.device)
 
     @torch.no_grad()
     def propose(self, state):

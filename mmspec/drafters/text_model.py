@@ -91,7 +91,7 @@ class TextModelDrafter:
         self.draft.prefill(self.input_ids, self.lengths, state.max_length, scratch, **self.model_inputs)
         self.prompt_lengths = self.lengths
         self._first_round = True
-        self.length.start(state.batch_size, state.count.device)
+        self.length.start(state.count.shape[0], state.count.device)
 
     @torch.no_grad()
     def propose(self, state):

@@ -65,9 +65,9 @@ def _is_image(path, varied=True):
 
 def test_gradio_client_every_tab(served):
     url, cache = served
-    from mmspec.methods import KNOBS
+    from mmspec.demo.handlers import image_knob_names
 
-    assert len(KNOBS_DEFAULT) == len(KNOBS)
+    assert len(KNOBS_DEFAULT) == len(image_knob_names())
     client = gradio_client.Client(url, verbose=False)
     for tab, condition, method in (("c2i", 3, ("exact", "eagle")), ("t2i", "a thin four", ("jacobi", "auto"))):
         plain, spec, amap, legend, summary, _plot = client.predict(
@@ -90,10 +90,10 @@ def test_gradio_client_bad_inputs_get_a_message_and_the_server_keeps_serving(ser
     client = gradio_client.Client(url, verbose=False)
     with pytest.raises(Exception, match="seed must be a whole number, got 'abc'"):
         client.predict(3, "exact", "auto", "abc", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i")
-    from mmspec.methods import KNOBS
+    from mmspec.demo.handlers import image_knob_names
 
     knobs = list(KNOBS_DEFAULT)
-    knobs[list(KNOBS).index("tree_depth")] = 0
+    knobs[image_knob_names().index("tree_depth")] = 0
     with pytest.raises(Exception, match=r"tree_depth must be in \[1, 32\]"):
         client.predict(3, "exact", "auto", "0", 2.0, *knobs, api_name="/generate_c2i")
     text = tmp_path / "notes.txt"

@@ -76,6 +76,32 @@ def draft_vocabulary(ids, weight, size, eos):
     return order.sort().values, float(counts[order].sum() / counts.sum().clamp(min=1))
 
 
+def set_draft_vocabulary(head, ids, weight, size, eos):
+    """Give `head` the FR-Spec draft vocabulary of `size` tokens (`draft_vocabulary` of the training answers `ids`,
+    `weight`); returns the share of answer tokens it covers, None when `size` is 0 (the full vocabulary)."""
+    if not size:
+        return None
+    vocab, covered = draft_vocabulary(ids, weight, size, eos)
+    head.set_draft_vocab(vocab)
+    logger.info("draft vocabulary: %d tokens covering %.4f of the training answer tokens", size, covered)
+    return covered
+
+
+def frozen_target(args):
+    """The common start of a head's training run: threads, seed, the `--data` record, the `--target` VLM with its
+    parameters frozen, the `--out` folder. Returns `(generator, data, model, processor)`."""
+    from mmspec.models.hf.zoo import load_vlm
+
+    configure_threads(args.threads)
+    generator = seed_everything(args.seed)
+    data = load_checkpoint(args.data)
+    model, processor = load_vlm(args.target)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return generator, data, model, processor
+
+
 def answer_mask(lengths, prompt_lengths, width):
     """`[N, width]` True at answer tokens (`prompt_len <= t < length`)."""
     t = torch.arange(width)[None, :]
@@ -172,15 +198,8 @@ def evaluate_text_head(head, target, hidden, ids, weight, steps=3, forward_kwarg
 
 def run(args):
     from mmspec.models.hf.eagle import TextEagleHead
-    from mmspec.models.hf.zoo import load_vlm
 
-    configure_threads(args.threads)
-    generator = seed_everything(args.seed)
-    data = load_checkpoint(args.data)
-    model, processor = load_vlm(args.target)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    generator, data, model, processor = frozen_target(args)
     flags = run_flags(args)
     features = target_features(model, processor, data, Path(args.out) / "features.pt", quiet=args.quiet,
                                inputs={k: flags[k] for k in ("target", "data")})  # fmt: skip
@@ -191,11 +210,7 @@ def run(args):
     size = min(args.draft_vocab, model.get_output_embeddings().weight.shape[0])
     head = TextEagleHead.from_target(model, draft_vocab_size=size)
     head.init_weights(generator=generator)
-    covered = None
-    if size:
-        vocab, covered = draft_vocabulary(ids[n_eval:], weight[n_eval:], size, processor.tokenizer.eos_token_id)
-        head.set_draft_vocab(vocab)
-        logger.info("draft vocabulary: %d tokens covering %.4f of the training answer tokens", size, covered)
+    covered = set_draft_vocabulary(head, ids[n_eval:], weight[n_eval:], size, processor.tokenizer.eos_token_id)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     def step_fn(step):

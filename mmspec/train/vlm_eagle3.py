@@ -25,7 +25,6 @@ agreement with the target's greedy token and the greedy chain's acceptance by de
 
 import logging
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 
@@ -33,16 +32,13 @@ from mmspec.cli.args import int_in_range, non_negative_float
 from mmspec.train.common import (
     add_common_arguments,
     card_metrics,
-    configure_threads,
-    load_checkpoint,
     not_run_defining,
     save_model,
-    seed_everything,
     size_int,
     train_with_args,
     write_model_card,
 )
-from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask, draft_vocabulary
+from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask, frozen_target, set_draft_vocabulary
 
 
 logger = logging.getLogger(__name__)
@@ -197,15 +193,8 @@ def merge_sums(parts):
 
 def run(args):
     from mmspec.models.hf.eagle3 import Eagle3Head, default_aux_layers
-    from mmspec.models.hf.zoo import load_vlm
 
-    configure_threads(args.threads)
-    generator = seed_everything(args.seed)
-    data = load_checkpoint(args.data)
-    model, processor = load_vlm(args.target)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    generator, data, model, processor = frozen_target(args)
     text = model.config.get_text_config()
     aux_layers = tuple(args.aux_layers or default_aux_layers(text.num_hidden_layers))
     ids, lengths, prompt_lengths = data["input_ids"], data["lengths"], torch.tensor(data["prompt_lengths"])
@@ -219,11 +208,7 @@ def run(args):
                                   **{k: v for k, v in sizes.items() if v is not None})  # fmt: skip
     head.check_target(model)
     head.init_weights(generator=generator)
-    covered = None
-    if size:
-        vocab, covered = draft_vocabulary(ids[train_idx], weight[train_idx], size, processor.tokenizer.eos_token_id)
-        head.set_draft_vocab(vocab)
-        logger.info("draft vocabulary: %d tokens covering %.4f of the training answer tokens", size, covered)
+    covered = set_draft_vocabulary(head, ids[train_idx], weight[train_idx], size, processor.tokenizer.eos_token_id)
     head.init_from_target(model)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     embeds = args.image_inputs == "embeds"

@@ -47,6 +47,7 @@ __all__ = [
     "COMPILE_BACKENDS",
     "DEFAULT_DRAFT_CONFIDENCE",
     "DRAFT_LENGTHS",
+    "DRAFT_LENGTH_KNOBS",
     "DRAFT_STEP_COSTS",
     "COMPILE_MODES",
     "CONTINUOUS_DEFAULTS",
@@ -244,6 +245,7 @@ CONTINUOUS_DEFAULTS = {
 # otherwise); "confidence": a chain stops after a draft token below `draft_confidence`; "cost": the K maximising
 # expected tokens per unit of cost from a running acceptance estimate (`draft_step_cost`, `verify_token_cost`).
 DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost")
+DRAFT_LENGTH_KNOBS = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost")  # its knobs
 DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' `assistant_confidence_threshold` default
 # a draft forward's cost in one-token target forwards, per drafter, when `draft_step_cost` is unset (measured on the
 # zoo's VLM at batch 1, 1 thread, `bench vlm --time-phases`: the 4-layer draft LM with SmolLM2's output head 0.24,

@@ -20,7 +20,7 @@ from mmspec.demo.answer import answer_html
 from mmspec.demo.canvas import canvas_warning
 from mmspec.demo.inputs import load_image, parse_int, parse_knobs, parse_seed
 from mmspec.demo.plots import accepted_per_round, histogram_figure
-from mmspec.methods import ACCEPTANCES, DRAFTERS, KNOBS, PRESETS, acceptance_names
+from mmspec.methods import ACCEPTANCES, DRAFT_LENGTH_KNOBS, DRAFTERS, KNOBS, PRESETS, acceptance_names
 from mmspec.timing import time_interleaved
 
 
@@ -65,7 +65,7 @@ TIMING_REPEATS = 3  # timed runs of each side per click, after one warm-up run o
 
 
 # the draft-length policy's knobs (issue 32) are not on the demo's pages yet: the demo runs the fixed length
-NOT_SHOWN = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost")
+NOT_SHOWN = DRAFT_LENGTH_KNOBS
 
 
 def image_knob_names():
@@ -96,6 +96,9 @@ def preset_values(name, names):
     preset = dict(PRESETS[name])
     acceptance = preset.pop("acceptance")
     drafter = preset.pop("drafter", AUTO_DRAFTER)
+    hidden = sorted(set(preset) - set(names))
+    if hidden:  # the page would run it without them: never silently
+        raise ValueError(f"preset {name!r} sets {hidden}, which this page does not show")
     return acceptance, drafter, {knob: preset.get(knob, KNOBS[knob].default) for knob in names}
 
 

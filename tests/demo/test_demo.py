@@ -297,6 +297,8 @@ def test_fresh_page_values_are_consistent():
 def test_method_widgets_come_from_the_registry():
     assert handlers.image_knob_names() == [name for name in KNOBS if name not in handlers.NOT_SHOWN]
     assert set(handlers.vlm_knob_names()) == {"num_draft_tokens", "tree_nodes", "tree_depth", "tree_top_k"}
+    with pytest.raises(ValueError, match="does not show"):  # an adaptive preset is never run without its policy
+        handlers.preset_values("exact-eagle-heuristic", handlers.image_knob_names())
     acceptance, drafter, values = handlers.preset_values("exact-eagle-tree", list(KNOBS))
     assert (acceptance, drafter) == ("exact", "eagle")
     assert values["tree_top_k"] == PRESETS["exact-eagle-tree"]["tree_top_k"] and values["jacobi_window"] == 16

@@ -35,12 +35,16 @@ def near_copy(model, scale=0.05, seed=1):
     return near
 
 
-def tiny_vq(codebook_size=16, ch_mult=(1, 2, 2)):
-    """A random LlamaGen VQ (1 channel, `len(ch_mult) - 1` downsamplings) in eval mode."""
+def tiny_vq(codebook_size=16, ch_mult=(1, 2, 2), seed=0):
+    """A random LlamaGen VQ (1 channel, `len(ch_mult) - 1` downsamplings) in eval mode, the same in every process:
+    torch's default initialisation drawn from the global RNG seeded with `seed` inside `fork_rng` (the caller's
+    RNG state is left as it was). GSD groups by the codebook, so an unseeded VQ made its runs vary by process."""
     from mmspec.models.llamagen.vq import LlamaGenVQ
 
-    return LlamaGenVQ(codebook_size=codebook_size, codebook_embed_dim=4, ch=8, ch_mult=ch_mult, z_channels=8,
-                      in_channels=1, num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaGenVQ(codebook_size=codebook_size, codebook_embed_dim=4, ch=8, ch_mult=ch_mult, z_channels=8,
+                          in_channels=1, num_res_blocks=1, norm_num_groups=4).eval()  # fmt: skip
 
 
 def random_forest(rows, m, generator):

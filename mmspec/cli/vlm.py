@@ -26,13 +26,10 @@ from mmspec.cli.args import (
     seed_int,
 )
 from mmspec.cli.checks import check_device, check_method, check_output_file, check_top_k_vocab, check_zoo_folders
-from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS
+from mmspec.methods import DRAFT_LENGTH_KNOBS, EAGLE_HEADS, KNOBS, VLM_LIMITS
 
 
 logger = logging.getLogger(__name__)
-
-# the registry's draft-length knobs, one flag each (`mmspec.cli.args.add_knob_arguments`)
-DRAFT_LENGTH_KNOBS = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost")
 
 
 def add_arguments(parser):

@@ -136,6 +136,9 @@ def gather_last(x: Tensor, index: Tensor) -> Tensor:
 
 
 def normalize(weights: Tensor, fallback: Tensor) -> Tensor:
-    """Normalise ``weights [..., V]`` row-wise; rows with no mass take ``fallback`` (already normalised)."""
+    """Normalise ``weights [..., V]`` row-wise; rows with no mass take ``fallback`` (already normalised).
+
+    A row with no mass divides 0 / 0 in the branch `where` does not select (no NaN reaches the result); a row with
+    a subnormal total is normalised exactly like any other (``weights <= total``: no overflow). Three ops."""
     total = weights.sum(-1, keepdim=True)
-    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(weights.dtype).tiny), fallback)
+    return torch.where(total > 0, weights / total, fallback)

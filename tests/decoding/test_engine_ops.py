@@ -30,11 +30,11 @@ METHODS = {
 }
 # method -> max engine ops per round (measured + slack); docs/benchmarks.md "Profile" has the before / after
 ENGINE_OPS = {
-    "chain": 102,  # 99.4 (13 rounds)
-    "tree": 235,  # 226.6 (11 rounds); 560.6 with the per-level walk of verify_tree
-    "sjd": 134,  # 129.6 (11 rounds)
-    "gsd": 275,  # 268.0 (6 rounds)
-    "sjd-pac": 415,  # 408.9 (10 rounds); 449.3 rebuilding the tree structure each round; 718.3 with the walk
+    "chain": 104,  # 101.6 (13 rounds)
+    "tree": 235,  # 227.9 (11 rounds); 560.6 with the per-level walk of verify_tree
+    "sjd": 134,  # 131.9 (11 rounds)
+    "gsd": 275,  # 269.5 (6 rounds)
+    "sjd-pac": 415,  # 404.5 (10 rounds); 449.3 rebuilding the tree structure each round; 718.3 with the walk
 }
 
 

@@ -11,6 +11,7 @@ from vlm_fixtures import IMAGE_TOKENS, images, tiny_llava, tiny_processor, train
 
 from mmspec import cli
 from mmspec.cli import vlm as cli_vlm
+from mmspec.drafters.vision_eagle import VISION_POLICIES
 from mmspec.eval import bench_vlm
 from mmspec.models import DEFAULT_ZOO
 from mmspec.models.hf.draft import truncated_draft
@@ -73,7 +74,7 @@ def test_the_three_vision_heads_as_bench_rows_greedy_and_sampled(setup):
     from test_vision_drafters import NUM_QUERIES, vision_head
 
     pipe, canvases, _ = setup
-    heads = {name: vision_head(pipe.eagle_head, pipe.model, name) for name in bench_vlm.VISION_METHODS}
+    heads = {name: vision_head(pipe.eagle_head, pipe.model, name) for name in VISION_POLICIES}
     methods = "plain,eagle,vispec,specvlm,msd"
     greedy = bench_vlm.run(_args("--batch-size", "1,4", "--methods", methods), pipe=pipe, canvases=canvases,
                            heads=heads)  # fmt: skip
@@ -88,8 +89,8 @@ def test_the_three_vision_heads_as_bench_rows_greedy_and_sampled(setup):
         assert sum(table["specvlm"]["gate_choice"].values()) == 4  # one choice per answer
         assert set(table["specvlm"]["gate_choice"]) <= set(heads["specvlm"].vision.names)
     for table in greedy["by_batch_size"].values():
-        assert all(table[name]["matches_plain"] for name in bench_vlm.VISION_METHODS)
-    assert all(sampled["by_batch_size"]["4"][name]["matches_plain"] is None for name in bench_vlm.VISION_METHODS)
+        assert all(table[name]["matches_plain"] for name in VISION_POLICIES)
+    assert all(sampled["by_batch_size"]["4"][name]["matches_plain"] is None for name in VISION_POLICIES)
 
 
 def _refuse(*args, **kwargs):

@@ -82,11 +82,13 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """A `drafter=` choice: `component` is the pipeline component it needs (None: the target drafts itself)."""
+    """A `drafter=` choice: `component` is the pipeline component it needs (None: the target drafts itself);
+    `pipelines` the pipeline kinds (`PIPELINES`) that run it."""
 
     name: str
     summary: str
     component: str | None
+    pipelines: tuple[str, ...] = ("image", "vlm", "continuous")
 
 
 # the pipeline kinds: "image" (the token-image pipelines: LlamaGen, Janus), "vlm", "continuous" (MAR)
@@ -147,7 +149,7 @@ DRAFTERS = {
     for d in (
         DrafterSpec("model", "a small AR model of the same family drafts a chain", "draft_model"),
         DrafterSpec("eagle", "an EAGLE head drafts a sampled chain or an EAGLE-2 tree", "eagle_head"),
-        DrafterSpec("jacobi", "the target drafts for itself (Jacobi window)", None),
+        DrafterSpec("jacobi", "the target drafts for itself (Jacobi window)", None, pipelines=("image",)),
     )
 }
 
@@ -536,12 +538,17 @@ def resolve_drafter(acceptance, drafter, available, pipeline="image"):
     spec = ACCEPTANCES[acceptance]
     if not spec.drafters:
         return None
+    runs_here = [name for name in spec.drafters if pipeline in DRAFTERS[name].pipelines]
     if drafter is None:
-        for name in spec.drafters:
+        for name in runs_here:
             component = DRAFTERS[name].component
             if component is None or component in available:
                 return name
-        raise ValueError(f"acceptance={acceptance!r} needs one of the drafters {spec.drafters}; none is loaded")
+        needs = [DRAFTERS[name].component for name in runs_here]
+        raise ValueError(f"acceptance={acceptance!r} needs one of the drafters {tuple(runs_here)} (components "
+                         f"{needs}); none is loaded (acceptance='none' decodes without one)")  # fmt: skip
+    if pipeline not in DRAFTERS[drafter].pipelines:
+        raise ValueError(f"drafter={drafter!r} runs in the {DRAFTERS[drafter].pipelines} pipelines, not {pipeline!r}")
     if drafter not in spec.drafters:
         raise ValueError(f"acceptance={acceptance!r} runs with drafter in {spec.drafters}, got drafter={drafter!r}")
     component = DRAFTERS[drafter].component

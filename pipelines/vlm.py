@@ -53,7 +53,7 @@ from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.memory import check_hf_call_memory
 from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS, acceptance_names, resolve_drafter, resolve_method
 from mmspec.models import DEFAULT_ZOO
-from mmspec.models.hf.inputs import image_token_mask
+from mmspec.models.hf.inputs import has_vision, image_token_mask
 from mmspec.models.hf.target import HFTarget, right_align
 from mmspec.random import check_generator
 from mmspec.sampling import SamplingParams, sample
@@ -503,7 +503,7 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
             return None
         if drafter == "model":
             draft = HFTarget(self.draft_model, guidance, source="draft", vocab=draft_vocab)
-            vision = model_inputs if hasattr(self.draft_model.model, "vision_tower") else {}
+            vision = model_inputs if has_vision(self.draft_model) else {}
             size = knobs.tree_nodes if knobs.tree else knobs.num_draft_tokens  # tree nodes / chain length
             length = None if knobs.tree else make_draft_length(knobs, size)
             return TextModelDrafter(draft, size, input_ids, lengths, top_k=knobs.tree_top_k, depth=knobs.tree_depth,

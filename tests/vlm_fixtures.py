@@ -100,6 +100,7 @@ def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
     """A `TextEagleHead` fitted in a few seconds on the target's own greedy continuations (so EAGLE drafts get
     accepted and multi-token commits are exercised)."""
     from mmspec.models.hf.eagle import TextEagleHead
+    from mmspec.models.hf.mrope import positions_for
     from mmspec.train.vlm_eagle import eagle_text_losses
 
     model = pipe.model
@@ -107,15 +108,20 @@ def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
     ids, lengths, extra = pipe.encode(ims, texts, None, "cpu")
     rows, weights = [], []
     for r in range(len(texts)):
-        image_token = getattr(model.config, "image_token_id", None)
-        answer = [0 if t == image_token else t for t in out.sequences[r].tolist() if t >= 0]  # a generated
-        # image placeholder would be taken for an image slot by LLaVA's forward
+        placeholders = {getattr(model.config, n, None) for n in ("image_token_id", "video_token_id")} - {None}
+        answer = [0 if t in placeholders else t for t in out.sequences[r].tolist() if t >= 0]  # a generated
+        # image / video placeholder would be taken for an image slot by the model's forward
         rows.append(ids[r, : lengths[r]].tolist() + answer)
         weights.append([False] * int(lengths[r]) + [True] * len(answer))
     width = max(len(r) for r in rows)
     seq = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     weight = torch.tensor([w + [False] * (width - len(w)) for w in weights])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    extra = {k: v for k, v in extra.items() if k != "mm_token_type_ids"}  # prompt-wide: recomputed from the ids
+    # Qwen-VL's 3-D positions over prompt + answer (M-RoPE), from the target adapter's own provider
+    positions = positions_for(model).prompt(seq, mask.sum(1), extra)
+    if positions is not None:
+        extra["position_ids"] = positions
     with torch.no_grad():
         hidden = model.model(input_ids=seq, attention_mask=mask, **extra).last_hidden_state
     torch.manual_seed(seed)

@@ -16,6 +16,8 @@ drafters) or `ModelDrafter.check_compatible`.
 
 import logging
 
+from mmspec.models.hf.inputs import has_vision
+
 
 logger = logging.getLogger(__name__)
 
@@ -110,15 +112,16 @@ def check_vlm_draft_model(draft, target, argument="draft_model"):
                 f"the draft model's vocabulary does not match the target's: expected {theirs} tokens (the target's "
                 f"output head), found {vocab}; draft and target must share the tokenizer"
             )
-        if hasattr(getattr(draft, "model", None), "vision_tower") and hasattr(target.config, "vision_config"):
-            for name, mine, want in (
-                ("image_token_id", getattr(draft.config, "image_token_id", None), target.config.image_token_id),
-                (
-                    "image tokens per image",
-                    image_tokens_per_image(draft.config),
-                    image_tokens_per_image(target.config),
-                ),
-            ):
+        if has_vision(draft) and hasattr(target.config, "vision_config"):
+            pairs = [("image_token_id", getattr(draft.config, "image_token_id", None), target.config.image_token_id)]
+            if hasattr(draft.model, "visual"):  # Qwen-VL: dynamic grids, one processor: the same patching and merge
+                pairs += [(f"vision_config.{name}", getattr(draft.config.vision_config, name, None),
+                           getattr(target.config.vision_config, name, None))
+                          for name in ("patch_size", "spatial_merge_size", "temporal_patch_size")]  # fmt: skip
+            else:  # LLaVA: a fixed number of image tokens per image
+                pairs.append(("image tokens per image", image_tokens_per_image(draft.config),
+                              image_tokens_per_image(target.config)))  # fmt: skip
+            for name, mine, want in pairs:
                 if mine != want:
                     raise ValueError(f"the draft model's {name} does not match the target's: expected {want}, "
                                      f"found {mine}")  # fmt: skip

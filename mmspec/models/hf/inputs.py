@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 
-__all__ = ["capture_decoder_inputs", "capture_layer_inputs", "image_token_mask"]
+__all__ = ["capture_decoder_inputs", "capture_layer_inputs", "has_vision", "image_token_mask"]
 
 
 def decoder_of(model):
@@ -42,13 +42,19 @@ def capture_decoder_inputs(model):
         handle.remove()
 
 
+def has_vision(model) -> bool:
+    """The model reads images: a vision tower on its base model (`vision_tower`: LLaVA family; `visual`: Qwen-VL)."""
+    base = getattr(model, "model", None)
+    return hasattr(base, "vision_tower") or hasattr(base, "visual")
+
+
 def image_token_mask(model, input_ids: Tensor) -> Tensor:
     """`[rows, L]` True at image placeholder tokens (`config.image_token_id` / `image_token_index`); all False for a
     model without images."""
     config = model.config
     image_id = getattr(config, "image_token_id", None)
     image_id = getattr(config, "image_token_index", None) if image_id is None else image_id
-    if image_id is None or not hasattr(model.model, "vision_tower"):
+    if image_id is None or not has_vision(model):
         return torch.zeros_like(input_ids, dtype=torch.bool)
     return input_ids == image_id
 

@@ -22,11 +22,10 @@ answer is the same. The cache itself is allocated in chunks: prefill allocates t
 that needs more slots doubles it (`grow`, up to the prompt + `max_new_tokens` + scratch reserved at prefill). Rows are right-padded at prefill: row `r`'s
 prompt sits at slots `0 .. L_r - 1` and its committed length is `L_r`, so ragged prompts need no left padding.
 
-Positions go through one provider (`Positions`): the default is position == slot (1-D RoPE). Qwen2-VL-style M-RoPE
-needs `[3, rows, M]` position ids: a provider that (a) at prefill takes the 3-D ids the model's own
-`get_rope_index(input_ids, image_grid_thw, attention_mask)` computes for the prompt, and (b) afterwards returns
-`slot + rope_delta[r]` on all three axes (text after the image advances every axis together), with `rope_delta`
-per row kept through `select_rows`. Nothing in the loop or the cache changes for it.
+Positions go through one provider (`mmspec.models.hf.positions.Positions`): the default is position == slot (1-D
+RoPE). The Qwen-VL family's M-RoPE (`mmspec.models.hf.mrope`, chosen by `positions_for(model)`) takes the prompt's
+3-D ids from the model's own `get_rope_index` at prefill and afterwards returns `logical + rope_delta[r]` on all three
+axes, `rope_delta` per row kept through `select_rows`. Nothing in the loop or the cache changes for it.
 """
 
 import logging
@@ -43,6 +42,8 @@ from mmspec.decoding.compiled import bucket_width, dense, pad_block
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
 from mmspec.models.hf.inputs import capture_decoder_inputs, capture_layer_inputs, decoder_of, image_token_mask
+from mmspec.models.hf.mrope import positions_for
+from mmspec.models.hf.positions import Positions
 
 
 logger = logging.getLogger(__name__)
@@ -163,25 +164,6 @@ class StaticCache(Cache):
         return [False] * len(self)
 
 
-class Positions:
-    """Position ids of the new tokens: `position = slot - offset[r]` (default offset 0: position == slot).
-
-    Subclass for other schemes (M-RoPE, see the module docstring); `select_rows` keeps the per-row state in step
-    with the cache.
-    """
-
-    def __init__(self, offset: Tensor | None = None):
-        self.offset = offset
-
-    def __call__(self, logical: Tensor) -> Tensor:
-        """`logical [rows, M]` (the token's index along its row: slot for chains, `length + depth` in a tree)."""
-        return logical if self.offset is None else logical - self.offset[:, None]
-
-    def select_rows(self, index: Tensor) -> None:
-        if self.offset is not None:
-            self.offset = self.offset[index]
-
-
 def right_align(input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: int = 0):
     """Any-side padded `input_ids [B, L]` (`attention_mask` 1 = token) -> right-padded ids and `lengths [B]`."""
     if input_ids.dim() != 2:
@@ -208,7 +190,8 @@ class HFTarget(CachedTarget):
     Args:
         model: `LlavaForConditionalGeneration` or a `*ForCausalLM` (eval mode).
         guidance: the call's `Guidance` (one stream: no CFG for text).
-        positions: the position provider (default: position == slot).
+        positions: the position provider (default `mmspec.models.hf.mrope.positions_for(model)`: M-RoPE for the
+            Qwen-VL family, else position == slot).
         source: `"target"` or `"draft"` (the adapter also runs draft LMs): names the model in NaN errors.
         vocab: draft LMs only, optional `[N]` token ids: score only these (FR-Spec draft vocabulary, Zhao et al.
             2025); every other token gets logit `-inf`, i.e. probability 0 in `q_draft`.
@@ -235,7 +218,7 @@ class HFTarget(CachedTarget):
             raise ValueError(f"{type(model).__name__}: final_logit_softcapping is not supported")
         super().__init__(guidance)
         self.model, self.source = model, source
-        self.positions = positions or Positions()
+        self.positions = positions or positions_for(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.text_config = text
         self.max_slots = 0
@@ -269,7 +252,7 @@ class HFTarget(CachedTarget):
         return StaticKVCache(t.num_hidden_layers, rows, n_kv, max_seq, head_dim, dtype=p.dtype, device=p.device)
 
     def run(self, module, cache: StaticKVCache, slots: Tensor, logical: Tensor, mask: Tensor, key_slots=None,
-            capture=False, **inputs):  # fmt: skip
+            capture=False, position_ids=None, **inputs):  # fmt: skip
         """One forward of `module` (base model or decoder) over new tokens written at `slots [rows, M]` with the
         new-token mask `mask [rows, M, M]`; returns the final-norm hidden states `[rows, M, dim]`. `key_slots
         [rows, K]` (default `slots`) may also list uncommitted slots of earlier forwards, `mask` is then
@@ -304,7 +287,8 @@ class HFTarget(CachedTarget):
         if captured:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
             self.compiler.static(cache)
             module = self.compiler.forward("target" if self.source == "target" else "drafter", module)
-        out = module(position_ids=self.positions(logical), attention_mask=visible, past_key_values=hf_cache,
+        position_ids = self.positions(logical) if position_ids is None else position_ids
+        out = module(position_ids=position_ids, attention_mask=visible, past_key_values=hf_cache,
                      use_cache=True, **inputs)  # fmt: skip
         return out.last_hidden_state
 
@@ -357,8 +341,12 @@ class HFTarget(CachedTarget):
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
         valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [B, L]
         mask = causal & valid[:, None, :]
+        # the prompt's positions: the provider's own (M-RoPE: the model's `get_rope_index`), else the slots
+        model_inputs = {k: v for k, v in model_inputs.items() if k != "mm_token_type_ids"}  # M-RoPE: from the ids
+        prompt_positions = self.positions.prompt(input_ids, lengths, model_inputs)
         with capture_decoder_inputs(self.model) if return_vision else nullcontext({}) as seen, self._aux() as aux:
-            hidden = self.run(self.model.model, self.cache, slots, slots, mask, input_ids=input_ids, **model_inputs)
+            hidden = self.run(self.model.model, self.cache, slots, slots, mask, position_ids=prompt_positions,
+                              input_ids=input_ids, **model_inputs)  # fmt: skip
         self.cache.commit(lengths)
         last = hidden[torch.arange(rows, device=device), lengths - 1][:, None]  # [B, 1, dim]
         # the target's first token is checked now (once per call); a draft LM's distributions only feed drafts

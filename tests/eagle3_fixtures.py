@@ -8,6 +8,7 @@ from vlm_fixtures import images, prompts, tiny_llava, tiny_lm, tiny_processor, t
 
 from mmspec.models.hf.eagle3 import Eagle3Head
 from mmspec.models.hf.inputs import capture_decoder_inputs, capture_layer_inputs
+from mmspec.models.hf.mrope import sequence_inputs
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 from mmspec.train.vlm_eagle3 import eagle3_losses
 
@@ -19,30 +20,32 @@ def rows_of(pipe, ims, texts, max_new_tokens):
     """Prompt + the target's own greedy answer per row: `(ids [B, T], answer mask [B, T], attention mask, extra)`."""
     out = pipe(images=ims, prompt=texts, max_new_tokens=max_new_tokens, acceptance="none", output_type="ids")
     ids, lengths, extra = pipe.encode(ims, texts, None, "cpu")
-    image_token = getattr(pipe.model.config, "image_token_id", None)
+    placeholders = {getattr(pipe.model.config, n, None) for n in ("image_token_id", "video_token_id")} - {None}
     rows, weights = [], []
     for r in range(len(texts)):
-        answer = [0 if t == image_token else t for t in out.sequences[r].tolist() if t >= 0]
+        answer = [0 if t in placeholders else t for t in out.sequences[r].tolist() if t >= 0]
         rows.append(ids[r, : lengths[r]].tolist() + answer)
         weights.append([False] * int(lengths[r]) + [True] * len(answer))
     width = max(len(r) for r in rows)
     seq = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     weight = torch.tensor([w + [False] * (width - len(w)) for w in weights])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    return seq, weight, mask, extra
+    return seq, weight, mask, sequence_inputs(pipe.model, seq, mask, extra)  # Qwen-VL: 3-D positions
 
 
-def fit_eagle3_head(pipe, ims, texts, *, image_inputs="placeholder", steps=120, draft_vocab=40, seed=0):
-    """An `Eagle3Head` (aux layers `AUX`, a `draft_vocab`-token draft vocabulary) trained `steps` Adam steps with a
+def fit_eagle3_head(
+    pipe, ims, texts, *, image_inputs="placeholder", steps=120, draft_vocab=40, seed=0, aux_layers=AUX
+):
+    """An `Eagle3Head` (aux layers `aux_layers`, a `draft_vocab`-token draft vocabulary) trained `steps` Adam steps with a
     2-step training-time test on the target's answers to `texts` (and `ims`)."""
     model = pipe.model
     seq, weight, mask, extra = rows_of(pipe, ims, texts, 24)
-    with torch.no_grad(), capture_layer_inputs(model, AUX) as seen, capture_decoder_inputs(model) as merged:
+    with torch.no_grad(), capture_layer_inputs(model, aux_layers) as seen, capture_decoder_inputs(model) as merged:
         hidden = model.model(input_ids=seq, attention_mask=mask, **extra).last_hidden_state
-    aux = torch.cat([seen[i] for i in AUX], -1)
+    aux = torch.cat([seen[i] for i in aux_layers], -1)
     embeds = merged["inputs_embeds"] if image_inputs == "embeds" else None
     torch.manual_seed(seed)
-    head = Eagle3Head.from_target(model, aux_layers=AUX, draft_vocab_size=draft_vocab, image_inputs=image_inputs,
+    head = Eagle3Head.from_target(model, aux_layers=aux_layers, draft_vocab_size=draft_vocab, image_inputs=image_inputs,
                                   initializer_range=0.05)  # fmt: skip
     counts = torch.bincount(seq[weight], minlength=model.config.get_text_config().vocab_size)
     head.set_draft_vocab(torch.sort(-counts.double(), stable=True).indices[:draft_vocab].sort().values)

@@ -100,7 +100,7 @@ def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
     """A `TextEagleHead` fitted in a few seconds on the target's own greedy continuations (so EAGLE drafts get
     accepted and multi-token commits are exercised)."""
     from mmspec.models.hf.eagle import TextEagleHead
-    from mmspec.models.hf.mrope import positions_for
+    from mmspec.models.hf.mrope import sequence_inputs
     from mmspec.train.vlm_eagle import eagle_text_losses
 
     model = pipe.model
@@ -117,11 +117,7 @@ def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
     seq = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     weight = torch.tensor([w + [False] * (width - len(w)) for w in weights])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    extra = {k: v for k, v in extra.items() if k != "mm_token_type_ids"}  # prompt-wide: recomputed from the ids
-    # Qwen-VL's 3-D positions over prompt + answer (M-RoPE), from the target adapter's own provider
-    positions = positions_for(model).prompt(seq, mask.sum(1), extra)
-    if positions is not None:
-        extra["position_ids"] = positions
+    extra = sequence_inputs(model, seq, mask, extra)  # Qwen-VL: 3-D positions over prompt + answer
     with torch.no_grad():
         hidden = model.model(input_ids=seq, attention_mask=mask, **extra).last_hidden_state
     torch.manual_seed(seed)

@@ -36,6 +36,7 @@ __all__ = [
     "finished_accept_prob",
     "mar_schedule",
     "residual_finished",
+    "residual_tries",
 ]
 
 
@@ -416,26 +417,34 @@ def _exact_rounds(target, draft, noise, state, params, first_step, first_round, 
         accept_prob = finished_accept_prob(f_p, x_q, y_q, last_p.mean, last_p.std, mu_q, sd_q, logdet_q)
         u = _tries(torch.rand, generator, rows, 1, (), dev, per_row)[0]  # per image, in the image's own token order
         accepted = u < accept_prob
+        # the first chunk of residual tries for every drafted token, drawn before the decision is read (a token
+        # that turns out not to need one discards its tries): the round then reads once, unless a rejected
+        # token's first chunk found no residual value (rare), which costs one read per further chunk
+        f_q = FinalStep(draft.head, zq_c, zq_u, cfg)
+        first = min(RESIDUAL_CHUNK, params.max_residual_tries)
+        chosen, took = residual_tries(f_p, f_q, last_p.mean, last_p.std, mu_q, sd_q, rows, generator, first,
+                                      per_row)  # fmt: skip
         # Leading fully accepted steps per image (a step not drafted stops the count); the first step with a
-        # rejection is kept (residual draws). Fixed shapes on the device; the round's one host read: n_ok, n_need.
+        # rejection is kept (residual draws). Fixed shapes on the device; the round's one host read: n_ok and the
+        # rejected tokens per image still without a residual value.
         stop = torch.tensor([[int(j >= ks.get(b, 0)) for j in range(k_max)] for b in range(b_total)], device=dev)
         stop = stop.index_put((rows, jj), (~accepted).long(), accumulate=True)
         n_ok = (stop == 0).long().cumprod(1).sum(1)  # [B]
         keep = jj <= n_ok[rows]
         need = (jj == n_ok[rows]) & ~accepted
-        n_need = torch.zeros(b_total, dtype=torch.long, device=dev).index_add_(0, rows, need.long())
-        n_ok_host, n_need_host = torch.stack([n_ok, n_need]).tolist()
+        unfilled = need & ~took
+        n_left = torch.zeros(b_total, dtype=torch.long, device=dev).index_add_(0, rows, unfilled.long())
+        n_ok_host, n_left_host = torch.stack([n_ok, n_left]).tolist()
         advance = {b: min(n_ok_host[b] + 1, ks[b]) for b in row_step}
-        values = x_q.clone()
-        if sum(n_need_host):
-            idx = torch.argsort((~need).to(torch.int8), stable=True)[: sum(n_need_host)]  # need's tokens, in order
-            values[idx], fallbacks = residual_finished(f_p.select(idx), FinalStep(draft.head, zq_c[idx],
-                                                 None if zq_u is None else zq_u[idx], cfg[idx]),
-                                                 last_p.mean[idx], last_p.std[idx], mu_q[idx], sd_q[idx],
-                                                 rows[idx], generator, b_total,
-                                                 params.max_residual_tries, counts=n_need_host)  # fmt: skip
+        values = torch.where(need[:, None], chosen, x_q)
+        if sum(n_left_host):  # further chunks (and the plain-p fallback) for the tokens still unfilled
+            idx = torch.argsort((~unfilled).to(torch.int8), stable=True)[: sum(n_left_host)]  # in order
+            values[idx], fallbacks = residual_finished(f_p.select(idx), f_q.select(idx), last_p.mean[idx],
+                                                       last_p.std[idx], mu_q[idx], sd_q[idx], rows[idx], generator,
+                                                       b_total, params.max_residual_tries - first,
+                                                       counts=n_left_host)  # fmt: skip
             state.num_fallbacks = state.num_fallbacks + fallbacks
-            target.saw("diffusion head", values[idx])
+        target.saw("diffusion head", values)
         state.emit(rows, pos, values, torch.where(accepted, ACCEPTED, RESAMPLED), round_index, keep=keep)
         state.drafted += torch.tensor(per_row, dtype=state.drafted.dtype, device=dev)
         if stats is not None:
@@ -464,12 +473,36 @@ def finished_accept_prob(f_p, x_q, y_q, mu_p, sd_p, mu_q, sd_q, logdet_q) -> Ten
     return torch.where(ok, (log_p - log_q).clamp_max(0).exp(), 0.0)
 
 
-def residual_finished(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, batch, max_tries, chunk=8, counts=None):
+RESIDUAL_CHUNK = 8  # residual tries drawn per token between two host reads
+
+
+def residual_tries(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, tries, counts):
+    """``tries`` acceptance-rejection tries for each token ``[T]`` of the residual ``norm([p_x - q_x]_+)`` with
+    proposal ``p_x`` (``x = f_p(y), y ~ N(mu_p, sd_p^2)``, kept with probability ``[1 - q_x(x)/p_x(x)]_+``), no host
+    read: ``(the first kept value per token [T, D] (0 where none), kept [T] bool)``. ``counts``: tokens per image of
+    ``rows`` on the host (the per-image generators' draw counts)."""
+    m, d = mu_p.shape
+    dev = mu_p.device
+    eps = _tries(torch.randn, generator, rows, tries, (d,), dev, counts)  # [c, T, D]
+    u = _tries(torch.rand, generator, rows, tries, (), dev, counts)  # [c, T]
+    y = (mu_p + sd_p * eps).reshape(-1, d)
+    fp, fq = f_p.repeat(tries), f_q.repeat(tries)
+    x, logdet_p = fp.forward_logdet(y)
+    log_p = gaussian_logpdf(y, mu_p.repeat(tries, 1), sd_p.repeat(tries, 1)) - logdet_p
+    log_q, ok = fq.log_density(x, mu_q.repeat(tries, 1), sd_q.repeat(tries, 1), y0=y)
+    ratio = torch.where(ok, (log_q - log_p).clamp_max(0).exp(), 0.0).reshape(tries, -1)
+    take = u < 1 - ratio  # [c, T]
+    first, any_take = take.long().argmax(0), take.any(0)
+    chosen = x.reshape(tries, -1, d)[first, torch.arange(m, device=dev)]
+    return torch.where(any_take[:, None], chosen, torch.zeros_like(chosen)), any_take
+
+
+def residual_finished(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, batch, max_tries, chunk=RESIDUAL_CHUNK,
+                      counts=None):  # fmt: skip
     """Draw each token ``[M]`` from ``norm([p_x - q_x]_+)`` (densities of finished values) by acceptance-rejection
-    with proposal ``p_x``: ``x = f_p(y), y ~ N(mu_p, sd_p^2)`` is kept with probability ``[1 - q_x(x)/p_x(x)]_+``.
-    Tokens never kept get a plain ``p_x`` draw. ``counts``: tokens per image of ``rows``, when the caller knows them
-    on the host. One host read per chunk of ``chunk`` tries (what is left per image). Returns
-    ``(values [M, D], fallbacks)``."""
+    (`residual_tries`), up to ``max_tries`` tries; tokens never kept get a plain ``p_x`` draw. ``counts``: tokens per
+    image of ``rows``, when the caller knows them on the host. One host read per chunk of ``chunk`` tries (what is
+    left per image). Returns ``(values [M, D], fallbacks)``."""
     m, d = mu_p.shape
     dev = mu_p.device
     out = torch.zeros_like(mu_p)
@@ -479,17 +512,8 @@ def residual_finished(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, batch, 
     tries = 0
     while tries < max_tries and remaining:
         c = min(chunk, max_tries - tries)
-        eps = _tries(torch.randn, generator, rows[todo], c, (d,), dev, left)  # [c, T, D]
-        u = _tries(torch.rand, generator, rows[todo], c, (), dev, left)  # [c, T]
-        y = (mu_p[todo] + sd_p[todo] * eps).reshape(-1, d)
-        fp, fq = f_p.select(todo).repeat(c), f_q.select(todo).repeat(c)
-        x, logdet_p = fp.forward_logdet(y)
-        log_p = gaussian_logpdf(y, mu_p[todo].repeat(c, 1), sd_p[todo].repeat(c, 1)) - logdet_p
-        log_q, ok = fq.log_density(x, mu_q[todo].repeat(c, 1), sd_q[todo].repeat(c, 1), y0=y)
-        ratio = torch.where(ok, (log_q - log_p).clamp_max(0).exp(), 0.0).reshape(c, -1)
-        take = u < 1 - ratio  # [c, T]
-        first, any_take = take.long().argmax(0), take.any(0)
-        chosen = x.reshape(c, -1, d)[first, torch.arange(todo.numel(), device=dev)]
+        chosen, any_take = residual_tries(f_p.select(todo), f_q.select(todo), mu_p[todo], sd_p[todo], mu_q[todo],
+                                          sd_q[todo], rows[todo], generator, c, left)  # fmt: skip
         out[todo] = torch.where(any_take[:, None], chosen, out[todo])
         filled[todo] = any_take
         tries += c

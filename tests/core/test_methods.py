@@ -118,3 +118,14 @@ def test_one_definition_of_the_bounds_and_the_zoo():
 
     assert not hasattr(pac, "MAX_TREE_WIDTH") and not hasattr(pac, "MAX_TREE_DEPTH")
     assert models_zoo is DEFAULT_ZOO and mmspec.cli.args.DEFAULT_ZOO == str(DEFAULT_ZOO)
+
+
+def test_a_drafter_resolves_only_in_the_pipelines_that_run_it():
+    """`jacobi` drafts for image targets only: a VLM with no drafter loaded is refused by name (it used to resolve to
+    `jacobi` and fail later in an AttributeError), an explicit `jacobi` too; image pipelines still fall back to it."""
+    with pytest.raises(ValueError, match=r"none is loaded .*acceptance='none'"):
+        resolve_drafter("exact", None, set(), "vlm")
+    with pytest.raises(ValueError, match="drafter='jacobi' runs in the \\('image',\\) pipelines, not 'vlm'"):
+        resolve_drafter("exact", "jacobi", set(), "vlm")
+    assert resolve_drafter("exact", None, {"draft_model"}, "vlm") == "model"
+    assert resolve_drafter("exact", None, set(), "image") == "jacobi"

@@ -57,11 +57,12 @@ BUDGETS = {
     "vlm/plain+generators": (1, 6),
     # MAR: the schedule tells the model its visible counts, no read per step. Outside the rounds: the finite flags,
     # the stats (one read), the labels' range. CSpD (a round verifies up to K AR steps): the exact mode reads the
-    # round's decision (accepted steps, rejected tokens per image) once, + one per chunk of residual tries; the block
+    # round's decision once (accepted steps, and the rejected tokens that the first chunk of residual tries, drawn
+    # for every drafted token before the read, left without a value: one more read per further chunk); the block
     # mode one read per chunk of residual tries (the first: whether any is needed), + the draw counts once with
     # per-image generators
     "mar/plain": (0, 3),
-    "mar/cspd-exact": (2, 3),
+    "mar/cspd-exact": (1, 3),
     "mar/cspd-block": (3, 3),
 }
 

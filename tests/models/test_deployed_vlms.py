@@ -158,3 +158,22 @@ def test_saved_folder_loads_strictly(pipe, tmp_path):
     assert type(loaded) is type(pipe.model)
     mine, theirs = pipe.model.state_dict(), loaded.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eagle3_head_on_each_class_equals_plain_greedy(kind):
+    """An EAGLE-3 head (fused aux hidden states of a 4-layer target, reduced draft vocabulary) fitted on the target's
+    answers drafts losslessly on each class: chain and tree equal plain greedy on the ragged batch."""
+    from eagle3_fixtures import fit_eagle3_head
+
+    family = qwen_vl_fixtures if kind in QWEN else anyres_fixtures
+    target = family.tiny_qwen_vl(kind, seed=1, layers=4) if kind in QWEN else family.tiny_anyres(kind, 4, seed=1)
+    pipe = SpeculativeVLMPipeline(target, family.processor(kind))
+    pipe.set_progress_bar_config(disable=True)
+    ims, texts = images(_sizes(kind)), prompts(4)
+    pipe.register_modules(eagle_head=fit_eagle3_head(pipe, ims, texts, steps=60, aux_layers=(0, 1, 3)))
+    plain = pipe(images=ims, prompt=texts, max_new_tokens=24, acceptance="none", output_type="ids").sequences
+    for knobs in ({"tree_depth": 4}, {"tree_depth": 3, "tree_top_k": 3, "tree_nodes": 8}):
+        out = pipe(images=ims, prompt=texts, max_new_tokens=24, acceptance="exact", drafter="eagle", **knobs)
+        assert torch.equal(out.sequences, plain), knobs
+        assert out.stats.mean_accepted_length > 1.0

@@ -161,6 +161,6 @@ def test_input_ids_without_the_begin_of_image_token_are_refused(no_forward):
 def test_the_vlm_pipeline_shares_the_prompt_checks():
     pipe = SpeculativeVLMPipeline(tiny_llava(2), tiny_vlm_processor())
     with pytest.raises(ValueError, match="prompt 0 is not valid Unicode text"):
-        pipe(prompt="w1 \ud800", max_new_tokens=2)
+        pipe(prompt="w1 \ud800", max_new_tokens=2, acceptance="none")
     with pytest.raises(ValueError, match="prompt must not be empty \\(prompt 1 is ' '\\)"):
         check_prompts(["w1", " "])

@@ -22,7 +22,7 @@ from torch import Tensor
 from mmspec.models.hf.positions import Positions
 
 
-__all__ = ["MRopePositions", "positions_for", "token_types"]
+__all__ = ["MRopePositions", "positions_for", "sequence_inputs", "token_types"]
 
 
 def token_types(config, input_ids: Tensor) -> Tensor:
@@ -67,3 +67,12 @@ def positions_for(model) -> Positions:
     if callable(getattr(getattr(model, "model", None), "get_rope_index", None)):
         return MRopePositions(model)
     return Positions()
+
+
+def sequence_inputs(model, input_ids: Tensor, attention_mask: Tensor, model_inputs: dict) -> dict:
+    """Keyword inputs of one forward of `model.model` over whole right-padded sequences (prompt + answer, as
+    training and tests run them): the processor's `model_inputs` without its prompt-wide `mm_token_type_ids`, plus,
+    for M-RoPE, the model's own 3-D `position_ids` over the sequences (`attention_mask [rows, T]` 1 = token)."""
+    inputs = {k: v for k, v in model_inputs.items() if k != "mm_token_type_ids"}
+    positions = positions_for(model).prompt(input_ids, attention_mask.sum(1), inputs)
+    return inputs if positions is None else {**inputs, "position_ids": positions}

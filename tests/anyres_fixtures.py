@@ -6,7 +6,7 @@ high-resolution tiles' (unpadded, with a newline token per row): the count depen
 import torch
 from qwen_vl_fixtures import images_only
 from transformers import CLIPVisionConfig, SiglipVisionConfig
-from vlm_fixtures import CHAT, text_config, tiny_tokenizer
+from vlm_fixtures import CHAT, ready, text_config, tiny_tokenizer
 
 
 KINDS = ("llava_next", "llava_onevision")
@@ -35,10 +35,7 @@ def tiny_anyres(kind="llava_next", layers=2, seed=0):
         model = transformers.LlavaOnevisionForConditionalGeneration(config)
     else:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    model.eval()
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    return model
+    return ready(model)
 
 
 def processor(kind="llava_next"):

@@ -8,6 +8,7 @@ import PIL.Image
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
+from vlm_fixtures import ready
 
 
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
@@ -67,10 +68,7 @@ def tiny_qwen_vl(kind="qwen2_5_vl", seed=0, layers=2):
         model = transformers.Qwen3VLForConditionalGeneration(config)
     else:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    model.eval()
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 0
-    return model
+    return ready(model)
 
 
 def processor(kind="qwen2_5_vl"):

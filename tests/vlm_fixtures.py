@@ -55,7 +55,12 @@ def tiny_llava(layers=2, seed=0):
                               image_size=32, patch_size=8, num_channels=3)  # fmt: skip
     config = LlavaConfig(vision_config=vision, text_config=text_config(layers), image_token_id=3,
                          vision_feature_select_strategy="default", vision_feature_layer=-1)  # fmt: skip
-    model = LlavaForConditionalGeneration(config).eval()
+    return ready(LlavaForConditionalGeneration(config))
+
+
+def ready(model):
+    """`model` in eval mode with the fixtures' EOS (2) and pad (0) ids in its generation config."""
+    model.eval()
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model

@@ -479,7 +479,8 @@ RESIDUAL_CHUNK = 8  # residual tries drawn per token between two host reads
 def residual_tries(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, tries, counts):
     """``tries`` acceptance-rejection tries for each token ``[T]`` of the residual ``norm([p_x - q_x]_+)`` with
     proposal ``p_x`` (``x = f_p(y), y ~ N(mu_p, sd_p^2)``, kept with probability ``[1 - q_x(x)/p_x(x)]_+``), no host
-    read: ``(the first kept value per token [T, D] (0 where none), kept [T] bool)``. ``counts``: tokens per image of
+    read: ``(the first kept value per token [T, D] (arbitrary where none was kept: callers keep only kept ones),
+    kept [T] bool)``. ``counts``: tokens per image of
     ``rows`` on the host (the per-image generators' draw counts)."""
     m, d = mu_p.shape
     dev = mu_p.device
@@ -493,8 +494,7 @@ def residual_tries(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, tries, cou
     ratio = torch.where(ok, (log_q - log_p).clamp_max(0).exp(), 0.0).reshape(tries, -1)
     take = u < 1 - ratio  # [c, T]
     first, any_take = take.long().argmax(0), take.any(0)
-    chosen = x.reshape(tries, -1, d)[first, torch.arange(m, device=dev)]
-    return torch.where(any_take[:, None], chosen, torch.zeros_like(chosen)), any_take
+    return x.reshape(tries, -1, d)[first, torch.arange(m, device=dev)], any_take
 
 
 def residual_finished(f_p, f_q, mu_p, sd_p, mu_q, sd_q, rows, generator, batch, max_tries, chunk=RESIDUAL_CHUNK,

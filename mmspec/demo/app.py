@@ -99,8 +99,8 @@ def _knob_widget(name, value, visible):
 def _method_widgets(tab, acceptances, drafters, default_preset, knob_names):
     """Preset, acceptance, drafter and knob widgets (registry-driven); wires the preset and the visibility."""
     # a preset that sets a knob the page does not show would run without it: not offered
-    presets = [name for name, p in PRESETS.items() if p["acceptance"] in acceptances and set(p) <= {
-        "acceptance", "drafter", *knob_names}]  # fmt: skip
+    presets = [name for name, p in PRESETS.items()
+               if p["acceptance"] in acceptances and not handlers.hidden_knobs(name, knob_names)]  # fmt: skip
     with gr.Row():
         preset = gr.Dropdown(choices=presets, value=default_preset, label="preset", elem_id=f"{tab}-preset")
         acceptance0, drafter0, values0 = handlers.preset_values(default_preset, knob_names)

@@ -88,6 +88,12 @@ def knob_visibility(acceptance, drafter, names):
     return {name: not KNOBS[name].used_by or bool(used & set(KNOBS[name].used_by)) for name in names}
 
 
+def hidden_knobs(name, names):
+    """The knobs registry preset `name` sets that a page showing knobs `names` does not (sorted; empty: the page
+    can run it as set)."""
+    return sorted(set(PRESETS[name]) - {"acceptance", "drafter", *names})
+
+
 def preset_values(name, names):
     """A registry preset (`mmspec.methods.PRESETS`) as widget values: `(acceptance, drafter, {knob: value})`, knobs
     the preset does not set at their registry defaults."""
@@ -96,7 +102,7 @@ def preset_values(name, names):
     preset = dict(PRESETS[name])
     acceptance = preset.pop("acceptance")
     drafter = preset.pop("drafter", AUTO_DRAFTER)
-    hidden = sorted(set(preset) - set(names))
+    hidden = hidden_knobs(name, names)
     if hidden:  # the page would run it without them: never silently
         raise ValueError(f"preset {name!r} sets {hidden}, which this page does not show")
     return acceptance, drafter, {knob: preset.get(knob, KNOBS[knob].default) for knob in names}

@@ -190,16 +190,8 @@ def test_janus_pipeline_refuses_drafters_naming_them(part):
 
 
 # ------------------------------------------------------------------ the shipped zoo still loads
-NOT_SHIPPED = {"eagle3"}  # issue 29: the EAGLE-3 head's code is in, its zoo folder not trained yet
-
-
 @pytest.mark.parametrize("kind", EAGLE_HEADS)
 def test_vlm_zoo_loads_with_every_shipped_head(kind):
-    if kind in NOT_SHIPPED:  # when the folder lands, this fails until the kind leaves NOT_SHIPPED
-        assert not (DEFAULT_ZOO / f"mnist-vlm-{kind}").exists()
-        with pytest.raises(ValueError, match=f"mnist-vlm-{kind}"):
-            SpeculativeVLMPipeline.from_zoo(eagle=kind)
-        return
     pipe = SpeculativeVLMPipeline.from_zoo(eagle=kind)
     from mmspec.models.hf.eagle3 import Eagle3Head
 

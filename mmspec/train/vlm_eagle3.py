@@ -280,7 +280,7 @@ def evaluate(head, model, processor, data, held, weight, aux_layers, embeds):
         for r, i in enumerate(idx.tolist()):
             n = int(data["lengths"][i])
             sl = slice(r, r + 1)
-            per_row[i] = evaluate_eagle3(head, model, aux[sl, :n], hidden[sl, :n], data["input_ids"][sl, :n],
+            per_row[i] = evaluate_eagle3(head, model, aux[sl, :n], hidden[sl, :n], data["input_ids"][i : i + 1, :n],
                                          weight[i : i + 1, :n], embeds=None if merged is None else merged[sl, :n])  # fmt: skip
     metrics = {}
     for prefix, rows in groups.items():

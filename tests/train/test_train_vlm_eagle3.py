@@ -133,3 +133,31 @@ def test_bad_flags_are_usage_errors_before_anything_loads(files, tmp_path, monke
     assert f"argument {flag}:" in capsys.readouterr().err.strip().splitlines()[-1]
     with pytest.raises(Ran):
         train_main.main(_argv(files, tmp_path / "out"))
+
+
+def test_held_out_metrics_score_each_row_on_its_own_tokens(tiny, monkeypatch):
+    """`evaluate` runs the target on chunks of `EVAL_CHUNK` held-out rows and scores each row alone: every row's
+    features go with that row's own tokens and answer mask, whatever its place in the chunk (the shipped head's card
+    once paired row `i` with the tokens of dataset row `i mod EVAL_CHUNK`, its place in the chunk)."""
+    from mmspec.models.hf.eagle3 import Eagle3Head
+    from mmspec.train.vlm_eagle import answer_mask
+
+    model, processor, data = tiny
+    head = Eagle3Head.from_target(model, draft_vocab_size=0, aux_layers=(1, 2, 3), intermediate_size=48).eval()
+    ids, lengths = data["input_ids"], data["lengths"]
+    weight = answer_mask(lengths, torch.tensor(data["prompt_lengths"]), ids.shape[1])
+    held = torch.arange(len(ids) - task.EVAL_CHUNK - 2, len(ids))  # more than one chunk, none at its own index
+    assert len(held) > task.EVAL_CHUNK and all(i != r % task.EVAL_CHUNK for r, i in enumerate(held.tolist()))
+    seen = []
+    scored = task.evaluate_eagle3
+
+    def record(head, target, aux, hidden, tokens, mask, **kw):
+        seen.append((tokens, mask, aux.shape[1]))
+        return scored(head, target, aux, hidden, tokens, mask, **kw)
+
+    monkeypatch.setattr(task, "evaluate_eagle3", record)
+    task.evaluate(head, model, processor, data, held, weight, (1, 2, 3), False)
+    assert len(seen) == len(held)
+    for i, (tokens, mask, n) in zip(held.tolist(), seen):
+        assert n == int(lengths[i])
+        assert torch.equal(tokens, ids[i : i + 1, :n]) and torch.equal(mask, weight[i : i + 1, :n]), i

@@ -277,11 +277,12 @@ def evaluate(head, model, processor, data, held, weight, aux_layers, embeds):
         idx = held[lo : lo + EVAL_CHUNK]
         width = int(data["lengths"][idx].max())
         aux, hidden, merged = target_outputs(model, processor, data, idx, width, aux_layers, embeds)
+        tokens, masks = data["input_ids"][idx], weight[idx]  # the chunk's rows, in the order of its target outputs
         for r, i in enumerate(idx.tolist()):
             n = int(data["lengths"][i])
             sl = slice(r, r + 1)
-            per_row[i] = evaluate_eagle3(head, model, aux[sl, :n], hidden[sl, :n], data["input_ids"][i : i + 1, :n],
-                                         weight[i : i + 1, :n], embeds=None if merged is None else merged[sl, :n])  # fmt: skip
+            per_row[i] = evaluate_eagle3(head, model, aux[sl, :n], hidden[sl, :n], tokens[sl, :n], masks[sl, :n],
+                                         embeds=None if merged is None else merged[sl, :n])  # fmt: skip
     metrics = {}
     for prefix, rows in groups.items():
         metrics.update({prefix + k: v for k, v in merge_sums(per_row[i] for i in rows).items()})

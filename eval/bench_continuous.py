@@ -325,5 +325,5 @@ def plot(report, batch_sizes, path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, pil_kwargs={"optimize": True})
     plt.close(fig)

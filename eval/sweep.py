@@ -314,7 +314,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig.suptitle("mmspec sweep: quality vs speed (o lossless, ^ relaxed)", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, pil_kwargs={"optimize": True})
     plt.close(fig)
     return path
 

@@ -80,3 +80,28 @@ def test_inductor_outputs_equal_eager(parts, inductor):
     kw = dict(labels=(1,), steps=2)
     torch.testing.assert_close(sample(inductor, **kw), sample(eager, **kw), rtol=1e-4, atol=1e-5)
     assert all(counts["recompiles"] == 0 for counts in inductor.compile_report().values())
+
+
+def test_captured_sampler_graphs_take_no_host_tensors():
+    """A CUDA graph skips any graph with a host tensor among its inputs: seen on an H200, where the respaced step map
+    (`timestep_map`, kept on the CPU) was one, so MAR's captured sampler ran uncaptured. The sampler puts the
+    schedule on the inputs' device before its graphs run. The device here is `meta` (no accelerator needed): every
+    input of both graphs dynamo hands its backend must be on it."""
+    head = DiffLossHead(target_channels=2, z_channels=8, depth=1, width=16, num_sampling_steps="8").eval()
+    head.to("meta")
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(x.device.type for x in example_inputs if isinstance(x, torch.Tensor))
+        return gm.forward
+
+    class Record:
+        def forward(self, role, module, fn):
+            return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+    sampler = CapturedSampler(head, compiler=Record())
+    z, zu, x_T, noise = (torch.empty(shape, device="meta") for shape in ((5, 8), (5, 8), (5, 2), (5, 7, 2)))
+    with torch.no_grad():
+        sampler.sample_last_step(z, x_T, noise, z_uncond=zu, cfg=2.0)
+        sampler.finish(z, x_T, z_uncond=zu, cfg=2.0)
+    assert seen and set(seen) == {"meta"}, seen

@@ -303,6 +303,7 @@ class CapturedSampler:
 
     def sample_last_step(self, z, x_T, noise, *, z_uncond=None, cfg=1.0, temperature=1.0) -> HeadSample:
         n = x_T.shape[0]
+        self.head.gen_diffusion.place(x_T.device)
         cfg = torch.as_tensor(cfg, dtype=x_T.dtype, device=x_T.device).expand(n)
         padded = _pad_rows(self.bucket(n), z, x_T, noise, z_uncond, cfg)
         run = self.compiler.forward(self.role + "_sampler", self.head, self._last)
@@ -310,6 +311,7 @@ class CapturedSampler:
 
     def finish(self, z, y, *, z_uncond=None, cfg=1.0) -> Tensor:
         n = y.shape[0]
+        self.head.gen_diffusion.place(y.device)
         cfg = torch.as_tensor(cfg, dtype=y.dtype, device=y.device).expand(n)
         run = self.compiler.forward(self.role + "_finish", self.head, self._finish)
         return run(*_pad_rows(self.bucket(n), z, y, z_uncond, cfg))[:n]

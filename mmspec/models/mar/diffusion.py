@@ -106,6 +106,12 @@ class GaussianDiffusion:
         """``name[t]`` as ``like``'s dtype/device, broadcast over the last dim: ``[N, 1]`` for ``t [N]``."""
         return self._arrays[name].to(like.device)[t.to(like.device)].to(like.dtype)[:, None]
 
+    def place(self, device) -> None:
+        """Keep the step map on `device` (a captured sampler calls this before its graph runs, so the graph reads a
+        tensor of its own device: a host-side input would keep CUDA graphs from capturing it)."""
+        if self.timestep_map.device != torch.device(device):
+            self.timestep_map = self.timestep_map.to(device)
+
     def model_timesteps(self, t: Tensor) -> Tensor:
         """The original-chain step the network is conditioned on (respacing's wrapped model)."""
         return self.timestep_map.to(t.device)[t]

@@ -7,7 +7,8 @@ near-identity bijection). By change of variables
 
     log density_x(x) = log N(f^{-1}(x); mean, std^2) - log |det J_f(f^{-1}(x))|
 
-with ``J_f = c1 I - c2 d eps_hat / d y`` (``D x D`` per token: ``D`` forward-mode JVPs) and ``f^{-1}`` by Newton's method
+with ``J_f = c1 I - c2 d eps_hat / d y`` (``D x D`` per token: ``D`` forward-mode JVPs, batched into one call) and
+``f^{-1}`` by Newton's method
 (``y <- y - J_f^{-1} (f(y) - x)``, started at a nearby ``y``). `FinalStep` gives both for one model, its conditions and
 its CFG scales; ``converged`` flags tokens whose inverse did not reach the tolerance or whose Jacobian is singular
 (where a head's ``clip_denoised`` clamp is active ``f`` is flat: no density); the caller treats them as rejected.
@@ -52,15 +53,15 @@ class FinalStep:
         return self.head.finish(self.z, y, z_uncond=self.z_uncond, cfg=self.cfg)
 
     def jacobian(self, y: Tensor) -> tuple[Tensor, Tensor]:
-        """``f(y) [N, D]`` and ``J_f(y) [N, D, D]`` (``J[n, i, j] = d f_i / d y_j``)."""
-        d = y.shape[-1]
-        cols = []
-        for j in range(d):
-            tangent = torch.zeros_like(y)
-            tangent[:, j] = 1
-            out, col = torch.func.jvp(self, (y,), (tangent,))
-            cols.append(col)
-        return out, torch.stack(cols, dim=-1)
+        """``f(y) [N, D]`` and ``J_f(y) [N, D, D]`` (``J[n, i, j] = d f_i / d y_j``).
+
+        One forward-mode JVP over ``D`` stacked copies of the tokens, copy ``j`` pushed along the ``j``-th axis: the
+        head treats every token on its own, so this is ``D`` JVPs in one call (a ``D``-times larger batch instead of
+        ``D`` calls; each call's ops are small, so their count is the cost)."""
+        n, d = y.shape
+        tangent = torch.eye(d, dtype=y.dtype, device=y.device).repeat_interleave(n, dim=0)  # copy j: e_j per token
+        out, cols = torch.func.jvp(self.repeat(d), (y.repeat(d, 1),), (tangent,))
+        return out[:n], cols.view(d, n, d).permute(1, 2, 0)
 
     def forward_logdet(self, y: Tensor) -> tuple[Tensor, Tensor]:
         """``x = f(y)`` and ``log |det J_f(y)|`` ``[N]``."""

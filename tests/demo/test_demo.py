@@ -17,9 +17,8 @@ CELL = 32  # acceptance-map cell size: 8 x 8 tokens -> the 256-pixel image, no r
 
 
 @pytest.fixture(scope="module")
-def cache():
-    torch.set_num_threads(1)
-    return PipelineCache()
+def cache(demo_cache):
+    return demo_cache  # shared with test_demo_served.py (tests/demo/conftest.py)
 
 
 def _cell(image, index, y, x):
@@ -42,7 +41,7 @@ def _check_round_map(image, trace):
 
 
 def test_c2i_handler_plain_vs_speculative(cache):
-    result = handlers.generate_image(cache, "c2i", 3, "exact", "eagle", {"tree_depth": 5.0}, "0")
+    result = handlers.generate_image(cache, "c2i", 3, "exact", "eagle", {"tree_depth": 5.0}, "0", timing_repeats=1)
     pipe = cache.get("c2i")
     ref = pipe(class_labels=[3], acceptance="exact", drafter="eagle", tree_depth=5,
                generator=torch.Generator().manual_seed(0))  # fmt: skip
@@ -64,7 +63,8 @@ def test_c2i_handler_plain_vs_speculative(cache):
 
 
 def test_t2i_handler_jacobi(cache):
-    result = handlers.generate_image(cache, "t2i", "a thick handwritten seven", "jacobi", "auto", {}, 1)
+    result = handlers.generate_image(cache, "t2i", "a thick handwritten seven", "jacobi", "auto", {}, 1,
+                                     timing_repeats=1)  # fmt: skip
     assert result["stats"]["speculative"]["target_forwards"] < result["stats"]["plain"]["target_forwards"] == 64
     _check_round_map(result["map"], result["trace"])
     counts = result["trace"].counts()
@@ -73,7 +73,8 @@ def test_t2i_handler_jacobi(cache):
 
 
 def test_continuous_handler_map_shows_origins(cache):
-    result = handlers.generate_continuous(cache, 7, 0, num_ar_steps=16, verify_mode="block", num_draft_tokens=4)
+    result = handlers.generate_continuous(cache, 7, 0, num_ar_steps=16, verify_mode="block", num_draft_tokens=4,
+                                          timing_repeats=1)  # fmt: skip
     origins = result["trace"].origin[0].tolist()
     assert PREFILL in origins and RESAMPLED in origins  # target-only steps and draft proposals
     for i, origin in enumerate(origins):
@@ -83,7 +84,8 @@ def test_continuous_handler_map_shows_origins(cache):
 
 
 def test_vlm_handler_highlights_drafts(cache):
-    result = handlers.answer_vlm(cache, None, 0, "Describe the image.", "greedy", "eagle", {}, max_new_tokens=8)
+    result = handlers.answer_vlm(cache, None, 0, "Describe the image.", "greedy", "eagle", {}, max_new_tokens=8,
+                                 timing_repeats=1)  # fmt: skip
     assert result["same_answer"]  # greedy speculative decoding is lossless
     trace = result["trace"]
     html = result["answer_html"]
@@ -98,7 +100,7 @@ def test_vlm_handler_takes_an_uploaded_image(cache, tmp_path):
     path = tmp_path / "canvas.png"
     handlers.held_out_canvas(3).save(path)
     result = handlers.answer_vlm(cache, str(path), 0, "How many digits are there?", "greedy", "model", {},
-                                 max_new_tokens=4)  # fmt: skip
+                                 max_new_tokens=4, timing_repeats=1)  # fmt: skip
     assert result["same_answer"] and result["plain_text"] and result["warning"] is None  # a canvas: no warning
 
 
@@ -162,7 +164,8 @@ def test_every_speedup_is_timed_warm_and_interleaved(cache, tab):
     if tab == "c2i":
         result = handlers.generate_image(counting, "c2i", 3, "jacobi", "auto", {}, 0)
     elif tab == "continuous":
-        result = handlers.generate_continuous(counting, 3, 0, num_ar_steps=4, timing_repeats=1)  # quick: the slow tab
+        # quick: the slow tab (block: exact verification costs ~5x more; tests/pipelines check it)
+        result = handlers.generate_continuous(counting, 3, 0, num_ar_steps=4, verify_mode="block", timing_repeats=1)
     else:
         result = handlers.answer_vlm(counting, None, 0, "hi", "greedy", "auto", {}, 4)
     if tab == "continuous":
@@ -191,7 +194,7 @@ def test_every_speedup_is_timed_warm_and_interleaved(cache, tab):
         (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {"tree_top_k": 99}), "tree_top_k must be in [1, 32], got 99"),
         (lambda c: handlers.answer_vlm(c, None, "x", "hi", "greedy", "auto", {}), "held-out canvas must be a whole number"),
         (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {}, 4, 0, True), "sample: acceptance greedy verifies greedy decoding"),
-        (lambda c: handlers.generate_continuous(c, 3, 0, prefill_ratio=1.5), "prefill ratio must be finite and in [0, 1]"),
+        (lambda c: handlers.generate_continuous(c, 3, 0, num_ar_steps=1, prefill_ratio=1.5), "prefill ratio must be finite and in [0, 1]"),
         (lambda c: handlers.generate_continuous(c, 3, 0, guidance_scale=1e4), "guidance scale must be finite and in [1, 100]"),
         (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, 0, -1.0), "guidance scale must be in [0, 10000]"),
     ],
@@ -256,9 +259,11 @@ def test_a_saved_pipeline_folder_serves_its_tab(cache, tmp_path):
     cache.get("c2i").save_pretrained(folder)
     served = PipelineCache(pipeline_folder=folder)
     assert served.tabs == ["c2i"] and served.zoo is None
-    result = handlers.generate_image(served, "c2i", 5, "jacobi", "auto", {}, 0)
-    reference = handlers.generate_image(cache, "c2i", 5, "jacobi", "auto", {}, 0)
-    assert torch.equal(result["trace"].origin, reference["trace"].origin)  # the same model, from the folder
+    result = handlers.generate_image(served, "c2i", 5, "jacobi", "auto", {}, 0, timing_repeats=1)
+    reference = cache.get("c2i")(
+        class_labels=[5], acceptance="jacobi", guidance_scale=2.0, generator=torch.Generator().manual_seed(0)
+    )  # the handler's call, on the zoo's model
+    assert torch.equal(result["trace"].origin, reference.trace.origin)  # the same model, from the folder
     with pytest.raises(ValueError, match="not served"):
         handlers.generate_continuous(served, 3, 0)
     (tmp_path / "other").mkdir()

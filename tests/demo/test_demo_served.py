@@ -9,6 +9,7 @@ The browser test skips when chromium or playwright is missing, except in CI (`CI
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,6 @@ except ImportError as err:  # the `demo` extra; CI installs it, so there a missi
     pytest.skip(f"the demo needs gradio and gradio_client ({err})", allow_module_level=True)
 
 from mmspec.demo.app import CSS, TAB_TITLES, build_app  # noqa: E402
-from mmspec.demo.models import PipelineCache  # noqa: E402
 
 
 pytestmark = pytest.mark.zoo
@@ -44,10 +44,10 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(demo_cache):
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     torch.set_num_threads(1)
-    cache = PipelineCache()
+    cache = demo_cache  # one load per tab, shared with test_demo.py (tests/demo/conftest.py)
     demo = build_app(cache)
     port = _free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, css=CSS)
@@ -69,24 +69,29 @@ def test_gradio_client_every_tab(served):
 
     assert len(KNOBS_DEFAULT) == len(image_knob_names())
     client = gradio_client.Client(url, verbose=False)
-    for tab, condition, method in (("c2i", 3, ("exact", "eagle")), ("t2i", "a thin four", ("jacobi", "auto"))):
+    # c2i as an API client that does not send the quick-timing checkbox (the default timing); the others tick it
+    cases = (("c2i", 3, ("exact", "eagle"), ()), ("t2i", "a thin four", ("jacobi", "auto"), (True,)))
+    for tab, condition, method, quick in cases:
         plain, spec, amap, legend, summary, _plot = client.predict(
-            condition, *method, "0", 2.0, *KNOBS_DEFAULT, api_name=f"/generate_{tab}"
+            condition, *method, "0", 2.0, *KNOBS_DEFAULT, *quick, api_name=f"/generate_{tab}"
         )
         assert _is_image(plain) and _is_image(spec) and _is_image(amap, varied=False), tab
         assert "speedup" in summary and "target forwards" in summary and "round 0" in legend
-    plain, spec, amap, legend, summary, _plot = client.predict(3, "0", 4.0, 16, "block", 4, 0.15,
+        runs = "1 timed run, after 1 warm-up" if quick else "median of 3 interleaved runs, after 1 warm-up"
+        assert runs in summary, tab
+    plain, spec, amap, legend, summary, _plot = client.predict(3, "0", 4.0, 4, "block", 4, 0.15, True,
                                                                api_name="/generate_continuous")  # fmt: skip
     assert _is_image(spec) and _is_image(amap, varied=False) and "acceptance rate" in summary and "resampled" in legend
     image, answer, plain_text, summary = client.predict(
-        None, 0, "Describe the image.", "greedy", "eagle", 6, "0", False, 1.0, None,  24, None, 1, api_name="/ask_vlm"
+        None, 0, "Describe the image.", "greedy", "eagle", 6, "0", False, 1.0, None,  24, None, 1, True,
+        api_name="/ask_vlm"
     )  # fmt: skip
     assert _is_image(image) and "tok-accepted" in answer and plain_text and "τ" in summary
     assert cache.loads == 4  # one load per tab, not per call
 
 
 def test_gradio_client_bad_inputs_get_a_message_and_the_server_keeps_serving(served, tmp_path):
-    url, _ = served
+    url, cache = served
     client = gradio_client.Client(url, verbose=False)
     with pytest.raises(Exception, match="seed must be a whole number, got 'abc'"):
         client.predict(3, "exact", "auto", "abc", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i")
@@ -101,10 +106,13 @@ def test_gradio_client_bad_inputs_get_a_message_and_the_server_keeps_serving(ser
     with pytest.raises(Exception, match="is not an image"):
         client.predict(gradio_client.handle_file(str(text)), 0, "hi", "greedy", "auto", 4, "0", False, 1.0, None,
                         24, None, 1, api_name="/ask_vlm")  # fmt: skip
+    cache.get("c2i")  # loaded (by every_tab, or now)
+    loads = cache.loads
     _, spec, amap, _, summary, _ = client.predict(
-        3, "exact", "auto", "1", 2.0, *KNOBS_DEFAULT, api_name="/generate_c2i"
-    )
+        3, "exact", "auto", "1", 2.0, *KNOBS_DEFAULT, True, api_name="/generate_c2i"
+    )  # quick timing
     assert _is_image(spec) and _is_image(amap, varied=False) and "speedup" in summary
+    assert cache.loads == loads  # a served call reuses the loaded pipeline
 
 
 def test_hand_made_file_paths_are_refused_without_naming_a_path(served, tmp_path, monkeypatch):
@@ -145,18 +153,20 @@ def test_hand_made_file_paths_are_refused_without_naming_a_path(served, tmp_path
     for path in (str(outside), "/etc/passwd", "/proc/self/environ"):  # nor does Gradio's file route serve them
         assert httpx.get(f"{url}gradio_api/file={path}").status_code == 403, path
     answer = upload_client.predict(gradio_client.handle_file(str(outside)), 0, "How many digits are there?", "greedy",
-                                   "auto", 4, "0", False, 1.0, None,  24, None, 1, api_name="/ask_vlm")  # fmt: skip
+                                   "auto", 4, "0", False, 1.0, None,  24, None, 1, True,
+                                   api_name="/ask_vlm")  # fmt: skip
     assert _is_image(answer[0]) and answer[2]  # an uploaded file is served as before
 
 
 def test_progress_is_reported_and_users_are_queued(served):
     url, _ = served
     client = gradio_client.Client(url, verbose=False)
-    job = client.submit(3, "0", 4.0, 16, "block", 4, 0.15, True, api_name="/generate_continuous")  # quick timing
+    job = client.submit(3, "0", 4.0, 4, "block", 4, 0.15, True, api_name="/generate_continuous")  # quick timing
     seen = []
     while not job.done():
         status = job.status()
         seen += [(p.index, p.length) for p in status.progress_data or []]
+        time.sleep(0.01)  # a busy poll holds the GIL the server's threads (in this process) need to generate
     assert _is_image(job.result()[1]) and "1 timed run, after 1 warm-up run of each" in job.result()[4]
     assert seen and all(length == 64 for _, length in seen)  # the pipeline's tqdm bar, in tokens
     # two users at once: both are served (one after the other: concurrency 1 on the shared models)
@@ -220,12 +230,14 @@ def test_real_browser_every_tab(served, tmp_path):
             for tab in ("c2i", "t2i", "continuous"):
                 page.get_by_role("tab", name=TAB_TITLES[tab]).click()
                 if tab == "continuous":
-                    page.locator("#continuous-steps input").fill("16")
+                    page.locator("#continuous-steps input").fill("4")
+                page.locator(f"#{tab}-quick input").check()  # 1 timed run: the page, not the timing, is the point
                 page.locator(f"#{tab}-generate").click()
                 for part in ("plain", "speculative", "map"):
                     _image_src(page, f"#{tab}-{part}")
                 expect(page.locator(f"#{tab}-stats")).to_contain_text("speedup", timeout=60_000)
                 expect(page.locator(f"#{tab}-stats")).to_contain_text("target forwards")
+                expect(page.locator(f"#{tab}-stats")).to_contain_text("1 timed run, after 1 warm-up")  # quick ticked
                 expect(page.locator(f"#{tab}-legend")).to_contain_text("resampled")
                 expect(page.locator(f"#{tab}-histogram img, #{tab}-histogram svg").first).to_be_visible(timeout=60_000)
                 page.screenshot(path=shots / f"{tab}.png", full_page=True)
@@ -233,10 +245,12 @@ def test_real_browser_every_tab(served, tmp_path):
                     _save_readme_screenshot(shots / "c2i.png")
             page.get_by_role("tab", name=TAB_TITLES["vlm"]).click()
             page.locator("#vlm-max-new input").fill("8")
+            page.locator("#vlm-quick input").check()
             page.locator("#vlm-generate").click()
             expect(page.locator("#vlm-answer .tok-accepted").first).to_be_visible(timeout=120_000)
             _image_src(page, "#vlm-image")
             expect(page.locator("#vlm-stats")).to_contain_text("tokens/s", timeout=30_000)
+            expect(page.locator("#vlm-stats")).to_contain_text("1 timed run, after 1 warm-up")
             expect(page.locator("#vlm-plain-text textarea")).not_to_have_value("", timeout=30_000)
             page.screenshot(path=shots / "vlm.png", full_page=True)
             # a bad seed: a visible message; then a good one generates again (the server kept serving)

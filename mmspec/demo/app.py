@@ -190,6 +190,7 @@ def _image_tab(cache, tab):
 
 def _continuous_tab(cache):
     tab = "continuous"
+    from mmspec.methods import CONTINUOUS_DEFAULTS
     from mmspec.pipelines.continuous import VERIFY_MODES
 
     with gr.Row():
@@ -198,10 +199,10 @@ def _continuous_tab(cache):
         guidance = gr.Number(value=4.0, label="guidance scale (CFG)")
         steps = gr.Number(value=64, label="AR steps", elem_id=f"{tab}-steps")
     with gr.Row():
-        mode = gr.Dropdown(choices=list(VERIFY_MODES), value="block", label="verify mode",
+        mode = gr.Dropdown(choices=list(VERIFY_MODES), value=CONTINUOUS_DEFAULTS["verify_mode"], label="verify mode",
                            info="block: one target pass per block (CSpD release); exact: lossless, slower")  # fmt: skip
-        k = gr.Number(value=4, label="num_draft_tokens (AR steps per block)")
-        ratio = gr.Number(value=0.15, label="prefill ratio (target-only steps)")
+        k = gr.Number(value=CONTINUOUS_DEFAULTS["num_draft_tokens"], label="num_draft_tokens (AR steps per block)")
+        ratio = gr.Number(value=CONTINUOUS_DEFAULTS["prefill_ratio"], label="prefill ratio (target-only steps)")
     button, quick = _generate_row(tab)
     outputs = _result_row(tab)
 

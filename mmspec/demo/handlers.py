@@ -20,7 +20,15 @@ from mmspec.demo.answer import answer_html
 from mmspec.demo.canvas import canvas_warning
 from mmspec.demo.inputs import load_image, parse_int, parse_knobs, parse_seed
 from mmspec.demo.plots import accepted_per_round, histogram_figure
-from mmspec.methods import ACCEPTANCES, DRAFT_LENGTH_KNOBS, DRAFTERS, KNOBS, PRESETS, acceptance_names
+from mmspec.methods import (
+    ACCEPTANCES,
+    CONTINUOUS_DEFAULTS,
+    DRAFT_LENGTH_KNOBS,
+    DRAFTERS,
+    KNOBS,
+    PRESETS,
+    acceptance_names,
+)
 from mmspec.timing import time_interleaved
 
 
@@ -129,10 +137,12 @@ def _timed(pipe, seed, plain_kwargs, spec_kwargs, repeats):
 
 
 def _time_both(pipe, seed, plain_kwargs, spec_kwargs, repeats):
+    # the speculative call warms up first: a knob only it takes is refused by its input checks before any forward,
+    # not after a whole plain generation (timed rounds alternate the order, so the timing is the same)
     timing = time_interleaved(
         {
-            "plain": lambda: pipe(generator=_generator(pipe, seed), **plain_kwargs),
             "speculative": lambda: pipe(generator=_generator(pipe, seed), **spec_kwargs),
+            "plain": lambda: pipe(generator=_generator(pipe, seed), **plain_kwargs),
         },
         repeats=repeats,
         warmup=1,
@@ -249,8 +259,10 @@ CONTINUOUS_FIELDS = [("latency_s", "latency (s)"), ("target_forwards", "target f
                      ("mean_accepted_length", "mean accepted length"), ("acceptance_rate", "acceptance rate")]  # fmt: skip
 
 
-def generate_continuous(cache, class_label, seed, guidance_scale=4.0, num_ar_steps=64, verify_mode="exact",
-                        num_draft_tokens=4, prefill_ratio=0.15, timing_repeats=TIMING_REPEATS):  # fmt: skip
+def generate_continuous(cache, class_label, seed, guidance_scale=4.0, num_ar_steps=64,
+                        verify_mode=CONTINUOUS_DEFAULTS["verify_mode"],
+                        num_draft_tokens=CONTINUOUS_DEFAULTS["num_draft_tokens"],
+                        prefill_ratio=CONTINUOUS_DEFAULTS["prefill_ratio"], timing_repeats=TIMING_REPEATS):  # fmt: skip
     """Continuous tab: plain MAR and CSpD (`acceptance="continuous"`) from the same seed.
 
     Returns:

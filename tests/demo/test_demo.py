@@ -194,7 +194,7 @@ def test_every_speedup_is_timed_warm_and_interleaved(cache, tab):
         (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {"tree_top_k": 99}), "tree_top_k must be in [1, 32], got 99"),
         (lambda c: handlers.answer_vlm(c, None, "x", "hi", "greedy", "auto", {}), "held-out canvas must be a whole number"),
         (lambda c: handlers.answer_vlm(c, None, 0, "hi", "greedy", "auto", {}, 4, 0, True), "sample: acceptance greedy verifies greedy decoding"),
-        (lambda c: handlers.generate_continuous(c, 3, 0, num_ar_steps=1, prefill_ratio=1.5), "prefill ratio must be finite and in [0, 1]"),
+        (lambda c: handlers.generate_continuous(c, 3, 0, prefill_ratio=1.5), "prefill ratio must be finite and in [0, 1]"),
         (lambda c: handlers.generate_continuous(c, 3, 0, guidance_scale=1e4), "guidance scale must be finite and in [1, 100]"),
         (lambda c: handlers.generate_image(c, "c2i", 3, "exact", "auto", {}, 0, -1.0), "guidance scale must be in [0, 10000]"),
     ],
@@ -381,3 +381,16 @@ def test_cli_port_in_use_is_a_usage_error_before_any_model_loads(capsys, monkeyp
             cli.main(["--port", str(port)])
     assert exit_info.value.code == 2
     assert f"argument --port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_knob_only_the_speculative_call_takes_is_refused_before_any_forward(cache, monkeypatch):
+    """The plain and speculative calls are timed side by side; a knob only the speculative call takes (the prefill
+    ratio) must be refused by the pipeline's input checks before any model runs, not after a whole plain generation
+    (the user waited ~10 s for the error)."""
+    pipe = cache.get("continuous")
+    forwards = []
+    original = pipe.transformer.features  # MAR's one encoder-decoder pass per AR step
+    monkeypatch.setattr(pipe.transformer, "features", lambda *a, **k: forwards.append(1) or original(*a, **k))
+    with pytest.raises(ValueError, match="prefill ratio"):
+        handlers.generate_continuous(cache, 3, 0, prefill_ratio=1.5, timing_repeats=1)
+    assert forwards == []

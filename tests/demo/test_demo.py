@@ -169,11 +169,12 @@ def test_every_speedup_is_timed_warm_and_interleaved(cache, tab):
     else:
         result = handlers.answer_vlm(counting, None, 0, "hi", "greedy", "auto", {}, 4)
     if tab == "continuous":
-        assert counting.calls == ["none", "continuous"] * 2  # warm-up, then one timed run of each
+        assert counting.calls == ["continuous", "none"] * 2  # warm-up (speculative first), then one timed run
         assert "1 timed run, after 1 warm-up run of each" in result["summary"]
     else:
         spec = "jacobi" if tab == "c2i" else "greedy"
-        assert counting.calls == ["none", spec, "none", spec, spec, "none", "none", spec]  # warm-up, A B, B A, A B
+        # warm-up (the speculative side first: its input checks run before any forward), then B A, A B, B A
+        assert counting.calls == [spec, "none", spec, "none", "none", spec, spec, "none"]
         assert "median of 3 interleaved runs, after 1 warm-up run of each" in result["summary"]
     assert "host load and torch threads" in result["summary"]
 

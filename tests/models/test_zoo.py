@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy import stats as scipy_stats
 
 from mmspec.models import load
 
@@ -84,32 +83,57 @@ def test_greedy_speculative_equals_plain_greedy_on_zoo(pipe, method):
     assert spec.stats.target_forwards < plain.stats.target_forwards
 
 
-MARGINAL_KW = dict(class_labels=[4], num_images_per_prompt=300, output_type="tokens")
+# 150 images per law; one permutation test over the chi-square statistics of every position. The earlier test (300
+# images, a separate chi-square at positions 19, 27, 28, 36) failed for none of these breaks of mmspec.verify.rules
+# (the draft model; every draft accepted also with the EAGLE head): residual = p_target, acceptance ratio square-rooted,
+# every draft accepted, residual norm([q - p]_+). This one fails for the swapped residual with the draft model (p =
+# 2.5e-4 here; 2.5e-4 and 5e-4 on two disjoint 150-image halves of 300) and for every draft accepted on one of the two
+# halves (7.5e-4 / 4.5e-3); no break tried was detected with the EAGLE head, whose law is close to the target's here
+MARGINAL_KW = dict(class_labels=[4], num_images_per_prompt=150, output_type="tokens")
 
 
 @pytest.fixture(scope="module")
 def plain_fours(pipe):
     # seeds 11 / 12 since the zoo's weights were stored int4 / int8 (issue 28): the earlier pair (1 / 2) then gave
-    # p = 5.8e-4 in one of the 8 cells (draft model, position 28), a 1-in-200 event at this threshold; two other seed
+    # p = 5.8e-4 in one of the 8 cells of the earlier per-position test (draft model, position 28); two other seed
     # pairs at 600 images gave p >= 0.16 at every position for that drafter
     return pipe(acceptance="none", generator=torch.Generator().manual_seed(11), **MARGINAL_KW).images
+
+
+def marginal_permutation_pvalue(plain, spec, permutations=4000):
+    """Two-sample test of the per-position token laws: the sum over positions of the Pearson chi-square statistics of
+    the 2 x cells tables (tokens seen fewer than 10 times pooled into one cell), calibrated by permuting which image is
+    plain and which speculative (exact under the null whatever the dependence between positions)."""
+    tokens = np.concatenate([plain.numpy(), spec.numpy()])  # [N, L]
+    onehots = []
+    for j in range(tokens.shape[1]):
+        column = tokens[:, j]
+        cell = np.where(np.bincount(column, minlength=256)[column] >= 10, column, 256)
+        index = np.unique(cell, return_inverse=True)[1]
+        if index.max() > 0:
+            onehots.append(np.eye(index.max() + 1)[index])
+    cells = np.concatenate(onehots, 1)  # [N, cells over all positions]
+    n, n_spec = len(tokens), len(spec)
+    labels = np.zeros((permutations + 1, n))
+    labels[:, :n_spec] = 1
+    labels[1:] = np.random.default_rng(0).permuted(labels[1:], axis=1)
+    labels[0] = np.arange(n) >= n - n_spec  # the observed split
+    total = cells.sum(0)
+    b = labels @ cells
+    a = total - b
+    e_a, e_b = total * (n - n_spec) / n, total * n_spec / n
+    stat = ((a - e_a) ** 2 / e_a + (b - e_b) ** 2 / e_b).sum(1)
+    return (1 + (stat[1:] >= stat[0]).sum()) / (1 + permutations)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
 def test_sampled_marginals_match_plain_on_zoo(pipe, plain_fours, drafter):
-    """Exact speculative sampling with the trained draft / EAGLE head (sampled chain) vs plain sampling, 300 images
-    each, at central positions (the border is almost always the background code)."""
-    plain = plain_fours
+    """Exact speculative sampling with the trained draft / EAGLE head (sampled chain) vs plain sampling, 150 images
+    each, every position's token law (one permutation test)."""
     spec = pipe(acceptance="exact", drafter=drafter, generator=torch.Generator().manual_seed(12), **MARGINAL_KW).images
-    for j in (19, 27, 28, 36):
-        a = np.bincount(plain[:, j].numpy(), minlength=256)
-        b = np.bincount(spec[:, j].numpy(), minlength=256)
-        keep = (a + b) >= 10  # pool rare tokens into one cell
-        table = np.stack([np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())])
-        table = table[:, table.sum(0) > 0]
-        p = scipy_stats.chi2_contingency(table)[1]
-        assert p > 1e-3, f"position {j}: p={p:.2e}"
+    p = marginal_permutation_pvalue(plain_fours, spec)
+    assert p > 1e-3, f"p={p:.2e}"
 
 
 def test_eagle_head_does_not_drift_along_its_chain(pipe):

@@ -55,12 +55,17 @@ def test_target_draws_the_requested_digits(pipe):
     assert recorded["metrics"]["classifier_accuracy"] >= 0.95
 
 
-# images per mode: the exact mode is the lossless reference (about 0.1x plain's speed on CPU; its law is proven by
-# the KS tests of tests/pipelines/test_pipeline_continuous.py), so here one image per digit shows it on the zoo
-CSPD_IMAGES = {"block": (20, 0.85), "exact": (10, 0.8)}  # (images, least accuracy): at most 3 / 2 wrong
+# CSpD's block mode on the zoo: 20 images, at most 3 wrong (a sampler that ignored the label would score about 0.1).
+# The exact mode is not drawn here (it was 10 images at about 0.1x plain's speed on CPU): it has plain MAR's law,
+# proven through the same code by the KS tests tests/pipelines/test_pipeline_continuous.py::test_exact_mode_is_lossless
+# and ::test_exact_mode_is_lossless_with_several_tokens_per_step (the latter seen failing, p = 3e-7, with the residual
+# tries keeping a value with probability q/p instead of 1 - q/p), plain MAR on the zoo draws the requested digits
+# (test_target_draws_the_requested_digits above), and the README's exact-mode call runs on the zoo in
+# tests/pipelines/test_pipeline_defaults.py::test_continuous_default_does_not_depend_on_the_batch
+CSPD_IMAGES = {"block": (20, 0.85)}  # (images, least accuracy)
 
 
-@pytest.mark.parametrize("mode", ["block", "exact"])
+@pytest.mark.parametrize("mode", ["block"])
 def test_cspd_on_the_zoo_draws_the_requested_digits(pipe, mode):
     classifier = load(ZOO / "mnist-classifier")
     num, least = CSPD_IMAGES[mode]

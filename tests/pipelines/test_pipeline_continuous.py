@@ -501,3 +501,48 @@ class TestSpeculativeContinuousARPipeline(SpeculativePipelineTesterMixin):
                 origins = trace.origin[b][trace.round[b] == r].tolist()
                 assert 1 <= len(origins) <= k and set(origins) <= {ACCEPTED, RESAMPLED}, (method, b, r, origins)
                 assert origins.count(RESAMPLED) <= 1, (method, b, r, origins)  # one token per step here
+
+
+class _BentHead:
+    """A head whose noise-free final step is a near-identity bijection bent by its condition:
+    ``f(y) = 1.5 y - 0.6 tanh(y + z)``, slope in [0.9, 1.5] (what `FinalStep` calls)."""
+
+    def finish(self, z, y, z_uncond=None, cfg=None):
+        return 1.5 * y - 0.6 * torch.tanh(y + z)
+
+
+def test_exact_final_step_rule_emits_the_targets_law():
+    """CSpD's exact rule on one token law, where a draft far from the target gives the residual real weight (the
+    whole-pipeline tests above barely see it: there the final step's std is small next to the marginals' spread).
+    Draft tokens ``x_q = f_q(y_q)``, kept with ``min(1, p_x / q_x)`` (`finished_accept_prob`), the rest redrawn from
+    ``norm([p_x - q_x]_+)`` (`residual_finished`), all through the code's own sampling: the emitted values must have
+    the target's law ``x = f_p(y), y ~ N(mu_p, sd_p^2)``. A residual drawn from ``p_x`` itself (no rejection) gives
+    ``min(p, q) + (1 - a) p`` instead, which this test rejects (KS p ~ 1e-173), as it rejects a square-rooted
+    acceptance ratio (~1e-186) and a draft density without its log-determinant (~1e-16)."""
+    from mmspec.decoding.final_step import FinalStep
+    from mmspec.decoding.masked import finished_accept_prob, residual_finished
+
+    n, d = 20_000, 2
+    g = torch.Generator().manual_seed(0)
+    mu_p, sd_p = torch.tensor([[0.0, 0.5]]).expand(n, d), torch.tensor([[1.0, 0.8]]).expand(n, d)
+    mu_q, sd_q = torch.tensor([[0.9, 0.0]]).expand(n, d), torch.tensor([[1.2, 0.8]]).expand(n, d)
+    head, cfg = _BentHead(), torch.ones(n)
+    f_p, f_q = (
+        FinalStep(head, torch.full((n, d), 0.3), None, cfg),
+        FinalStep(head, torch.full((n, d), -0.4), None, cfg),
+    )
+    rows = torch.zeros(n, dtype=torch.long)
+    with torch.no_grad():
+        y_q = mu_q + sd_q * torch.randn(n, d, generator=g)
+        x_q, logdet_q = f_q.forward_logdet(y_q)
+        accept = torch.rand(n, generator=g) < finished_accept_prob(f_p, x_q, y_q, mu_p, sd_p, mu_q, sd_q, logdet_q)
+        idx = (~accept).nonzero()[:, 0]
+        residual, fallbacks = residual_finished(f_p.select(idx), f_q.select(idx), mu_p[idx], sd_p[idx], mu_q[idx],
+                                                sd_q[idx], rows[idx], g, 1, 1000)  # fmt: skip
+        emitted = x_q.clone()
+        emitted[idx] = residual
+        plain = f_p(mu_p + sd_p * torch.randn(n, d, generator=g))
+    assert 0.3 < accept.float().mean() < 0.8 and fallbacks == 0  # both paths carry weight
+    for k in range(d):
+        p = sps.ks_2samp(emitted[:, k].numpy(), plain[:, k].numpy()).pvalue
+        assert p > 1e-3, (k, p)

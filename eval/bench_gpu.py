@@ -4,8 +4,8 @@ Sections of the report:
 
 ``zoo``: every pipeline x main method of the shipped zoo (`mmspec.eval.zoo_runs`: ar-image, t2i, janus, vlm, mar)
 at each ``--batch-size`` (CFG rows included: an image call with guidance runs 2 model rows per image), eager and
-compiled (``pipe.enable_compile(backend=...)``: ``--compile-backend``, dynamo's ``cudagraphs`` by default), timed interleaved (`mmspec.timing.time_interleaved`,
-one warm-up call each, medians). Per row: ``eager_s``, ``compiled_s`` (null with ``compiled_reason`` where the
+compiled (``pipe.enable_compile(backend=...)``: ``--compile-backend``, dynamo's ``cudagraphs`` by default), timed
+interleaved (`mmspec.timing.time_interleaved`, one warm-up call each, medians). Per row: ``eager_s``, ``compiled_s`` (null with ``compiled_reason`` where the
 pipeline has no ``enable_compile`` or compiling failed), ``speedup_vs_eager_plain``,
 ``speedup_vs_compiled_plain`` (the compiled method against the compiled plain baseline of the same run),
 ``tau`` (tokens per target forward). A pipeline that cannot be built (diffusers or gguf missing) is recorded under

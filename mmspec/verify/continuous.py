@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["verify_continuous"]
 
+# residual proposals per rejected token drawn before the first host read: with the default `max_residual_tries`
+# (100) every proposal is drawn at once, for every position, so a verification reads nothing on the host; a larger
+# bound continues in chunks of `RESIDUAL_CHUNK`, one read each (whether a position is still without a value)
+RESIDUAL_TRIES_AT_ONCE = 128
+RESIDUAL_CHUNK = 16
+
 
 def _gauss_logpdf(x: Tensor, mean: Tensor, std: Tensor, temperature: float = 1.0) -> Tensor:
     """Diagonal Gaussian log-density summed over the last dim, up to ``-D/2 log(2 pi)``; ``temperature`` widens
@@ -77,10 +83,12 @@ def verify_continuous(
     the target produced no extra sample). ``prefix=False``: every token is checked independently and every valid
     position is emitted (accepted draft or residual sample), as the CSpD release does for MAR blocks.
 
-    RNG: the acceptance uniforms ``[B, K]``; then, while a row has a rejected position without a residual
-    sample, chunks of up to 16 proposals per position (`_try_draws`; a finished row draws nothing more); then
-    the fallback normals ``[B, K, D]``. With per-row generators row b draws only for its ``num_draft[b]``
-    positions.
+    RNG: the acceptance uniforms ``[B, K]``; then the first ``min(max_residual_tries, RESIDUAL_TRIES_AT_ONCE)``
+    proposals for every position (`_try_draws`), drawn before any host read; past them, while a row has a
+    rejected position without a residual sample, chunks of ``RESIDUAL_CHUNK`` (a finished row draws nothing
+    more); then the fallback normals ``[B, K, D]``. With per-row generators row b draws only for its
+    ``num_draft[b]`` positions. Host reads: none with ``max_residual_tries <= RESIDUAL_TRIES_AT_ONCE`` (the
+    default) and every row at K drafts or one generator; else the rows' counts once and one per further chunk.
 
     Args:
         draft_values: ``[B, K, D]`` draft samples x.
@@ -137,8 +145,11 @@ def verify_continuous(
         )
 
     accept_prob = torch.where(valid, log_ratio(x).clamp_max(0).exp(), 0.0)  # [B, K]
-    # per-row generators: the rows' draw counts on the host, read once
-    counts = lengths.tolist() if num_rows(generator) is not None else lengths
+    # per-row generators: the rows' draw counts on the host (known without a read when every row has K drafts)
+    if num_rows(generator) is None:
+        counts = lengths
+    else:
+        counts = [k] * batch if num_draft is None else lengths.tolist()
     coins = rand((batch, k), generator, device=x.device, dtype=dtype, counts=counts)
     accepted = (coins < accept_prob) & valid  # [B, K]
     if prefix:
@@ -153,16 +164,16 @@ def verify_continuous(
         accept_mask = accepted
         num_emitted = lengths
 
-    # Residual by acceptance-rejection with proposal p: accept z w.p. [1 - q(z) a(z) / p(z)]_+ (G* for a).
+    # Residual by acceptance-rejection with proposal p: accept z w.p. [1 - q(z) a(z) / p(z)]_+ (G* for a). The first
+    # `RESIDUAL_TRIES_AT_ONCE` proposals are drawn for every valid position before anything is read (a position that
+    # needs none discards its own); later chunks only while a position is left without a value (one read each).
     resid = torch.zeros_like(x)
     filled = ~need
-    chunk = min(max_residual_tries, 16)
-    tries = 0
-    left = (~filled).any(-1).tolist()  # one host read per chunk of tries: rows with a position left
+    tries, left = 0, [True] * batch
     while tries < max_residual_tries and any(left):
-        c = min(chunk, max_residual_tries - tries)
-        # per-row generators: finished rows draw nothing
-        left_counts = [n if row_left else 0 for n, row_left in zip(counts, left, strict=True)] if isinstance(
+        c = min(RESIDUAL_TRIES_AT_ONCE if tries == 0 else RESIDUAL_CHUNK, max_residual_tries - tries)
+        # per-row generators: rows with nothing left draw nothing
+        left_counts = [c_row if row_left else 0 for c_row, row_left in zip(counts, left, strict=True)] if isinstance(
             counts, list) else None  # fmt: skip
         noise, uniforms = _try_draws(c, shape, generator, left_counts, dtype, x.device)
         z = mu_p + sd_p * noise  # [c, B, K, D]
@@ -175,7 +186,8 @@ def verify_continuous(
         resid = torch.where(take[..., None], pick, resid)
         filled = filled | take
         tries += c
-        left = (~filled).any(-1).tolist()
+        if tries < max_residual_tries:
+            left = (~filled).any(-1).tolist()  # one host read per further chunk: rows with a position left
     fallback = ~filled  # [B, K]
     plain = mu_p + sd_p * randn(shape, generator, device=x.device, dtype=dtype, counts=counts)
     resid = torch.where(fallback[..., None], plain, resid)

@@ -59,11 +59,11 @@ BUDGETS = {
     # the stats (one read), the labels' range. CSpD (a round verifies up to K AR steps): the exact mode reads the
     # round's decision once (accepted steps, and the rejected tokens that the first chunk of residual tries, drawn
     # for every drafted token before the read, left without a value: one more read per further chunk); the block
-    # mode one read per chunk of residual tries (the first: whether any is needed), + the draw counts once with
-    # per-image generators
+    # mode reads nothing in a round (every image advances K steps; the default 100 residual tries of every token
+    # are drawn before any read, and the per-image draw counts are the block's, known on the host)
     "mar/plain": (0, 3),
     "mar/cspd-exact": (1, 3),
-    "mar/cspd-block": (3, 3),
+    "mar/cspd-block": (0, 3),
 }
 
 

@@ -124,3 +124,43 @@ def test_inner_temperature_and_offset_formula(temperature, offset, make_generato
     z_p, z_q = (x - mu_p) / (sd_p * temperature), (x - mu_q) / (sd_q * temperature)
     log_ratio = (-0.5 * z_p**2 + 0.5 * z_q**2 - sd_p.log() + sd_q.log()).sum(-1) + offset
     torch.testing.assert_close(res.accept_prob, log_ratio.clamp(max=0).exp())
+
+
+def test_residual_tries_past_the_first_draw_keep_the_law_and_read_once_per_chunk(make_generator):
+    """The first `RESIDUAL_TRIES_AT_ONCE` proposals are drawn before any host read (none at the default bound);
+    past them, chunks of `RESIDUAL_CHUNK` follow with one read each. A residual with ~1 % acceptance per proposal
+    (p = N(0, 1), q = N(0.025, 1)) and drafts the rule rejects (x = 400, ratio ~ e^-10) sends ~28 % of positions
+    past the first draw; run at bound 128 (those positions fall back) and at bound 1,000 (they go on in chunks) from
+    the same seed: positions settled in the first draw are identical, and the ones settled later follow the
+    residual law norm([p - q]_+) (KS against its CDF)."""
+    from mmspec.counting import HostReads
+    from mmspec.verify.continuous import RESIDUAL_CHUNK, RESIDUAL_TRIES_AT_ONCE
+
+    n, delta = 4000, 0.025
+    shape = (n, 1, 1)
+    full = lambda v: torch.full(shape, v, dtype=torch.float64)  # noqa: E731
+    args = (full(400.0), full(0.0), full(1.0), full(delta), full(1.0))
+    runs = {}
+    for bound in (RESIDUAL_TRIES_AT_ONCE, 1000):
+        with HostReads() as reads:
+            res = verify_continuous(*args, generator=make_generator(7), prefix=False, max_residual_tries=bound,
+                                        validate=False)  # the pipeline's call: no value checks
+        runs[bound] = res, reads.count
+    (first, first_reads), (later, later_reads) = runs[RESIDUAL_TRIES_AT_ONCE], runs[1000]
+    assert int(first.num_accepted.sum()) == 0  # every draft rejected: every value is a residual draw
+    assert first_reads == 0
+    assert 1 <= later_reads <= (1000 - RESIDUAL_TRIES_AT_ONCE) // RESIDUAL_CHUNK + 1
+    past = first.num_fallbacks.bool()  # [N] positions without a value after the first draw
+    assert 0.2 < float(past.double().mean()) < 0.35, float(past.double().mean())
+    assert torch.equal(later.values[~past], first.values[~past])
+    assert int(later.num_fallbacks.sum()) <= 3  # P(no value in 1,000 tries) ~ 1e-4 per position
+    past = past & ~later.num_fallbacks.bool()
+    # residual CDF: (Phi(z) - Phi(z - delta)) / (Phi(delta / 2) - Phi(-delta / 2)) for z <= delta / 2, then 1
+    tv = stats.norm.cdf(delta / 2) - stats.norm.cdf(-delta / 2)
+
+    def cdf(z):
+        z = z.clip(max=delta / 2)
+        return (stats.norm.cdf(z) - stats.norm.cdf(z - delta)) / tv
+
+    assert stats.kstest(later.values[past, 0, 0].numpy(), cdf).pvalue > 1e-4
+    assert stats.kstest(first.values[~past, 0, 0].numpy(), cdf).pvalue > 1e-4

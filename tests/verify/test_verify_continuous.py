@@ -143,8 +143,9 @@ def test_residual_tries_past_the_first_draw_keep_the_law_and_read_once_per_chunk
     runs = {}
     for bound in (RESIDUAL_TRIES_AT_ONCE, 1000):
         with HostReads() as reads:
-            res = verify_continuous(*args, generator=make_generator(7), prefix=False, max_residual_tries=bound,
-                                        validate=False)  # the pipeline's call: no value checks
+            res = verify_continuous(
+                *args, generator=make_generator(7), prefix=False, max_residual_tries=bound, validate=False
+            )  # the pipeline's call: no value checks
         runs[bound] = res, reads.count
     (first, first_reads), (later, later_reads) = runs[RESIDUAL_TRIES_AT_ONCE], runs[1000]
     assert int(first.num_accepted.sum()) == 0  # every draft rejected: every value is a residual draw

@@ -13,7 +13,9 @@ tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node,
 ``--tree-nodes`` nodes); the adaptive draft-length rows (`draft_length=`, chains of at most
 ``--adaptive-max-tokens``, per-row K): ``draft-model-heuristic`` / ``eagle-heuristic`` (transformers' schedule: +2
 after a fully accepted round, -1 otherwise), ``draft-model-cost`` / ``eagle-cost`` (the per-row cost model) and
-``draft-model-frspec-cost`` (the cost model on the FR-Spec draft LM); the vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
+``draft-model-frspec-cost`` (the cost model on the FR-Spec draft LM), ``draft-model-frspec-batch-cost`` /
+``eagle-batch-cost`` (one K for the whole batch, priced at the batch's cost: ``draft_length="batch-cost"``); the
+vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
 ``specvlm`` (SpecVLM's gated elastic compressor) and ``msd`` (MSD's decoupled drafting), each from its zoo folder
 ``mnist-vlm-{vispec,specvlm,msd}``, and ``eagle3`` (the EAGLE-3 head of ``mnist-vlm-eagle3``: the target's low /
 middle / high hidden states, its own draft-vocabulary output head; the format vLLM and SGLang serve) with the same
@@ -86,6 +88,8 @@ METHODS = (
     "draft-model-frspec-cost",
     "eagle-heuristic",
     "eagle-cost",
+    "draft-model-frspec-batch-cost",
+    "eagle-batch-cost",
 )
 # the adaptive rows: (drafter, draft-length policy, FR-Spec vocabulary) -- chains of at most --adaptive-max-tokens
 ADAPTIVE = {
@@ -94,6 +98,8 @@ ADAPTIVE = {
     "draft-model-frspec-cost": ("model", "cost", True),
     "eagle-heuristic": ("eagle", "heuristic", False),
     "eagle-cost": ("eagle", "cost", False),
+    "draft-model-frspec-batch-cost": ("model", "batch-cost", True),
+    "eagle-batch-cost": ("eagle", "batch-cost", False),
 }
 # the other EAGLE heads, each from its zoo folder and run with the `eagle` row's knobs: eagle3 (mmspec.models.hf.eagle3)
 # and the vision-aware ones (mmspec.drafters.vision_eagle: vispec, specvlm, msd)
@@ -108,9 +114,9 @@ TEMPLATED_PROMPT = "Describe the image."
 DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128}  # free-form answers are long: cut at 128 tokens
 DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
                                        "draft-model-frspec", "draft-model-heuristic", "draft-model-cost",
-                                       "draft-model-frspec-cost"),
+                                       "draft-model-frspec-cost", "draft-model-frspec-batch-cost"),
                    "mnist-vlm-eagle": ("eagle", "draft-model-frspec", "draft-model-frspec-cost", "eagle-heuristic",
-                                       "eagle-cost"),
+                                       "eagle-cost", "draft-model-frspec-batch-cost", "eagle-batch-cost"),
                    **{f"mnist-vlm-{name}": (name,) for name in VISION_METHODS}}  # fmt: skip
 
 

@@ -245,8 +245,10 @@ CONTINUOUS_DEFAULTS = {
 # draft-model or EAGLE chain drafts per round, within [1, K_max] (K_max = `num_draft_tokens` / `tree_depth`).
 # "fixed": K_max every round (the default); "heuristic": transformers' schedule (+2 after a fully accepted round, -1
 # otherwise); "confidence": a chain stops after a draft token below `draft_confidence`; "cost": the K maximising
-# expected tokens per unit of cost from a running acceptance estimate (`draft_step_cost`, `verify_token_cost`).
-DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost")
+# expected tokens per unit of cost from a running acceptance estimate (`draft_step_cost`, `verify_token_cost`);
+# "batch-cost": one K for the batch, priced at the batch's cost (a padded chain costs every row the widest K).
+DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost", "batch-cost")
+COST_POLICIES = ("cost", "batch-cost")  # the policies that read the cost knobs
 DRAFT_LENGTH_KNOBS = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost")  # its knobs
 DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' `assistant_confidence_threshold` default
 # a draft forward's cost in one-token target forwards, per drafter, when `draft_step_cost` is unset (measured on the
@@ -398,7 +400,7 @@ def _knobs():
                 DRAFT_LENGTHS,
                 "fixed",
                 "draft-length policy of draft-model / EAGLE chains: fixed K, transformers' heuristic schedule, "
-                "a confidence stop, or the per-row cost model",
+                "a confidence stop, the per-row cost model, or one K per batch by the batch's cost",
                 used_by=("model", "eagle"),
             ),
             Knob(
@@ -416,7 +418,7 @@ def _knobs():
                 "draft_step_cost",
                 float,
                 None,
-                "draft_length='cost': one draft forward's cost in one-token target forwards (default "
+                "draft_length='cost' / 'batch-cost': one draft forward's cost in one-token target forwards (default "
                 + ", ".join(f"{k} {v}" for k, v in DRAFT_STEP_COSTS.items())
                 + ")",
                 lambda v: 0 <= v <= MAX_COST,
@@ -428,7 +430,8 @@ def _knobs():
                 "verify_token_cost",
                 float,
                 None,
-                f"draft_length='cost': each further token of a verification forward, in one-token target forwards "
+                f"draft_length='cost' / 'batch-cost': each further token of a verification forward (one row), in "
+                f"one-token target forwards "
                 f"(default {DEFAULT_VERIFY_TOKEN_COST})",
                 lambda v: 0 <= v <= MAX_COST,
                 f"in [0, {MAX_COST:g}]",
@@ -641,16 +644,17 @@ def resolve_method(acceptance, drafter, available, pipeline="image", **knobs) ->
 def _resolve_draft_length(values, pipeline, drafter):
     """The draft-length knobs together (in place): `draft_confidence` alone with `draft_length="fixed"` is the
     `"confidence"` policy (the knob's meaning before the policies); `"confidence"` without a threshold takes
-    `DEFAULT_DRAFT_CONFIDENCE`; the cost knobs belong to `"cost"`, which fills them from `DRAFT_STEP_COSTS` /
+    `DEFAULT_DRAFT_CONFIDENCE`; the cost knobs belong to `COST_POLICIES`, which fill them from `DRAFT_STEP_COSTS` /
     `DEFAULT_VERIFY_TOKEN_COST`; a policy other than `"fixed"` needs a chain drafter (`"model"` / `"eagle"` at
     `tree_top_k=1`: a tree's size is its node budget, a Jacobi window is the target's own)."""
     if values["draft_length"] == "fixed" and values["draft_confidence"] is not None:
         values["draft_length"] = "confidence"
     policy = values["draft_length"]
-    if policy != "cost":
+    if policy not in COST_POLICIES:
         given = [name for name in ("draft_step_cost", "verify_token_cost") if values[name] is not None]
         if given:
-            raise ValueError(f"{', '.join(given)}: read by draft_length='cost' only, got draft_length={policy!r}")
+            raise ValueError(f"{', '.join(given)}: read by draft_length='cost' / 'batch-cost' only, got "
+                             f"draft_length={policy!r}")  # fmt: skip
     if policy == "fixed":
         return
     if drafter not in ("model", "eagle") or (values["tree_top_k"] > 1 and _tree_drafter(pipeline, drafter)):
@@ -659,7 +663,7 @@ def _resolve_draft_length(values, pipeline, drafter):
                          f"chains (tree_top_k=1); {what} drafts no such chain")  # fmt: skip
     if policy == "confidence" and values["draft_confidence"] is None:
         values["draft_confidence"] = DEFAULT_DRAFT_CONFIDENCE
-    if policy == "cost":
+    if policy in COST_POLICIES:
         if values["draft_step_cost"] is None:
             values["draft_step_cost"] = DRAFT_STEP_COSTS[drafter]
         if values["verify_token_cost"] is None:

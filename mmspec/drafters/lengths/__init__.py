@@ -6,10 +6,13 @@
   otherwise, per row.
 * `ConfidenceStop` (`confidence.py`, `"confidence"`): a row's chain stops after an unsure draft token.
 * `CostLength` (`cost.py`, `"cost"`): per row, the K maximising expected tokens per unit of cost.
+* `BatchCostLength` (`batch_cost.py`, `"batch-cost"`): one K for the batch, maximising the batch's expected tokens
+  per unit of the batch's cost (a padded chain costs every row the widest K).
 
 `make_draft_length(method, k_max)` builds the one a resolved `MethodSettings` names.
 """
 
+from mmspec.drafters.lengths.batch_cost import BatchCostLength
 from mmspec.drafters.lengths.confidence import ConfidenceStop
 from mmspec.drafters.lengths.cost import CostLength
 from mmspec.drafters.lengths.fixed import FixedLength
@@ -18,6 +21,7 @@ from mmspec.drafters.lengths.heuristic import HeuristicLength
 
 __all__ = [
     "POLICIES",
+    "BatchCostLength",
     "ConfidenceStop",
     "CostLength",
     "FixedLength",
@@ -25,7 +29,7 @@ __all__ = [
     "make_draft_length",
 ]
 
-POLICIES = {p.name: p for p in (FixedLength, HeuristicLength, ConfidenceStop, CostLength)}
+POLICIES = {p.name: p for p in (FixedLength, HeuristicLength, ConfidenceStop, CostLength, BatchCostLength)}
 
 
 def make_draft_length(method, k_max: int):
@@ -35,6 +39,6 @@ def make_draft_length(method, k_max: int):
     if name not in POLICIES:
         raise ValueError(f"draft_length must be one of {tuple(POLICIES)}, got {name!r}")
     confidence = method["draft_confidence"]
-    if name == "cost":
-        return CostLength(k_max, method["draft_step_cost"], method["verify_token_cost"], confidence)
+    if name in ("cost", "batch-cost"):
+        return POLICIES[name](k_max, method["draft_step_cost"], method["verify_token_cost"], confidence)
     return POLICIES[name](k_max, confidence)

@@ -77,12 +77,16 @@ class CostLength(RowLengths):
         super().start(batch, device)
         self.counts = torch.zeros(2, batch, self.k_max, dtype=torch.float32, device=device)  # (reached, rejected)
 
-    def next_k(self, num_draft, num_accepted):
+    def observe(self, num_draft, num_accepted):
+        """Fold one verified round into the rows' discounted counts (module docstring)."""
         pos = torch.arange(self.k_max, device=num_draft.device)[None]  # draft pos + 1
         n, m = num_draft[:, None], num_accepted[:, None]
         reached = (pos <= m) & (pos < n)
         rejected = (pos == m) & (m < n)
         self.counts = self.decay * self.counts + torch.stack([reached, rejected]).to(self.counts.dtype)
+
+    def next_k(self, num_draft, num_accepted):
+        self.observe(num_draft, num_accepted)
         return self.best_k(self.hazard())
 
     def select_rows(self, index):

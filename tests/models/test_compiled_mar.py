@@ -105,3 +105,34 @@ def test_captured_sampler_graphs_take_no_host_tensors():
         sampler.sample_last_step(z, x_T, noise, z_uncond=zu, cfg=2.0)
         sampler.finish(z, x_T, z_uncond=zu, cfg=2.0)
     assert seen and set(seen) == {"meta"}, seen
+
+
+def test_eager_head_calls_copy_the_schedule_to_the_device_once():
+    """The eager sampler's schedule lookups (`model_timesteps`, `coef`) index tensors kept on the inputs' device: the
+    first call copies the schedule there, later calls copy nothing (before: a host-to-device copy of the step map
+    and of a coefficient array on every head call). Counted on the `meta` device (no accelerator needed): copies
+    dispatched by the second round of lookups."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mmspec.models.mar.diffusion import GaussianDiffusion
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
+                Copies.count += 1
+            return func(*args, **(kwargs or {}))
+
+    diffusion = GaussianDiffusion(1000, "8")
+    t, like = torch.zeros(5, dtype=torch.long, device="meta"), torch.empty(5, 2, device="meta", dtype=torch.float64)
+
+    def lookups():
+        diffusion.model_timesteps(t)
+        diffusion.coef("sqrt_alphas_cumprod", t, like)
+
+    lookups()
+    with Copies():
+        lookups()
+    assert Copies.count == 0
+    assert diffusion.model_timesteps(torch.tensor([0, 7])).tolist() == diffusion.timestep_map[[0, 7]].tolist()

@@ -76,6 +76,7 @@ class GaussianDiffusion:
         betas = np.array(betas, dtype=np.float64)
         self.num_steps = len(betas)
         self.timestep_map = torch.tensor(keep, dtype=torch.long, device="cpu")  # not the meta device of lazy init
+        self._step_map = self.timestep_map  # the host copy every device's copy is made from (`_on`)
         abar = np.cumprod(1.0 - betas)
         abar_prev = np.append(1.0, abar[:-1])
         post_var = betas * (1.0 - abar_prev) / (1.0 - abar)
@@ -102,19 +103,27 @@ class GaussianDiffusion:
             self._floats = [{k: float(v[j]) for k, v in self._host_arrays.items()} for j in range(self.num_steps)]
         return self._floats[i]
 
+    def _on(self, device) -> dict[str, Tensor]:
+        """The schedule's tensors (every array and ``timestep_map``) on `device`, copied there once per device and
+        kept: a head call on an accelerator then indexes tensors already there, with no host-to-device copy."""
+        device = torch.device(device)
+        placed = self.__dict__.setdefault("_placed", {})
+        if device not in placed:
+            placed[device] = {k: v.to(device) for k, v in (*self._arrays.items(), ("steps", self._step_map))}
+        return placed[device]
+
     def coef(self, name: str, t: Tensor, like: Tensor) -> Tensor:
         """``name[t]`` as ``like``'s dtype/device, broadcast over the last dim: ``[N, 1]`` for ``t [N]``."""
-        return self._arrays[name].to(like.device)[t.to(like.device)].to(like.dtype)[:, None]
+        return self._on(like.device)[name][t.to(like.device)].to(like.dtype)[:, None]
 
     def place(self, device) -> None:
         """Keep the step map on `device` (a captured sampler calls this before its graph runs, so the graph reads a
         tensor of its own device: a host-side input would keep CUDA graphs from capturing it)."""
-        if self.timestep_map.device != torch.device(device):
-            self.timestep_map = self.timestep_map.to(device)
+        self.timestep_map = self._on(device)["steps"]
 
     def model_timesteps(self, t: Tensor) -> Tensor:
         """The original-chain step the network is conditioned on (respacing's wrapped model)."""
-        return self.timestep_map.to(t.device)[t]
+        return self._on(t.device)["steps"][t]
 
     def q_sample(self, x_start: Tensor, t: Tensor, noise: Tensor) -> Tensor:
         """``x_t = sqrt(abar_t) x_start + sqrt(1 - abar_t) noise``."""

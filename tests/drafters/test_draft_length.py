@@ -93,9 +93,9 @@ def test_cost_model_drafts_longer_for_rows_that_accept_more():
 def test_batch_cost_prices_the_round_the_batch_pays():
     """`"batch-cost"`: every running row drafts the one W maximising sum_r E_r(W) / (1 + (v_B + d) W), checked
     against the formula evaluated here in plain Python from the policy's own hazards; a finished row's run does not
-    count; at batch 1 it is `"cost"` round for round."""
+    count; at batch 1 it is `"cost"` (with the chained prior) round for round."""
     assert batch_token_cost(0.3, 1) == pytest.approx(0.3) and batch_token_cost(0.3, 4) == pytest.approx(1.2 / 1.9)
-    one, alone = BatchCostLength(8, 0.1, 0.3), CostLength(8, 0.1, 0.3)
+    one, alone = BatchCostLength(8, 0.1, 0.3), CostLength(8, 0.1, 0.3, chained_prior=True)
     for policy in (one, alone):
         policy.start(1, "cpu")
     assert one.host_max == alone.host_max
@@ -105,15 +105,15 @@ def test_batch_cost_prices_the_round_the_batch_pays():
             policy.update(k, k.clamp(max=accepted), torch.zeros(1, dtype=torch.bool))
         assert one.lengths().tolist() == alone.lengths().tolist()
 
-    d, v, rows = 0.1, 0.3, 3
+    d, v, rows = 0.05, 0.1, 3
     policy = BatchCostLength(8, d, v)
     policy.start(rows, "cpu")
     assert policy.first_k() <= CostLength(8, d, v).first_k()  # a further token costs a batch more
     finished = torch.tensor([False, False, True])
-    for _ in range(6):  # row 0 accepts everything, row 1 at most one draft, row 2 (finished) everything
+    for _ in range(6):  # row 0 accepts everything, row 1 at most two drafts, row 2 (finished) everything
         k = policy.lengths()
         assert len(set(k.tolist())) == 1  # one K for the batch
-        policy.update(k, torch.stack([k[0], k[1].clamp(max=1), k[2]]), finished)
+        policy.update(k, torch.stack([k[0], k[1].clamp(max=2), k[2]]), finished)
     hazard = policy.hazard().tolist()
 
     def width(use):
@@ -135,6 +135,28 @@ def test_batch_cost_prices_the_round_the_batch_pays():
     assert width([0, 1]) != width([0, 1, 2])  # the finished row would have changed the width
     policy.update(policy.lengths(), policy.lengths(), torch.ones(rows, dtype=torch.bool))
     assert int(policy.sync_value()) == 0  # every row finished: the loop stops
+
+
+def test_chained_prior_lets_unreached_positions_follow_the_deepest_reached():
+    """With the chained prior, position i's prior is position i - 1's estimate: after rounds that drafted one token
+    and had it accepted, positions 2.. carry position 1's low hazard (the fixed prior keeps 0.2 there), checked
+    against the recursion evaluated here, and the policy's next K grows."""
+    r0, n0 = 0.4, 2.0
+    chained, fixed = CostLength(8, 0.05, 0.3, chained_prior=True), CostLength(8, 0.05, 0.3)
+    for policy in (chained, fixed):
+        policy.start(1, "cpu")
+        for _ in range(5):
+            one = torch.ones(1, dtype=torch.long)
+            policy.observe(one, one)
+    assert torch.allclose(fixed.hazard()[0, 1:], torch.tensor(0.2))
+    reached, rejected = chained.counts[:, 0].tolist()
+    want, h = [], (rejected[0] + r0) / (reached[0] + n0)
+    for i in range(8):
+        h = h if i == 0 else (rejected[i] + n0 * h) / (reached[i] + n0)
+        want.append(h)
+    assert torch.allclose(chained.hazard()[0], torch.tensor(want, dtype=chained.counts.dtype))
+    assert chained.hazard()[0, 1:].max() < 0.1 < 0.2
+    assert int(chained.best_k(chained.hazard())) > int(fixed.best_k(fixed.hazard()))
 
 
 def test_registry_resolves_the_draft_length_knobs():

@@ -40,24 +40,36 @@ class CostLength(RowLengths):
         confidence: optional in (0, 1): the in-round stop (`ConfidenceStop`).
         decay: g in (0, 1]: the weight of the previous rounds' counts (0.8: about the last five rounds).
         prior: (r0, n0), the pseudo-counts of rejections and of rounds at every position (0.4, 2: h = 0.2).
+        chained_prior: position i's prior is position i - 1's estimate (n0 pseudo-rounds at h_{i-1}; position 1
+            keeps `prior`), so positions no round reached yet take the hazard of the deepest one that was reached
+            instead of the fixed prior: a policy that starts short can still learn that longer runs pay.
     """
 
     name = "cost"
 
-    def __init__(self, k_max, draft_step_cost, verify_token_cost, confidence=None, decay=0.8, prior=(0.4, 2.0)):
+    def __init__(self, k_max, draft_step_cost, verify_token_cost, confidence=None, decay=0.8, prior=(0.4, 2.0),
+                 chained_prior=False):  # fmt: skip
         super().__init__(k_max)
         if not (0 <= draft_step_cost and 0 <= verify_token_cost and 0 < decay <= 1 and 0 <= prior[0] < prior[1]):
             raise ValueError(f"need costs >= 0, decay in (0, 1] and prior pseudo-counts 0 <= r0 < n0, got "
                              f"{draft_step_cost}, {verify_token_cost}, {decay}, {prior}")  # fmt: skip
         self.d, self.v, self.decay, self.prior = float(draft_step_cost), float(verify_token_cost), float(decay), prior
         self.confidence = confidence
+        self.chained_prior = bool(chained_prior)
         self.counts = None
 
     def hazard(self):
         """`[B, k_max]` each row's running rejection probability at each draft position (given it was reached)."""
         r0, n0 = self.prior
         reached, rejected = self.counts
-        return (rejected + r0) / (reached + n0)
+        if not self.chained_prior:
+            return (rejected + r0) / (reached + n0)
+        hazards, h = [], (rejected[:, 0] + r0) / (reached[:, 0] + n0)
+        for i in range(self.k_max):  # position i's prior: n0 pseudo-rounds at position i - 1's estimate
+            if i:
+                h = (rejected[:, i] + n0 * h) / (reached[:, i] + n0)
+            hazards.append(h)
+        return torch.stack(hazards, -1)
 
     def best_k(self, hazard):
         survival = (1 - hazard).cumprod(-1)

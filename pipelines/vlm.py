@@ -53,6 +53,7 @@ from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.memory import check_hf_call_memory
 from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS, acceptance_names, resolve_drafter, resolve_method
 from mmspec.models import DEFAULT_ZOO
+from mmspec.models.hf.image_layout import dynamic_image_sizes, image_layout
 from mmspec.models.hf.inputs import has_vision, image_token_mask
 from mmspec.models.hf.target import HFTarget, right_align
 from mmspec.random import check_generator
@@ -413,11 +414,11 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         # 2. prepare: chat template + processor, generators, target and drafter
         device = self._execution_device
         # the prompt's bookkeeping comes from the host copies (no device read)
-        host_ids, host_lengths, model_inputs = self.encode_host(images, prompt, messages)
+        host_ids, host_lengths, host_inputs = self.encode_host(images, prompt, messages)
         with on_host():
             prompt_lengths = host_lengths.tolist()
         input_ids, lengths = host_ids.to(device), host_lengths.to(device)
-        model_inputs = self.move_inputs(model_inputs, device)
+        model_inputs = self.move_inputs(host_inputs, device)
         batch = input_ids.shape[0]
         check_generator(generator, batch, device)
         self.check_context(prompt_lengths, max_new_tokens)
@@ -425,10 +426,11 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         # target's own forwards; every other drafter its final-norm hidden states
         aux_layers = getattr(self.eagle_head.config, "aux_layers", None) if drafter == "eagle" else None
         target = HFTarget(self.model, guidance, hidden_layers=aux_layers)
-        with on_host():  # image tokens per prompt, from the host copy
+        with on_host():  # image tokens per prompt (and, for a vision-aware head, each image's), from the host copy
             host_prompt = (prompt_lengths, (image_token_mask(self.model, host_ids).sum(1)).tolist())
+            layout = self.image_layout(host_ids, host_inputs) if drafter == "eagle" else None
         draft = self.make_drafter(drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab,
-                                  host_prompt=host_prompt)  # fmt: skip
+                                  host_prompt=host_prompt, image_layout=layout)  # fmt: skip
         check_hf_call_memory(target, draft, batch=batch, prompt_tokens=input_ids.shape[1], num_tokens=max_new_tokens,
                              acceptance=rule_name, drafter=drafter, knobs=knobs, device=device,
                              settings={"max_new_tokens": max_new_tokens},
@@ -494,11 +496,26 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
             extra["gate_choice"] = list(draft.gate_choice)
         return extra
 
+    def image_layout(self, input_ids, model_inputs):
+        """Each prompt's images by their token counts (`mmspec.models.hf.image_layout.ImageLayout`) for a target
+        whose images differ in size, from the processor's host outputs (`input_ids`, `model_inputs`); None for a
+        fixed-size target or a head that reads no image (its policy then splits by `tokens_per_image`). Qwen-VL: from
+        `image_grid_thw` (lengths and grids); any-resolution LLaVA: the processor's count per image
+        (`_get_num_multimodal_tokens` over `image_sizes`), else each run of image tokens is one image."""
+        reads_images = callable(getattr(self.eagle_head, "prefill_prompt", None))
+        if not reads_images or not dynamic_image_sizes(self.model.config):
+            return None
+        lengths = None
+        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if "image_grid_thw" not in model_inputs and "image_sizes" in model_inputs and callable(count):
+            lengths = list(count(image_sizes=model_inputs["image_sizes"].tolist()).num_image_tokens)
+        return image_layout(self.model, input_ids, model_inputs, lengths)
+
     def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None,
-                     host_prompt=None):  # fmt: skip
+                     host_prompt=None, image_layout=None):  # fmt: skip
         """The engine drafter for the resolved `drafter` name (None: plain decoding), a chain with its draft-length
-        policy (`knobs.draft_length`). `host_prompt`: the prompt lengths and image tokens per row as host lists
-        (`EagleDrafter`)."""
+        policy (`knobs.draft_length`). `host_prompt`: the prompt lengths and image tokens per row as host lists;
+        `image_layout`: each prompt's images by length where they differ in size (`EagleDrafter`)."""
         if drafter is None:
             return None
         if drafter == "model":
@@ -510,4 +527,5 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
                                     length=length, **vision)  # fmt: skip
         length = None if knobs.tree else make_draft_length(knobs, knobs.tree_depth)
         return EagleDrafter(self.eagle_head, self.model, guidance, depth=knobs.tree_depth, top_k=knobs.tree_top_k,
-                            total=knobs.tree_nodes, host_prompt=host_prompt, length=length)  # fmt: skip
+                            total=knobs.tree_nodes, host_prompt=host_prompt, length=length,
+                            image_layout=image_layout)  # fmt: skip

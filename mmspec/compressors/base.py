@@ -11,6 +11,13 @@ Layout: a row holds `k * tokens_per_image` image tokens (k >= 0 images, each a r
 consecutive valid tokens in the target's order: LLaVA's 8x8 patch grid row-major on the zoo), left-packed and
 padded to the longest row (`valid`). A policy splits the rows into images, compresses each image on its own
 (`VisionPolicy.compress`: `[N, T, dim] -> [N, K, dim]`, T = tokens_per_image) and packs the results back.
+
+Images of different sizes (Qwen-VL's dynamic grids, any-resolution LLaVA's tiles) come with an `ImageLayout`
+(`VisionTokens.layout`: each image's length and, where known, its `(h, w)` token grid): the rows are then cut by
+those lengths (`mmspec.compressors.ragged`), each image padded to the longest with a key mask, compressed by
+`VisionPolicy.compress_ragged` and packed back; `tokens_per_image` is then only the nominal size the policy was built
+for (the resampler's query bound, the pool / conv grid check), not a split length. A layout where every image is
+`tokens_per_image` tokens takes the fixed path above, unchanged.
 """
 
 from dataclasses import dataclass
@@ -19,10 +26,20 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from mmspec.compressors.ragged import RaggedImages, pack_ragged, split_ragged
 from mmspec.counting import host_checks_enabled
+from mmspec.models.hf.image_layout import ImageLayout
 
 
-__all__ = ["ImageBatch", "VisionPolicy", "VisionTokens", "check_question", "check_vision_tokens", "gather_images"]
+__all__ = [
+    "ImageBatch",
+    "VisionPolicy",
+    "VisionTokens",
+    "check_question",
+    "check_vision_tokens",
+    "gather_images",
+    "is_ragged",
+]
 
 
 @dataclass
@@ -37,6 +54,8 @@ class VisionTokens:
     # valid tokens per row known on the host (`gather_images` with host `counts`, a policy's output): the policies
     # split and pack rows with host-known shapes, no device read; None: read once from `valid` where needed
     host_counts: list[int] | None = None
+    # each row's images by their actual lengths (and grids), host-known; None: runs of `tokens_per_image`
+    layout: ImageLayout | None = None
 
     @property
     def counts(self) -> Tensor:
@@ -71,8 +90,23 @@ def _check_multiple(counts, tokens_per_image: int) -> None:
     for row, n in enumerate(counts):
         if n % tokens_per_image:
             raise ValueError(
-                f"image_mask: row {row} has {n} image tokens, not a multiple of tokens_per_image={tokens_per_image}"
+                f"image_mask: row {row} has {n} image tokens, not a multiple of tokens_per_image={tokens_per_image} "
+                "(images of different sizes need an image_layout: mmspec.models.hf.image_layout)"
             )
+
+
+def _check_layout(layout, counts: list[int]) -> None:
+    """`layout` (an `ImageLayout`) must cover `counts` image tokens per row (host lists, no read)."""
+    if not isinstance(layout, ImageLayout):
+        raise TypeError(f"layout must be an ImageLayout or None, got {type(layout).__name__}")
+    if layout.counts != list(counts):
+        raise ValueError(f"layout: images of {layout.counts} tokens per row, the rows hold {list(counts)}")
+
+
+def is_ragged(layout, tokens_per_image: int) -> bool:
+    """The images need the ragged path: a layout that is not every image `tokens_per_image` tokens on the square
+    grid."""
+    return layout is not None and not layout.uniform(tokens_per_image)
 
 
 def _host_counts(image: "VisionTokens") -> list[int]:
@@ -81,7 +115,7 @@ def _host_counts(image: "VisionTokens") -> list[int]:
 
 
 def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | None = None,
-                  counts: list[int] | None = None) -> VisionTokens:  # fmt: skip
+                  counts: list[int] | None = None, layout: ImageLayout | None = None) -> VisionTokens:  # fmt: skip
     """Each row's image tokens, in order, each at its index in the row (prompts are right-aligned, so the index is the
     target's position).
 
@@ -92,6 +126,8 @@ def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | No
         counts: optional, the image tokens per row as a host list (from the prompt's host copy, e.g. the
             processor's output): the shapes come from it without a device read (checked against `image_mask` where
             reads are free, `mmspec.counting.host_checks_enabled`); None: read once.
+        layout: optional, each row's images by length (`ImageLayout`, host-known): kept on the result for the
+            policies (images of different sizes); its per-row totals serve as `counts` when those are not given.
 
     Returns `VisionTokens` with M = the most image tokens in a row (padding: zeros at position 0, valid False).
     """
@@ -110,6 +146,13 @@ def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | No
         raise ValueError(f"image_mask is on {image_mask.device}, embeds on {embeds.device}")
     rows, length, dim = embeds.shape
     device_counts = image_mask.sum(dim=1)  # [rows]
+    source = "counts"
+    if layout is not None:
+        if len(layout.lengths) != rows:
+            raise ValueError(f"layout: {len(layout.lengths)} rows of images for {rows} rows")
+        if counts is not None:
+            _check_layout(layout, [int(n) for n in counts])
+        counts, source = layout.counts, "layout: image tokens per row"
     if counts is None:
         counts = device_counts.tolist()  # the one read
     else:
@@ -118,9 +161,9 @@ def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | No
             raise ValueError(f"counts: {len(counts)} host counts for {rows} rows")
         if host_checks_enabled(image_mask.device) and counts != device_counts.tolist():
             raise ValueError(
-                f"counts {counts} do not match image_mask's image tokens per row {device_counts.tolist()}"
+                f"{source} {counts} do not match image_mask's image tokens per row {device_counts.tolist()}"
             )
-    if tokens_per_image is not None:
+    if tokens_per_image is not None and layout is None:
         _check_multiple(counts, _check_tokens_per_image(tokens_per_image))
     most = max(counts, default=0)
     counts_t = device_counts
@@ -130,12 +173,13 @@ def gather_images(embeds: Tensor, image_mask: Tensor, tokens_per_image: int | No
     positions = torch.where(valid, order, torch.zeros_like(order))  # [rows, M]
     tokens = embeds.gather(1, positions[..., None].expand(rows, most, dim))  # [rows, M, dim]
     tokens = tokens.masked_fill(~valid[..., None], 0.0)
-    return VisionTokens(tokens=tokens, positions=positions, valid=valid, host_counts=counts)
+    return VisionTokens(tokens=tokens, positions=positions, valid=valid, host_counts=counts, layout=layout)
 
 
 def check_vision_tokens(image, tokens_per_image: int, dim: int | None = None) -> None:
     """ValueError / TypeError naming the field of `image` that is malformed: shapes, dtypes, `valid` not a prefix of
-    each row, positions not strictly increasing, a row's image tokens not a multiple of `tokens_per_image`."""
+    each row, positions not strictly increasing, a row's image tokens not a multiple of `tokens_per_image` (without
+    a layout) or not its `layout`'s."""
     if not isinstance(image, VisionTokens):
         raise TypeError(f"image must be a VisionTokens (see gather_images), got {type(image).__name__}")
     tokens, positions, valid = image.tokens, image.positions, image.valid
@@ -160,10 +204,17 @@ def check_vision_tokens(image, tokens_per_image: int, dim: int | None = None) ->
         )
     if dim is not None and tokens.shape[2] != dim:
         raise ValueError(f"image.tokens has dim {tokens.shape[2]}, the policy was built for dim {dim}")
+    layout = image.layout
+    if layout is not None:
+        if len(layout.lengths) != shape[0] or max(layout.counts, default=0) > shape[1]:
+            raise ValueError(f"image.layout's tokens per row {layout.counts} do not fit image.valid {shape}")
     if image.host_counts is not None:
         if len(image.host_counts) != shape[0] or max(image.host_counts, default=0) > shape[1]:
             raise ValueError(f"image.host_counts {image.host_counts} does not fit image.valid {shape}")
-        _check_multiple(image.host_counts, tokens_per_image)
+        if layout is None:
+            _check_multiple(image.host_counts, tokens_per_image)
+        else:
+            _check_layout(layout, image.host_counts)
     if not host_checks_enabled(valid.device):
         return  # the value checks below read the device: only where a read is free (the CPU)
     counts = valid.sum(dim=1)  # [rows]
@@ -172,7 +223,10 @@ def check_vision_tokens(image, tokens_per_image: int, dim: int | None = None) ->
     prefix = torch.arange(shape[1], device=valid.device) < counts[:, None]
     if not torch.equal(valid, prefix):
         raise ValueError("image.valid must be True on a prefix of each row (left-packed image tokens)")
-    _check_multiple(counts, tokens_per_image)
+    if layout is None:
+        _check_multiple(counts, tokens_per_image)
+    else:
+        _check_layout(layout, counts.tolist())
     if bool((positions[valid] < 0).any()):
         raise ValueError("image.positions must be >= 0 on valid tokens")
     if shape[1] > 1 and bool(((positions[:, 1:] <= positions[:, :-1]) & valid[:, 1:]).any()):
@@ -223,6 +277,24 @@ class VisionPolicy(nn.Module):
         """`images.tokens [N, T, dim]`, `images.positions [N, T]` -> tokens `[N, keep, dim]`, positions
         `[N, keep]` (each one of that image's positions, increasing), global vectors `[N, dim]` or None."""
         raise NotImplementedError
+
+    def kept(self, length: int, grid: tuple[int, int] | None = None) -> int:
+        """Draft-side tokens of one image of `length` tokens (on its `(h, w)` token grid, None: unknown) on the
+        ragged path; host arithmetic. The base class keeps every token."""
+        return length
+
+    def compress_ragged(self, images: RaggedImages, generator=None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Images of different lengths (`images.tokens [N, T, dim]` padded, `images.mask [N, T]`) -> tokens
+        `[N, K, dim]`, positions `[N, K]` (image `j`'s first `kept(lengths[j], grids[j])` are its own, increasing
+        positions of that image), global vectors `[N, dim]` or None."""
+        raise NotImplementedError(f"{type(self).__name__} does not compress images of different sizes")
+
+    def tokens_out_layout(self, layout: ImageLayout) -> list[int]:
+        """Draft-side tokens per row for a batch of that `layout` (host arithmetic: buffer bounds, stats)."""
+        if not is_ragged(layout, self.tokens_per_image):
+            return [len(row) * self.keep for row in layout.lengths]
+        return [sum(self.kept(n, g) for n, g in zip(row, grids, strict=True))
+                for row, grids in zip(layout.lengths, layout.grids, strict=True)]  # fmt: skip
 
     def split(self, image: VisionTokens, question: Tensor | None = None) -> ImageBatch:
         """Checks `image` / `question` and cuts the rows into their images."""
@@ -278,6 +350,22 @@ class VisionPolicy(nn.Module):
     def forward(self, image: VisionTokens, question: Tensor | None = None, generator=None) -> VisionTokens:
         """`image` (see `gather_images`), `question [rows, dim]` (used by question-aware policies) -> the draft's
         image tokens, `[rows, I * keep, dim]` with I = the most images in a row."""
+        if is_ragged(getattr(image, "layout", None), self.tokens_per_image):
+            return self.forward_ragged(image, question, generator)
         batch = self.split(image, question)
         tokens, positions, global_vec = self.compress(batch, generator=generator)
         return self.pack(batch.present, tokens, positions, global_vec, batch.index, batch.host_images)
+
+    def split_ragged(self, image: VisionTokens, question: Tensor | None = None) -> RaggedImages:
+        """Checks `image` / `question` and cuts the rows into the images of `image.layout` (host-known lengths)."""
+        check_vision_tokens(image, self.tokens_per_image, self.dim)
+        check_question(question, image.tokens.shape[0], image.tokens.shape[2])
+        return split_ragged(image.tokens, image.positions, question, image.layout)
+
+    def forward_ragged(self, image: VisionTokens, question: Tensor | None = None, generator=None) -> VisionTokens:
+        """`forward` for images of different sizes (`image.layout`): split by length, `compress_ragged`, pack."""
+        batch = self.split_ragged(image, question)
+        tokens, positions, global_vec = self.compress_ragged(batch, generator=generator)
+        kept = [self.kept(n, g) for n, g in zip(batch.lengths, batch.grids, strict=True)]
+        tokens, positions, valid, row_global, counts = pack_ragged(batch, tokens, positions, global_vec, kept)
+        return VisionTokens(tokens, positions, valid, global_vec=row_global, host_counts=counts)

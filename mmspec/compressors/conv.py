@@ -2,13 +2,18 @@
 2509.11815: few parameters; it degrades past ~3-5x). A depthwise `s x s` stride-`s` convolution over the image's
 square grid, then a pointwise `Linear(dim, dim)`. Initialised to equal `Pool` (depthwise weights 1 / s^2, pointwise
 identity, zero biases), so training starts from pooling. Positions as `Pool`: each block's largest.
+
+Images of different sizes (`compress_ragged`): the same blocks as `Pool`'s (each image's own grid, or runs of `s * s`
+tokens without one: the kernel's taps in order), zero-padded where an edge block is partial (as a padded
+convolution: such a block's output is not the pooled mean at the pooling init).
 """
 
 import torch
 from torch import Tensor, nn
 
 from mmspec.compressors.base import ImageBatch, VisionPolicy
-from mmspec.compressors.pool import block_positions, grid_blocks
+from mmspec.compressors.pool import block_positions, blocks_of, grid_blocks, ragged_block_positions
+from mmspec.compressors.ragged import RaggedImages, block_index
 
 
 __all__ = ["Conv"]
@@ -41,14 +46,32 @@ class Conv(VisionPolicy):
         w.copy_(torch.eye(self.dim, device=w.device, dtype=w.dtype))
         self.pointwise.bias.zero_()
 
-    def compress(self, images: ImageBatch, generator=None) -> tuple[Tensor, Tensor, None]:
-        tokens = images.tokens  # [N, T, dim]
+    def _check(self, tokens: Tensor) -> None:
         weight = self.pointwise.weight
         if tokens.dtype != weight.dtype or tokens.device != weight.device:
             raise TypeError(
                 f"image.tokens is {tokens.dtype} on {tokens.device}, Conv's weights {weight.dtype} on "
                 f"{weight.device}: move the policy with .to()"
             )
+
+    def kept(self, length: int, grid=None) -> int:
+        return blocks_of(length, grid, self.s)
+
+    def compress_ragged(self, images: RaggedImages, generator=None) -> tuple[Tensor, Tensor, None]:
+        tokens = images.tokens  # [N, T, dim], zeros on padding
+        self._check(tokens)
+        n, _, dim = tokens.shape
+        block, tap, per_image = block_index(images, self.s, tokens.device)  # [N, T]
+        most = max(per_image, default=0)
+        taps = self.depthwise.weight.reshape(dim, self.s * self.s).t()  # [s * s, dim] per-channel kernel taps
+        weighted = tokens * taps[tap]  # [N, T, dim] each token times its tap's weights (padding: zeros)
+        out = tokens.new_zeros(n, most + 1, dim).scatter_add(1, block[..., None].expand(-1, -1, dim), weighted)
+        out = self.pointwise(out[:, :most] + self.depthwise.bias)  # [N, K, dim]
+        return out, ragged_block_positions(images.positions, block, most), None
+
+    def compress(self, images: ImageBatch, generator=None) -> tuple[Tensor, Tensor, None]:
+        tokens = images.tokens  # [N, T, dim]
+        self._check(tokens)
         n, _, dim = tokens.shape
         side, b = self.side, self.side // self.s
         grid = tokens.transpose(1, 2).reshape(n, dim, side, side)  # [N, dim, side, side]

@@ -6,6 +6,8 @@ tokens are multiplied by the straight-through weight (1 in value), so the gate g
 
 Rows may choose different experts: every expert runs on every row (fixed shapes: no host read of the gate's choice)
 and each row keeps its chosen expert's tokens, padded to the widest expert (on a CPU trimmed to the longest row). `choice` records the expert per row (-1: a row without image, which gets no tokens).
+
+Images of different sizes (`VisionTokens.layout`) go to every expert with their layout (each expert's ragged path).
 """
 
 import math
@@ -13,7 +15,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from mmspec.compressors.base import VisionPolicy, VisionTokens
+from mmspec.compressors.base import VisionPolicy, VisionTokens, check_question, check_vision_tokens, is_ragged
 from mmspec.counting import host_checks_enabled
 
 
@@ -79,6 +81,10 @@ class Elastic(VisionPolicy):
         self.forced = name
         return self
 
+    def kept(self, length: int, grid=None) -> int:
+        """The most any expert keeps of such an image (a bound: the gate's choice is not known on the host)."""
+        return max(expert.kept(length, grid) for expert in self.experts.values())
+
     def gate_weights(self, question: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """`question [rows, dim]` -> (`choice [rows]` long, `weight [rows]`: 1 in value; in training the
         straight-through Gumbel-softmax weight of the chosen expert, which carries the gate's gradient)."""
@@ -102,20 +108,24 @@ class Elastic(VisionPolicy):
         """`question [rows, dim]` is required (the gate reads it)."""
         if question is None:
             raise ValueError("question is required by Elastic: its gate chooses an expert from the question")
-        batch = self.split(image, question)  # checks image and question
+        if is_ragged(getattr(image, "layout", None), self.tokens_per_image):  # images of different sizes
+            check_vision_tokens(image, self.tokens_per_image, self.dim)
+            check_question(question, image.tokens.shape[0], image.tokens.shape[2])
+            has_image = torch.tensor([len(row) > 0 for row in image.layout.lengths], dtype=torch.bool,
+                                     device=image.tokens.device)  # fmt: skip  # [rows]
+            sub = VisionTokens(image.tokens, image.positions, image.valid, host_counts=image.layout.counts,
+                               layout=image.layout)  # fmt: skip
+        else:
+            batch = self.split(image, question)  # checks image and question
+            has_image = batch.present.any(dim=1)  # [rows]
+            sub = VisionTokens(image.tokens, image.positions, image.valid,
+                               host_counts=[n * self.tokens_per_image for n in batch.host_images])  # fmt: skip
         rows, _, dim = image.tokens.shape
-        has_image = batch.present.any(dim=1)  # [rows]
         choice, weight = self.gate_weights(question, generator)
         choice = torch.where(has_image, choice, torch.full_like(choice, -1))  # [rows]
         # every expert runs on every row (fixed shapes, no read of the gate's choice; once per call, at the draft's
         # prefill) and each row keeps its chosen expert's tokens; an expert's output on a row does not depend on the
         # other rows
-        sub = VisionTokens(
-            image.tokens,
-            image.positions,
-            image.valid,
-            host_counts=[n * self.tokens_per_image for n in batch.host_images],
-        )
         outputs = [self.experts[name](sub, question, generator=generator) for name in self.names]
         most = max(out.tokens.shape[1] for out in outputs)
         tokens = image.tokens.new_zeros(rows, most, dim)  # [rows, M, dim]

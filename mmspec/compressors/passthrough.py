@@ -6,6 +6,7 @@ the target's hidden states). No compression: `keep = tokens_per_image`.
 from torch import Tensor
 
 from mmspec.compressors.base import ImageBatch, VisionPolicy
+from mmspec.compressors.ragged import RaggedImages
 
 
 __all__ = ["Passthrough"]
@@ -16,3 +17,6 @@ class Passthrough(VisionPolicy):
 
     def compress(self, images: ImageBatch, generator=None) -> tuple[Tensor, Tensor, None]:
         return images.tokens, images.positions, None  # [N, T, dim], [N, T]
+
+    def compress_ragged(self, images: RaggedImages, generator=None) -> tuple[Tensor, Tensor, None]:
+        return images.tokens, images.positions, None  # every image's tokens: its first `length` (`kept`)

@@ -3,6 +3,10 @@
 sqrt(tokens_per_image)`, row-major: LLaVA's patch order); each `s x s` block (`s = sqrt(ratio)`) becomes its mean.
 The block's token takes the largest target position in its block, so it sits inside the image span and after
 everything it summarises (the draft's causal attention never sees a summary before its parts).
+
+Images of different sizes (`compress_ragged`): `s x s` blocks of each image's own `(h, w)` grid, the edge blocks
+partial (their mean over the tokens they hold); without a known grid, runs of `ratio` consecutive tokens
+(`mmspec.compressors.ragged.grid_blocks_ragged`).
 """
 
 import math
@@ -10,9 +14,10 @@ import math
 from torch import Tensor
 
 from mmspec.compressors.base import ImageBatch, VisionPolicy
+from mmspec.compressors.ragged import RaggedImages, block_index
 
 
-__all__ = ["Pool", "block_positions", "grid_blocks"]
+__all__ = ["Pool", "block_positions", "blocks_of", "grid_blocks", "ragged_block_positions"]
 
 
 def grid_blocks(tokens_per_image: int, ratio) -> tuple[int, int]:
@@ -40,6 +45,21 @@ def block_positions(positions: Tensor, side: int, s: int) -> Tensor:
     return blocks.amax(dim=(2, 4)).reshape(n, b * b)
 
 
+def blocks_of(length: int, grid: tuple[int, int] | None, s: int) -> int:
+    """Blocks of one image (`grid_blocks_ragged`'s count): `ceil(h / s) * ceil(w / s)`, or `ceil(length / s**2)`
+    without a grid."""
+    if grid is None:
+        return math.ceil(length / (s * s))
+    return math.ceil(grid[0] / s) * math.ceil(grid[1] / s)
+
+
+def ragged_block_positions(positions: Tensor, block: Tensor, blocks: int) -> Tensor:
+    """`positions [N, T]`, `block [N, T]` (padding in block `blocks`) -> `[N, blocks]` each block's largest
+    position (positions are >= 0)."""
+    out = positions.new_zeros(positions.shape[0], blocks + 1)
+    return out.scatter_reduce(1, block, positions, reduce="amax", include_self=True)[:, :blocks]
+
+
 class Pool(VisionPolicy):
     """Mean of each `s x s` block of the image grid: `tokens_per_image / ratio` tokens per image."""
 
@@ -55,3 +75,16 @@ class Pool(VisionPolicy):
         b, s = self.side // self.s, self.s
         pooled = tokens.reshape(n, b, s, b, s, dim).mean(dim=(2, 4)).reshape(n, b * b, dim)  # [N, keep, dim]
         return pooled, block_positions(images.positions, self.side, s), None
+
+    def kept(self, length: int, grid=None) -> int:
+        return blocks_of(length, grid, self.s)
+
+    def compress_ragged(self, images: RaggedImages, generator=None) -> tuple[Tensor, Tensor, None]:
+        tokens = images.tokens  # [N, T, dim], zeros on padding
+        n, _, dim = tokens.shape
+        block, _, per_image = block_index(images, self.s, tokens.device)  # [N, T]
+        most = max(per_image, default=0)
+        sums = tokens.new_zeros(n, most + 1, dim).scatter_add(1, block[..., None].expand(-1, -1, dim), tokens)
+        sizes = tokens.new_zeros(n, most + 1).scatter_add(1, block, images.mask.to(tokens.dtype))  # tokens per block
+        pooled = sums[:, :most] / sizes[:, :most, None].clamp(min=1)  # [N, K, dim]
+        return pooled, ragged_block_positions(images.positions, block, most), None

@@ -10,6 +10,9 @@ projection: it would only multiply a learned matrix by learned vectors).
 - `global_vector=False`: the Q tokens sit at the LAST Q positions of the image's span.
 - `global_vector=True` (ViSpec): `A[:Q-1]` at the last Q-1 positions; `A[Q-1]` is the image's global vector
   (`VisionTokens.global_vec` holds the row's last image's; ViSpec fuses it into every later text position).
+
+Images of different sizes (`compress_ragged`): the same queries attend over each image's own tokens (a key mask over
+the padding); an image shorter than the kept tokens keeps as many as it has, at all its positions.
 """
 
 import torch
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmspec.compressors.base import ImageBatch, VisionPolicy
+from mmspec.compressors.ragged import RaggedImages
 
 
 __all__ = ["Resampler"]
@@ -76,8 +80,8 @@ class Resampler(VisionPolicy):
             nn.init.normal_(proj.weight, 0.0, std, generator=generator)
             nn.init.zeros_(proj.bias)
 
-    def compress(self, images: ImageBatch, generator=None) -> tuple[Tensor, Tensor, Tensor | None]:
-        tokens, positions = images.tokens, images.positions  # [N, T, dim], [N, T]
+    def _attend(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
+        """`tokens [N, T, dim]` (`mask [N, T]`: the keys each image's queries see) -> `[N, Q, dim]`."""
         if tokens.dtype != self.queries.dtype or tokens.device != self.queries.device:
             raise TypeError(
                 f"image.tokens is {tokens.dtype} on {tokens.device}, Resampler's weights {self.queries.dtype} on "
@@ -89,8 +93,29 @@ class Resampler(VisionPolicy):
         query = self.queries.reshape(1, q, h, head).transpose(1, 2).expand(n, h, q, head)  # [N, h, Q, head]
         key = self.k_proj(tokens).reshape(n, t, h, head).transpose(1, 2)  # [N, h, T, head]
         value = self.v_proj(tokens).reshape(n, t, h, head).transpose(1, 2)  # [N, h, T, head]
-        attended = F.scaled_dot_product_attention(query, key, value)  # [N, h, Q, head], non-causal
-        out = self.o_proj(attended.transpose(1, 2).reshape(n, q, dim))  # [N, Q, dim]
+        keys = None if mask is None else mask[:, None, None, :]  # [N, 1, 1, T]
+        attended = F.scaled_dot_product_attention(query, key, value, attn_mask=keys)  # [N, h, Q, head], non-causal
+        return self.o_proj(attended.transpose(1, 2).reshape(n, q, dim))  # [N, Q, dim]
+
+    def kept(self, length: int, grid=None) -> int:
+        return min(self.keep, length)
+
+    def compress_ragged(self, images: RaggedImages, generator=None) -> tuple[Tensor, Tensor, Tensor | None]:
+        out = self._attend(images.tokens, images.mask)  # [N, Q, dim]
+        k, device = self.keep, images.tokens.device
+        # image j's kept tokens at its last kept_j positions: index length_j - kept_j + q
+        first = torch.tensor([n - self.kept(n) for n in images.lengths], dtype=torch.long, device=device)  # [N]
+        last = max(images.positions.shape[1] - 1, 0)
+        index = (first[:, None] + torch.arange(k, device=device)[None]).clamp(max=last)  # [N, keep]
+        kept_positions = images.positions.gather(1, index) if k else images.positions[:, :0]  # [N, keep]
+        if self.global_vector:
+            return out[:, :k], kept_positions, out[:, k]  # [N, Q-1, dim], [N, Q-1], [N, dim]
+        return out, kept_positions, None
+
+    def compress(self, images: ImageBatch, generator=None) -> tuple[Tensor, Tensor, Tensor | None]:
+        tokens, positions = images.tokens, images.positions  # [N, T, dim], [N, T]
+        out = self._attend(tokens)
+        t = tokens.shape[1]
         k = self.keep
         kept_positions = positions[:, t - k :]  # [N, keep] the span's last positions
         if self.global_vector:

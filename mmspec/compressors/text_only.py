@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from mmspec.compressors.base import ImageBatch, VisionPolicy
+from mmspec.compressors.ragged import RaggedImages
 
 
 __all__ = ["TextOnly"]
@@ -18,7 +19,13 @@ class TextOnly(VisionPolicy):
         super().__init__(tokens_per_image, dim)
         self.keep = 0
 
-    def compress(self, images: ImageBatch, generator=None) -> tuple[Tensor, Tensor, None]:
+    def kept(self, length: int, grid=None) -> int:
+        return 0
+
+    def compress_ragged(self, images: RaggedImages, generator=None) -> tuple[Tensor, Tensor, None]:
+        return self.compress(images, generator)
+
+    def compress(self, images: ImageBatch | RaggedImages, generator=None) -> tuple[Tensor, Tensor, None]:
         n, _, dim = images.tokens.shape
         empty = images.tokens.new_zeros(n, 0, dim)  # [N, 0, dim]
         return empty, torch.zeros(n, 0, dtype=torch.long, device=empty.device), None

@@ -229,6 +229,9 @@ class EagleDrafter:
         total: tree nodes kept (trees only).
         length: chains only, optional: the draft-length policy (`mmspec.decoding.draft_length.DraftLength`) with
             `k_max = depth`: each row's chain length per round. Default: `depth` every round.
+        host_prompt: optional `(prompt lengths, image tokens)` per row as host lists (the prompt's host copy).
+        image_layout: optional, each row's images by length (`mmspec.models.hf.image_layout.ImageLayout`) for a
+            vision-aware head on a target whose images differ in size (Qwen-VL, any-resolution LLaVA).
 
     Attributes (text targets, set at `prefill`, one entry per batch item):
         draft_image_tokens: `[B]` image tokens the head reads for the prompt: a `TextEagleHead` reads a pair at every
@@ -239,7 +242,8 @@ class EagleDrafter:
 
     needs_hidden = True
 
-    def __init__(self, head, target, guidance, depth, top_k=1, total=24, host_prompt=None, length=None):
+    def __init__(self, head, target, guidance, depth, top_k=1, total=24, host_prompt=None, length=None,
+                 image_layout=None):  # fmt: skip
         for name, value in (("depth", depth), ("top_k", top_k), ("total", total)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -261,6 +265,9 @@ class EagleDrafter:
         # text targets: `(prompt lengths, image tokens)` per row as host lists, from the prompt's host copy (the
         # pipeline's): the prompt's shapes and the image-token stats need no device read; None: read
         self.host_prompt = host_prompt if guidance.streams == 1 else None
+        # images of different sizes: each row's images by length (`mmspec.models.hf.image_layout.ImageLayout`, from
+        # the processor's host outputs), for a vision-aware head's policy
+        self.image_layout = image_layout if guidance.streams == 1 else None
 
     def prefill(self, state, target_out):
         """Start from the target's prefill. Image targets: one pair (hidden at the last prefix slot, first token).
@@ -294,12 +301,15 @@ class EagleDrafter:
         if target_out.inputs_embeds is None or target_out.image_mask is None:
             raise ValueError(f"{type(self.head).__name__} reads the target's input embeddings and image mask: prefill "
                              "the target with return_vision=True (the drafter's needs_vision)")  # fmt: skip
-        # a head that takes the host-side prompt (`VisionEagleHead`) gets it; other heads keep their signature
-        known = (
-            {"host_prompt": self.host_prompt}
-            if "host_prompt" in signature(self.head.prefill_prompt).parameters
-            else {}
-        )
+        # a head that takes the host-side prompt / the image layout (`VisionEagleHead`) gets them; other heads keep
+        # their signature
+        takes = signature(self.head.prefill_prompt).parameters
+        known = {"host_prompt": self.host_prompt} if "host_prompt" in takes else {}
+        if self.image_layout is not None:
+            if "image_layout" not in takes:
+                raise ValueError(f"image_layout: {type(self.head).__name__}.prefill_prompt does not take the images' "
+                                 "layout, but the prompt's images differ in size")  # fmt: skip
+            known["image_layout"] = self.image_layout
         info = self.head.prefill_prompt(self.target, self.cache, target_out.hidden, nxt, lengths,
                                         target_out.inputs_embeds, target_out.image_mask, **known)  # fmt: skip
         last = (lengths - 1)[:, None]

@@ -17,6 +17,13 @@ prompt, draft cache slot `s` of row `r` holds position `s + position_offset[r]` 
 forward (chains, EAGLE-2 trees, `mmspec.drafters.eagle`) adds the offset itself. Verification is untouched: drafting
 stays lossless whatever the policy keeps.
 
+Images of different sizes (Qwen2.5-VL / Qwen3-VL's dynamic grids: `t * h * w / merge**2` tokens each; LLaVA-Next /
+OneVision's any-resolution tiles) come with an `ImageLayout` (`mmspec.models.hf.image_layout`, host-known from the
+processor's outputs): the policy splits each row's image tokens by those lengths and compresses every image on its
+own (`mmspec.compressors.ragged`). There `tokens_per_image` is the *nominal* image size the policy is built for (the
+resampler's query bound, the pool / conv square-grid check; `image_tokens_per_image`), never a split length, and
+`check_target` does not compare it with the target's images (they have no one size).
+
 Notation as in `mmspec.models.hf.eagle`: pair `i = (h[i], x[i+1])` sits at position `i + 1`; `p_target` / `q_draft`
 are the target's and the draft's next-token laws.
 """
@@ -35,6 +42,7 @@ from mmspec.cache import StaticKVCache
 from mmspec.counting import host_checks_enabled
 from mmspec.methods import VISION_POLICIES
 from mmspec.models.hf.eagle import TextEagleHead
+from mmspec.models.hf.image_layout import ImageLayout, dynamic_image_sizes
 from mmspec.models.hf.target import StaticCache
 from mmspec.models.llamagen.eagle import init_linears
 
@@ -109,8 +117,13 @@ def question_embedding(inputs_embeds: Tensor, image_mask: Tensor, prompt_lengths
 
 def image_tokens_per_image(config) -> int:
     """Image tokens one image becomes in a LLaVA prompt: the vision tower's patch grid (+ CLS with the "full"
-    feature strategy); `image_seq_length` when the vision config does not say; 64 for a model without images."""
+    feature strategy); `image_seq_length` when the vision config does not say; 64 for a model without images.
+
+    Targets with dynamic image sizes (`dynamic_image_sizes`) have no such number: this is then a nominal size, the
+    base tile's patch grid (any-resolution LLaVA) or `image_seq_length` / 64 (an 8 x 8 grid: Qwen-VL)."""
     vision = getattr(config, "vision_config", None)
+    if getattr(config, "image_grid_pinpoints", None) and getattr(vision, "image_size", None):
+        return (int(vision.image_size) // int(vision.patch_size)) ** 2  # the base tile, nominal
     if vision is not None and getattr(vision, "image_size", None) and getattr(vision, "patch_size", None):
         grid = (int(vision.image_size) // int(vision.patch_size)) ** 2
         return grid + int(getattr(config, "vision_feature_select_strategy", "default") == "full")
@@ -122,7 +135,8 @@ class VisionEagleHead(TextEagleHead):
 
     Args (beyond `TextEagleHead`'s):
         vision_policy: `"vispec"` | `"specvlm"` | `"msd"`.
-        tokens_per_image: image tokens of one image in the target's prompt (LLaVA's `image_seq_length`).
+        tokens_per_image: image tokens of one image in the target's prompt (LLaVA's `image_seq_length`); on a
+            target with dynamic image sizes the nominal size the policy is built for (module docstring).
         num_queries: ViSpec's learned queries per image (`num_queries - 1` tokens + 1 global vector), SpecVLM's
             resampler expert.
         ratio: SpecVLM's prune / pool / conv experts keep `tokens_per_image / ratio` tokens per image.
@@ -186,9 +200,20 @@ class VisionEagleHead(TextEagleHead):
 
     def check_target(self, target):
         """`TextEagleHead.check_target`, and for a target that sees images (a `vision_config`) the number of image
-        tokens one image becomes in its prompt (`tokens_per_image`, which the vision policy is built for)."""
+        tokens one image becomes in its prompt (`tokens_per_image`, which the vision policy is built for). A target
+        with dynamic image sizes (`dynamic_image_sizes`) has no such number: `tokens_per_image` is then nominal and
+        not compared, but the policy must compress images of different sizes (`VisionPolicy.compress_ragged`)."""
         super().check_target(target)
-        if getattr(target.config, "vision_config", None) is not None:
+        if getattr(target.config, "vision_config", None) is not None and dynamic_image_sizes(target.config):
+            from mmspec.compressors import VisionPolicy
+
+            experts = getattr(self.vision, "experts", {"": self.vision})
+            for name, policy in experts.items():
+                if type(policy).compress_ragged is VisionPolicy.compress_ragged:
+                    raise ValueError(f"vision_policy: the target's images differ in size, but {type(policy).__name__}"
+                                     f"{f' (expert {name!r})' if name else ''} compresses only images of "
+                                     f"tokens_per_image={self.config.tokens_per_image} tokens")  # fmt: skip
+        elif getattr(target.config, "vision_config", None) is not None:
             want = image_tokens_per_image(target.config)
             if self.config.tokens_per_image != want:
                 raise ValueError(f"target image tokens per image ({want}) do not match the head's tokens_per_image "
@@ -247,12 +272,14 @@ class VisionEagleHead(TextEagleHead):
 
     # ------------------------------------------------------------------ the draft's view of a sequence
     def draft_sequence(self, hidden, input_ids, target, valid, inputs_embeds, image_mask, prompt_lengths=None,
-                       generator=None, host_prompt=None) -> DraftSequence:  # fmt: skip
+                       generator=None, host_prompt=None, image_layout=None) -> DraftSequence:  # fmt: skip
         """Compact pairs `(hidden[:, i], input_ids[:, i])` (`[rows, N]`, `valid [rows, N]`) into the draft's sequence:
         pairs whose `x[i+1]` is an image token (`image_mask [rows, N + 1]` over the unshifted sequence, with
         `inputs_embeds [rows, N + 1, dim]`) are replaced by the policy's tokens at their target positions.
         `host_prompt`: optional `(prompt lengths, image tokens)` per row as host lists (the prompt's host copy):
-        the shapes then need no device read (`mmspec.compressors.gather_images`' `counts`)."""
+        the shapes then need no device read (`mmspec.compressors.gather_images`' `counts`). `image_layout`: each
+        row's images by length (`ImageLayout`, host-known) where they differ in size; None: runs of
+        `tokens_per_image`."""
         from mmspec.compressors import gather_images
 
         rows, n = input_ids.shape
@@ -265,8 +292,10 @@ class VisionEagleHead(TextEagleHead):
             prompt_lengths = valid.sum(1) + 1
         question = question_embedding(inputs_embeds.to(dtype), image_mask, prompt_lengths)
         host_lengths, host_images = (None, None) if host_prompt is None else host_prompt
-        image = self.vision(gather_images(inputs_embeds.to(dtype), image_mask, counts=host_images), question=question,
-                            generator=generator)  # fmt: skip
+        if image_layout is not None and not isinstance(image_layout, ImageLayout):
+            raise TypeError(f"image_layout must be an ImageLayout or None, got {type(image_layout).__name__}")
+        image = self.vision(gather_images(inputs_embeds.to(dtype), image_mask, counts=host_images, layout=image_layout),
+                            question=question, generator=generator)  # fmt: skip
         # text pairs: position i + 1, fused; ViSpec's g only after the row's last image token
         pos = torch.arange(n, device=device)[None].expand(rows, n) + 1
         g = None
@@ -287,8 +316,9 @@ class VisionEagleHead(TextEagleHead):
         order = torch.sort(torch.where(keep, positions, big + positions), dim=1, stable=True).indices
         if host_prompt is not None:  # a host-side bound: text pairs (<= L_r - image tokens) + the policy's tokens
             t, most = self.vision.tokens_per_image, self.vision.keep
-            bound = max((ln - im + (im // t) * most for ln, im in zip(host_lengths, host_images, strict=True)),
-                        default=0)  # fmt: skip
+            kept = ([(im // t) * most for im in host_images] if image_layout is None
+                    else self.vision.tokens_out_layout(image_layout))  # fmt: skip
+            bound = max((ln - im + k for ln, im, k in zip(host_lengths, host_images, kept, strict=True)), default=0)
             width = min(bound, keep.shape[1])
         if host_prompt is None or host_checks_enabled(device):  # exact where a read is free (or nothing is known)
             exact = int(keep.sum(1).max()) if keep.numel() else 0
@@ -306,7 +336,8 @@ class VisionEagleHead(TextEagleHead):
 
     # ------------------------------------------------------------------ inference: the prompt
     @torch.no_grad()
-    def prefill_prompt(self, target, cache, hidden, input_ids, num_valid, inputs_embeds, image_mask, host_prompt=None):
+    def prefill_prompt(self, target, cache, hidden, input_ids, num_valid, inputs_embeds, image_mask, host_prompt=None,
+                       image_layout=None):  # fmt: skip
         """Write a prompt's pairs but the last into `cache` (a fresh `setup_cache`), compacted (`draft_sequence`).
 
         Args:
@@ -317,6 +348,7 @@ class VisionEagleHead(TextEagleHead):
             num_valid: `[rows]` prompt lengths `L_r`.
             inputs_embeds, image_mask: `[rows, L, dim]`, `[rows, L]` the decoder's inputs over the prompt.
             host_prompt: optional `(num_valid, image tokens per row)` as host lists: no device read (`draft_sequence`).
+            image_layout: optional, each row's images by length (`ImageLayout`): images of different sizes.
 
         Afterwards the pending pair `(h[L_r - 1], first token)` goes in through `commit_accepted` at slot
         `lengths[r]`, position `L_r`. Returns `{"draft_image_tokens": [rows], "choice": [rows] | None,
@@ -333,7 +365,7 @@ class VisionEagleHead(TextEagleHead):
         mask = torch.cat([image_mask, image_mask.new_zeros(rows, 1)], dim=1)
         embeds = torch.cat([inputs_embeds, inputs_embeds.new_zeros(rows, 1, inputs_embeds.shape[-1])], dim=1)
         seq = self.draft_sequence(hidden, input_ids, target, valid, embeds, mask, prompt_lengths=num_valid,
-                                  host_prompt=host_prompt)  # fmt: skip
+                                  host_prompt=host_prompt, image_layout=image_layout)  # fmt: skip
         m = seq.inputs.shape[1]
         count = seq.valid.sum(1)  # [rows]
         if m:
@@ -354,16 +386,17 @@ class VisionEagleHead(TextEagleHead):
 
     # ------------------------------------------------------------------ training
     def forward_unrolled(self, hidden, input_ids, target, steps, valid=None, *, inputs_embeds=None, image_mask=None,
-                         prompt_lengths=None, generator=None):  # fmt: skip
+                         prompt_lengths=None, generator=None, image_layout=None):  # fmt: skip
         """`TextEagleHead.forward_unrolled` on the draft's compacted view (`draft_sequence`): outputs are scattered
         back to pair indices `[B, N, dim]` (zeros at pairs the policy replaced). `inputs_embeds [B, N + 1, dim]` and
-        `image_mask [B, N + 1]` cover the unshifted sequence; without them this is a text EAGLE head on text."""
+        `image_mask [B, N + 1]` cover the unshifted sequence; without them this is a text EAGLE head on text.
+        `image_layout`: as `draft_sequence`'s."""
         b, n = input_ids.shape
         valid = torch.ones(b, n, dtype=torch.bool, device=input_ids.device) if valid is None else valid
         if inputs_embeds is None or image_mask is None:
             raise ValueError("inputs_embeds and image_mask are required (the target's decoder inputs)")
         seq = self.draft_sequence(hidden, input_ids, target, valid, inputs_embeds, image_mask, prompt_lengths,
-                                  generator)  # fmt: skip
+                                  generator, image_layout=image_layout)  # fmt: skip
         text = seq.source >= 0
         src = seq.source.clamp(min=0)
         ids = input_ids.gather(1, src)

@@ -5,6 +5,8 @@ have different grids / tile counts, several images in one prompt, every lossless
 EAGLE chain and tree) equals plain greedy on that ragged batch and at batch 1, and (Qwen, M-RoPE) the first sampled
 tokens follow the target's exact law (chi-square against enumeration through transformers' own forwards)."""
 
+import functools
+
 import anyres_fixtures
 import pytest
 import qwen_vl_fixtures
@@ -35,6 +37,7 @@ def _sizes(kind):
     return SIZES["qwen" if kind in QWEN else "anyres"]
 
 
+@functools.cache  # shared with `test_deployed_vision_heads` (the fitted head takes seconds per class)
 def _pipe(kind):
     family = qwen_vl_fixtures if kind in QWEN else anyres_fixtures
     target = family.tiny_qwen_vl(kind, seed=1) if kind in QWEN else family.tiny_anyres(kind, seed=1)

@@ -60,3 +60,13 @@ for _folder in sorted(p for p in HERE.iterdir() if p.is_dir() and not p.name.sta
 
 # Each pytest-xdist worker gets one torch thread: two workers x two threads on two cores slows small ops ~10x.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Back to one torch thread after every test: commands run in-process with `--threads N` (or a trainer's default
+    of 2) set it for the whole worker, and every later test of that worker ran N-threaded (4-6x slower on a shared
+    2-core host)."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)

@@ -1,5 +1,6 @@
 """README.md and every page of docs/ as a user pastes them: every ```python block runs on a fresh checkout (its own Python process, the working
-directory outside the repository, so relative paths are caught), and every `mmspec ...` / `python -m mmspec...`
+directory outside the repository, so relative paths are caught; the process is forked from one that has imported
+the third-party libraries only, see `ZYGOTE`), and every `mmspec ...` / `python -m mmspec...`
 command of README.md and docs/*.md parses with the real argument parsers (a renamed or removed flag fails here);
 README.md stays a front page (at most 200 lines) that links every docs page.
 
@@ -12,11 +13,15 @@ load a hub model on a GPU (e.g. `deepseek-ai/Janus-Pro-1B` in bfloat16 on "cuda"
 
 import argparse
 import importlib
+import json
 import os
 import re
+import select
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,9 +104,95 @@ def test_the_readme_has_the_blocks_and_commands_this_test_runs():
     assert len(COMMANDS) >= 20 and any(module for _, module, _ in COMMANDS)
 
 
+# A block's process is forked from this one, started once per test process like `python -c` (outside the
+# repository, with the blocks' environment): it has imported the heavy third-party libraries (~10 s per process on a
+# loaded host, 14 blocks), never mmspec, which every block imports itself. The child runs the block as `python -c`
+# would: its working directory, stdout / stderr to files, a fresh `__main__` module (no name of this script), then a
+# normal interpreter exit with the block's status (atexit handlers, non-daemon threads joined).
+ZYGOTE = """
+import json, os, sys
+import numpy, PIL.Image, safetensors.torch, scipy.stats, torch, torch._dynamo, transformers, diffusers
+from diffusers import DiffusionPipeline
+from transformers import AutoProcessor, JanusForConditionalGeneration, LlamaForCausalLM, LlavaForConditionalGeneration
+
+def child(request):
+    import builtins, traceback, types
+    os.chdir(request["cwd"])
+    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                           (2, request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        os.dup2(os.open(path, mode), fd)
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"], sys.argv = main, ["-c"]
+    try:
+        exec(compile(request["code"], "<string>", "exec"), main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1)
+    raise SystemExit(0)
+
+print(json.dumps({"ready": os.getpid()}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        child(request)
+    print(json.dumps({"pid": pid}), flush=True)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def block_runner(tmp_path_factory):
+    """`run(code, cwd)` -> (exit status, stderr) of `code` in its own process, forked from the zygote."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
+           "TQDM_DISABLE": "1"}  # fmt: skip
+    env.pop("PYTHONPATH", None)
+    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], cwd=tmp_path_factory.mktemp("zygote"), env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)  # fmt: skip
+    pending = bytearray()
+
+    def reply(timeout):
+        """The zygote's next JSON line, or None after `timeout` s (unbuffered: a line never waits in a buffer)."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in pending:
+            ready, _, _ = select.select([zygote.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(zygote.stdout.fileno(), 4096) if ready else b""
+            if not chunk:
+                return None
+            pending.extend(chunk)
+        line, _, rest = bytes(pending).partition(b"\n")
+        pending[:] = rest
+        return json.loads(line)
+
+    assert reply(TIMEOUT_S) is not None, "the zygote process did not start"
+
+    def run(code, cwd, where):
+        out, err = cwd.with_name(f"{cwd.name}.stdout"), cwd.with_name(f"{cwd.name}.stderr")  # beside it, not in it
+        request = {"code": code, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        zygote.stdin.write((json.dumps(request) + "\n").encode())
+        forked = reply(60)
+        assert forked is not None, "the zygote process died"
+        pid = forked["pid"]
+        done = reply(TIMEOUT_S)
+        if done is None:
+            os.kill(pid, signal.SIGKILL)
+            reply(60)
+            pytest.fail(f"{where}: the block ran longer than {TIMEOUT_S} s")
+        stderr = err.read_text()
+        out.unlink(), err.unlink()
+        return done["status"], stderr
+
+    yield run
+    zygote.stdin.close()
+    zygote.wait(60)
+
+
 @pytest.mark.zoo
 @pytest.mark.parametrize("where, line, code, official", BLOCKS, ids=[where for where, *_ in BLOCKS])
-def test_python_block_runs_as_pasted(where, line, code, official, tmp_path):
+def test_python_block_runs_as_pasted(where, line, code, official, tmp_path, block_runner):
     prelude = ""
     if official == OFFICIAL:
         prelude = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import readme_official_files; "
@@ -110,15 +201,8 @@ def test_python_block_runs_as_pasted(where, line, code, official, tmp_path):
         prelude = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import readme_online_models; "
                    "readme_online_models.install(); del sys.path[0]\n")  # fmt: skip
         code = code.replace('"cuda"', '"cpu"')
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
-           "TQDM_DISABLE": "1"}  # fmt: skip
-    env.pop("PYTHONPATH", None)
-    try:
-        done = subprocess.run([sys.executable, "-c", prelude + code], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=TIMEOUT_S)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{where}: the block ran longer than {TIMEOUT_S} s")
-    assert done.returncode == 0, f"{where} fails as pasted:\n{done.stderr[-3000:]}"
+    status, stderr = block_runner(prelude + code, tmp_path, where)
+    assert status == 0, f"{where} fails as pasted:\n{stderr[-3000:]}"
 
 
 class _Parsed(BaseException):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmspec.eval import fid
 from mmspec.eval.fid_sampling import load_shards, missing_shards, sample_shards, shard_path
 from mmspec.models.llamagen.eagle import EagleHead
 from mmspec.models.llamagen.gpt import LlamaGenGPT
@@ -127,9 +128,8 @@ def test_torchrun_two_ranks_equal_one_rank(tmp_path):
     metrics as one process."""
     pipe = _tiny_32px_pipe_dir(tmp_path / "pipe")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run([sys.executable, *_fid_cmd("--pipeline", str(pipe), "--out", str(tmp_path / "one"))],
-                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert one.returncode == 0, one.stderr[-2000:]
+    # the one-process run in this process (its command line is the same; `python -m` runs are the ranks below)
+    assert fid.main(_fid_cmd("--pipeline", str(pipe), "--out", str(tmp_path / "one"))[2:]) == 0
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531"]
     two = subprocess.run([*torchrun, *_fid_cmd("--pipeline", str(pipe), "--out", str(tmp_path / "two"))],
                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -144,8 +144,12 @@ def test_torchrun_two_ranks_equal_one_rank(tmp_path):
     assert r1["metrics"]["in_domain"]["num_samples"] == 12 and r1["metrics"]["in_domain"]["fid"] > 0
 
 
-def test_bad_flags_are_usage_errors_before_loading(tmp_path):
+def test_bad_flags_are_usage_errors_before_loading(tmp_path, monkeypatch, capsys):
+    # in this process (the `python -m mmspec.eval.fid` entry point runs in the torchrun test): nothing may load
+    monkeypatch.setattr(fid, "run", lambda args: pytest.fail("a model was loaded"))
     for args in (["--metrics", "foo"], ["--num-images", "0"], ["--pipeline", str(tmp_path / "nope")],
                  ["--reference", str(tmp_path / "nope.npz")]):  # fmt: skip
-        run = subprocess.run([sys.executable, *_fid_cmd(*args)], capture_output=True, text=True, timeout=120)
-        assert run.returncode == 2 and args[0] in run.stderr, (args, run.stderr[-500:])
+        with pytest.raises(SystemExit) as exit_info:
+            fid.main(_fid_cmd(*args)[2:])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and args[0] in err, (args, err[-500:])

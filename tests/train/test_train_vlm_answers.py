@@ -2,6 +2,7 @@
 greedy and sampled, deterministic across batch sizes, resumable and refusing another workload."""
 
 import argparse
+import functools
 
 import pytest
 import torch
@@ -25,16 +26,18 @@ def test_defaults_leave_room_for_long_answers():
     assert args.workload == "templated" and args.max_new_tokens >= 128
 
 
-def test_both_workloads_greedy_and_sampled_deterministic_and_resume_refuses_another_workload(tmp_path):
+def test_both_workloads_greedy_and_sampled_deterministic_and_resume_refuses_another_workload(tmp_path, monkeypatch):
+    from mmspec.models.hf import zoo
+
+    # the zoo VLM loads once for the five runs below (each run loaded it: seconds apiece; inference never changes it)
+    monkeypatch.setattr(zoo, "load_vlm", functools.cache(zoo.load_vlm))
     hot = ["--workload", "both", "--sampled-fraction", "1", "--temperature", "5"]
     record = vlm_answers.run(_args(tmp_path / "a.pt", *hot, "--batch-size", "5"))
     assert len(record["rows"]) == 10 and record["kinds"][:5] == ["templated"] * 5
     assert record["sampled"].tolist() == [False] * 5 + [True] * 5
     held = set(split_templates()["held-out"])
     assert all(t not in held for t in record["templates"][5:]) and "follow-up" in record["kinds"]
-    from mmspec.models.hf.zoo import load_vlm
-
-    tokenizer = load_vlm(vlm_answers.zoo_folder("mnist-vlm"))[1].tokenizer
+    tokenizer = zoo.load_vlm(vlm_answers.zoo_folder("mnist-vlm"))[1].tokenizer
     for r in range(10):  # the prompt is the conversation asked; a follow-up's holds the first answer too
         prompt = tokenizer.decode(record["rows"][r][: record["prompt_lengths"][r]])
         assert prompt.count(record["questions"][r]) >= 1

@@ -176,9 +176,9 @@ def test_continuous_row_independent_of_batch(prefix, case, monkeypatch):
     """Continuous tokens: coins, residual proposals (loop over chunks of tries) and fallback normals.
 
     ``"fallback"``: p ~ q and an offset of -0.5: ~40% rejections whose proposals are taken w.p. ~0.4, one try:
-    fallbacks fire. ``"many_tries"``: drafts 20 below the draft mean are always rejected and p is close to q
-    (TV ~ 0.06), so residual proposals are rarely taken: rows need several chunks of 16 tries, and rows done
-    earlier must stop drawing while the others go on."""
+    fallbacks fire. ``"many_tries"``: drafts 20 below the draft mean are always rejected and p is very close to q
+    (TV ~ 0.006), so residual proposals are rarely taken: rows need chunks of 16 tries past the first draw of
+    `RESIDUAL_TRIES_AT_ONCE`, and rows done earlier must stop drawing while the others go on."""
     chunks = []  # per-row draw counts of each chunk of residual tries
     try_draws = continuous._try_draws
 
@@ -195,7 +195,7 @@ def test_continuous_row_independent_of_batch(prefix, case, monkeypatch):
     if case == "fallback":
         x, mu_p, offset, tries = mu_q + sd * torch.randn(shape, generator=gen), mu_q + 1e-3, -0.5, 1
     else:
-        x, mu_p, offset, tries = mu_q - 20, mu_q + 0.05, 0.0, 100
+        x, mu_p, offset, tries = mu_q - 20, mu_q + 0.005, 0.0, 400
     offset = torch.full((batch, K), offset)
     num_draft = torch.tensor(LENGTHS)
     kwargs = dict(prefix=prefix, max_residual_tries=tries)

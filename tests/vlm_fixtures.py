@@ -162,3 +162,20 @@ def quick_eagle_pipe():
     canvases = images(4, seed=7)
     pipe.register_modules(eagle_head=train_tiny_head(pipe, canvases, ["w1 w2"] * 4, steps=30))
     return pipe, canvases
+
+
+def random_vision_head(text_head, target, policy, seed=0, num_queries=3, ratio=4, img_scale=0.05):
+    """A `VisionEagleHead` for `target` with `text_head`'s fc / layer and random policy weights (ViSpec: `img_fc`
+    random, `img_scale`, on the image vector too, so the global vector changes the drafts)."""
+    from mmspec.drafters.vision_eagle import VisionEagleHead
+
+    g = torch.Generator().manual_seed(seed)
+    head = VisionEagleHead.from_target(target, vision_policy=policy, num_queries=num_queries, ratio=ratio)
+    with torch.no_grad():
+        for p in head.vision.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        head.load_text_head(text_head)
+        if hasattr(head, "img_fc"):
+            dim = head.config.hidden_size
+            head.img_fc.weight[:, dim:] = torch.randn(dim, dim, generator=g) * img_scale
+    return head.eval()

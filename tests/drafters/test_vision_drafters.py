@@ -13,9 +13,9 @@ import torch
 from factories import assert_first_tokens_follow
 from pipeline_mixin import SpeculativePipelineTesterMixin
 from vision_seam_fixtures import check_positions, record_head_positions
-from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, llava_pipe_with_heads, prompts
+from vlm_fixtures import IMAGE_TOKENS, hf_greedy, images, llava_pipe_with_heads, prompts, random_vision_head
 
-from mmspec.drafters.vision_eagle import VISION_POLICIES, VisionEagleHead
+from mmspec.drafters.vision_eagle import VISION_POLICIES
 from mmspec.models.hf.inputs import capture_decoder_inputs
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
@@ -30,18 +30,7 @@ def base():
 
 
 def vision_head(text_head, target, policy, seed=0):
-    """A `VisionEagleHead` with `text_head`'s fc / layer and random policy weights (ViSpec: `img_fc` random on the
-    image vector too, so the global vector changes the drafts)."""
-    g = torch.Generator().manual_seed(seed)
-    head = VisionEagleHead.from_target(target, vision_policy=policy, num_queries=NUM_QUERIES, ratio=4)
-    with torch.no_grad():
-        for p in head.vision.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        head.load_text_head(text_head)
-        if hasattr(head, "img_fc"):
-            dim = head.config.hidden_size
-            head.img_fc.weight[:, dim:] = torch.randn(dim, dim, generator=g) * 0.05
-    return head.eval()
+    return random_vision_head(text_head, target, policy, seed, num_queries=NUM_QUERIES, ratio=4, img_scale=0.05)
 
 
 @pytest.fixture(scope="module", params=VISION_POLICIES)

@@ -17,7 +17,7 @@ from factories import assert_first_tokens_follow
 from qwen_vl_fixtures import images
 from test_deployed_vlms import KINDS, QWEN, _exact_marginals, _pipe, _sizes
 from vision_seam_fixtures import check_positions, record_head_positions
-from vlm_fixtures import prompts
+from vlm_fixtures import prompts, random_vision_head
 
 from mmspec.compressors import VisionPolicy
 from mmspec.counting import HostReads
@@ -31,18 +31,7 @@ EXPERTS = ("prune", "pool", "conv", "resampler")  # SpecVLM's experts that keep 
 
 
 def vision_head(text_head, target, policy, seed=0):
-    """A head with `text_head`'s fc / layer and random policy weights (ViSpec: small random `img_fc` on the image
-    vector, so the global vector changes the drafts)."""
-    g = torch.Generator().manual_seed(seed)
-    head = VisionEagleHead.from_target(target, vision_policy=policy, num_queries=NUM_QUERIES, ratio=RATIO)
-    with torch.no_grad():
-        for p in head.vision.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        head.load_text_head(text_head)
-        if hasattr(head, "img_fc"):
-            dim = head.config.hidden_size
-            head.img_fc.weight[:, dim:] = torch.randn(dim, dim, generator=g) * 0.02
-    return head.eval()
+    return random_vision_head(text_head, target, policy, seed, num_queries=NUM_QUERIES, ratio=RATIO, img_scale=0.02)
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -44,17 +44,15 @@ class BatchCostLength(CostLength):
 
     def __init__(self, k_max, draft_step_cost, verify_token_cost, confidence=None, decay=0.8, prior=(0.4, 2.0)):
         super().__init__(k_max, draft_step_cost, verify_token_cost, confidence, decay, prior, chained_prior=True)
+        self.rows = 1  # rows of the call (`start`): the first K's price
 
     def start(self, batch, device):
         self.rows = batch  # the starting batch prices the first K (host arithmetic)
         super().start(batch, device)
 
-    def first_k(self):
-        v, self.v = self.v, batch_token_cost(self.v, self.rows)
-        try:
-            return super().first_k()  # every row at the prior's hazard: the batch's rate is B times one row's
-        finally:
-            self.v = v
+    def first_token_cost(self):
+        # every row at the prior's hazard: the batch's rate is B times one row's, priced at v_B
+        return batch_token_cost(self.v, self.rows)
 
     def update(self, num_draft, num_accepted, finished):
         self.observe(num_draft, num_accepted)

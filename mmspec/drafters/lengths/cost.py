@@ -82,8 +82,12 @@ class CostLength(RowLengths):
         for k in range(1, self.k_max + 1):
             survival *= 1 - r0 / n0
             total += survival
-            rates.append(total / (1 + (self.v + self.d) * k))
+            rates.append(total / (1 + (self.first_token_cost() + self.d) * k))
         return 1 + rates.index(max(rates))
+
+    def first_token_cost(self) -> float:
+        """The price of a further verified token in the first round (v; `"batch-cost"` prices it for its batch)."""
+        return self.v
 
     def start(self, batch, device):
         super().start(batch, device)

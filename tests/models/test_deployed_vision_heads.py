@@ -15,7 +15,7 @@ import pytest
 import torch
 from factories import assert_first_tokens_follow
 from qwen_vl_fixtures import images
-from test_deployed_vlms import KINDS, QWEN, _exact_marginals, _pipe, _sizes
+from test_deployed_vlms import KINDS, QWEN, _pipe, _sizes, sampled_first_tokens
 from vision_seam_fixtures import check_positions, record_head_positions
 from vlm_fixtures import prompts, random_vision_head
 
@@ -224,15 +224,7 @@ def test_check_target_on_dynamic_grids():
 def test_vispec_first_sampled_tokens_follow_the_target_law():
     """ViSpec on Qwen2.5-VL at T = 1.5: tokens 2 and 3 (drafted from the compacted prefill of a 3 x 4 grid,
     verified, resampled) follow the exact law of transformers' forward over the image prompt."""
-    pipe = _pipe("qwen2_5_vl")
-    p = with_head(pipe, "vispec")
-    image, text = images([(24, 32)], seed=7)[0], "w5 w6 w7"
-    temperature, n = 1.5, 3000
-    eos = p.eos_token_ids()[0]
-    law2, law3 = _exact_marginals(p, image, text, temperature, eos)
-    gens = [torch.Generator().manual_seed(30_000 + i) for i in range(n)]
-    out = p(images=[image] * n, prompt=[text] * n, max_new_tokens=3, do_sample=True, temperature=temperature,
-            acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip
+    out, law2, law3, n = sampled_first_tokens(with_head(_pipe("qwen2_5_vl"), "vispec"), 30_000)
     assert out.stats.mean_accepted_drafts > 0.05
     assert out.stats.extra["draft_image_tokens_per_answer"] == [NUM_QUERIES - 1] * n
     assert_first_tokens_follow(out.sequences, law2, law3, n, what="vispec: ")

@@ -140,16 +140,20 @@ def _exact_marginals(p, image, text, temperature, eos):
 def test_sampled_first_tokens_follow_the_target_law(kind):
     """EAGLE chain at T = 1.5: tokens 2 and 3 (drafted, verified, resampled in the first round) follow the exact law
     of transformers' forward over the image prompt."""
-    p = _pipe(kind)
-    image, text = images([(24, 32)], seed=7)[0], "w5 w6 w7"
-    temperature, n = 1.5, 3000
-    eos = p.eos_token_ids()[0]
-    law2, law3 = _exact_marginals(p, image, text, temperature, eos)
-    gens = [torch.Generator().manual_seed(20_000 + i) for i in range(n)]
-    out = p(images=[image] * n, prompt=[text] * n, max_new_tokens=3, do_sample=True, temperature=temperature,
-            acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip
+    out, law2, law3, n = sampled_first_tokens(_pipe(kind), 20_000)
     assert out.stats.mean_accepted_drafts > 0.05
     assert_first_tokens_follow(out.sequences, law2, law3, n)
+
+
+def sampled_first_tokens(p, seed, n=3000, temperature=1.5):
+    """`n` sampled 3-token answers of pipeline `p`'s EAGLE chain (depth 3) to one image prompt, one generator per
+    answer seeded from `seed`, and the exact laws of tokens 2 and 3: `(out, law2, law3, n)`."""
+    image, text = images([(24, 32)], seed=7)[0], "w5 w6 w7"
+    law2, law3 = _exact_marginals(p, image, text, temperature, p.eos_token_ids()[0])
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(n)]
+    out = p(images=[image] * n, prompt=[text] * n, max_new_tokens=3, do_sample=True, temperature=temperature,
+            acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip
+    return out, law2, law3, n
 
 
 def test_saved_folder_loads_strictly(pipe, tmp_path):

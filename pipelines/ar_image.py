@@ -295,7 +295,11 @@ class SpeculativeARImagePipeline(TokenImagePipeline):
         if labels.dim() != 1 or labels.is_floating_point() or labels.dtype == torch.bool or labels.numel() == 0:
             raise ValueError(f"class_labels must be integer class ids (int, list or 1-D tensor), got {class_labels!r}")
         n = self.transformer.config.num_classes
-        lo, hi = torch.stack([labels.min(), labels.max()]).tolist()  # one host read per call
+        if torch.is_tensor(class_labels):
+            lo, hi = torch.stack([labels.min(), labels.max()]).tolist()  # one host read per call
+        else:  # Python ints: the range is known on the host, nothing is read back
+            ids = [class_labels] if isinstance(class_labels, int) else class_labels
+            lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= n:
             raise ValueError(f"class_labels must be in [0, {n}), got range [{lo}, {hi}]")
         return labels.long().repeat_interleave(num_images_per_prompt)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.checks import check_device, check_prompts
+from mmspec.counting import on_host
 from mmspec.memory import check_hf_call_memory
 from mmspec.methods import IMAGE_LIMITS
 from mmspec.models.janus.target import JanusTarget, special_token_ids
@@ -254,7 +255,8 @@ class SpeculativeJanusPipeline(TokenImagePipeline):
             prompts = [self.processor.apply_chat_template(
                 [{"role": "user", "content": [{"type": "text", "text": p}]}], add_generation_prompt=True,
                 tokenize=False) for p in prompts]  # fmt: skip
-            enc = self.processor(text=list(prompts), generation_mode="image", padding=True, return_tensors="pt")
+            with on_host():  # the processor's tensors are host memory until the target's prefill moves them
+                enc = self.processor(text=list(prompts), generation_mode="image", padding=True, return_tensors="pt")
             input_ids, attention_mask = enc["input_ids"], enc.get("attention_mask")
         else:
             input_ids, attention_mask = self.check_ids(input_ids, attention_mask)

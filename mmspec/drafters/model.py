@@ -74,7 +74,8 @@ class ModelDrafter:
         """Reset the draft cache and write the condition prefix."""
         max_seq = self.model.config.cls_token_num + state.max_length + self.k + 2
         self.cache = self.model.setup_cache(self.cond.shape[0], max_seq)
-        self.model.prefill(self.cond, self.cache, cond_mask=self.cond_mask)
+        # the target's prefill has range-checked these class ids, and `check_compatible` the class count: no re-read
+        self.model.prefill(self.cond, self.cache, cond_mask=self.cond_mask, check_range=False)
         self.live = None
         self._first_round = True
         self.length.start(state.count.shape[0], state.count.device)

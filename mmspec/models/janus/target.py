@@ -18,6 +18,7 @@ ragged prompts) with its hooks set: image-token embeddings in, generation-head l
 import torch
 from torch import Tensor
 
+from mmspec.counting import on_host
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
 from mmspec.models.hf.target import HFTarget, right_align
@@ -91,7 +92,11 @@ class JanusTarget(HFTarget):
         if self.guidance.streams == 2:
             input_ids = torch.cat([input_ids, self.unconditional_ids(input_ids)])
             attention_mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
-        mask = None if attention_mask is None else attention_mask.cpu()
-        ids, lengths = right_align(input_ids.cpu(), mask, pad)  # host-side bookkeeping, once per call
+        if attention_mask is None or attention_mask.shape != input_ids.shape:  # (a mismatch: `right_align` refuses)
+            ids, mask = input_ids.cpu(), None if attention_mask is None else attention_mask.cpu()
+        else:  # one copy to the host (free for the processor's host tensors), then host-side bookkeeping
+            ids, mask = torch.stack([input_ids, attention_mask.to(input_ids.dtype)]).cpu().unbind(0)
+        with on_host():
+            ids, lengths = right_align(ids, mask, pad)
         return super().prefill(ids.to(self.model.device), lengths.to(self.model.device), num_tokens, scratch,
                                return_hidden=return_hidden)  # fmt: skip

@@ -359,8 +359,9 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
             return torch.full((batch_size,), self.config.num_classes, dtype=torch.long, device=device)
         return self.cls_embedding.uncond_embedding[None].expand(batch_size, -1, -1)
 
-    def check_condition(self, cond, cond_mask=None, rows=None):
-        """Raise ValueError (naming the argument) unless `cond` / `cond_mask` are valid for this model."""
+    def check_condition(self, cond, cond_mask=None, rows=None, check_range=True):
+        """Raise ValueError (naming the argument) unless `cond` / `cond_mask` are valid for this model
+        (`check_range=False`: class ids' range not read back, for ids the caller has checked already)."""
         cfg = self.config
         if not torch.is_tensor(cond):
             raise ValueError(f"cond must be a tensor, got {type(cond).__name__}")
@@ -371,7 +372,7 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
                 raise ValueError(
                     f"cond must be integer class ids of shape [rows], got {cond.dtype} {tuple(cond.shape)}"
                 )
-            lo, hi = torch.stack([cond.min(), cond.max()]).tolist() if cond.numel() else (0, 0)  # one read
+            lo, hi = torch.stack([cond.min(), cond.max()]).tolist() if cond.numel() and check_range else (0, 0)
             if lo < 0 or hi > cfg.num_classes:
                 raise ValueError(
                     f"cond class ids must be in [0, {cfg.num_classes}] ({cfg.num_classes} = null class), "
@@ -414,7 +415,7 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         return h
 
     @torch.no_grad()
-    def prefill(self, cond, cache, cond_mask=None, return_hidden=False):
+    def prefill(self, cond, cache, cond_mask=None, return_hidden=False, check_range=True):
         """Write the condition prefix of every row (slots `0 .. cls_token_num - 1`) and return the logits of the
         first image token.
 
@@ -424,11 +425,14 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
             cache: a cache from `setup_cache`; all its rows are reset to length `cls_token_num`.
             cond_mask: t2i only, bool `[rows, cls_token_num]`, False at padded text positions.
             return_hidden: also return the final-norm hidden state at the last prefix position.
+            check_range: read back the class ids' range (`check_condition`, one host read); False only for ids
+                the caller has range-checked against this model's classes already (shapes and dtypes are always
+                checked).
 
         Returns:
             `GPTOutput(logits [rows, 1, V], hidden [rows, 1, dim] | None)`.
         """
-        self.check_condition(cond, cond_mask, rows=cache.rows)
+        self.check_condition(cond, cond_mask, rows=cache.rows, check_range=check_range)
         t = self.config.cls_token_num
         if cache.max_seq < t:
             raise ValueError(f"cache.max_seq={cache.max_seq} is smaller than cls_token_num={t}")

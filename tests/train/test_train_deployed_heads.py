@@ -139,3 +139,56 @@ def test_kill_and_resume_on_qwen_gives_bit_identical_weights(tmp_path, monkeypat
     resumed = task.run(parse(args))
     for k, v in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
+
+
+def eagle3_argv(files, out, *extra):
+    return ["--target", files["target"], "--data", files["data"], "--out", str(out), "--steps", "3", "--batch-size",
+            "2", "--checkpoint-every", "3", "--eval-items", "1", "--unroll", "2", "--draft-vocab", "32", "--aux-layers",
+            "0,1", "--intermediate-size", "48", "--lr", "3e-3", "--quiet", "--threads", "1", *extra]  # fmt: skip
+
+
+def test_vlm_eagle3_on_qwen_trains_at_the_targets_mrope_positions(tmp_path, monkeypatch):
+    """`vlm-eagle3` on Qwen2.5-VL: the head (positions "mrope", the target's sections) is trained on the pairs at the
+    target's own 3-D position ids of the rows (those its forward used), with or without `--target-cache`; the saved
+    head records them and drafts exactly plain greedy."""
+    from mmspec.models import load
+    from mmspec.models.hf.eagle3 import Eagle3Head
+    from mmspec.train import vlm_eagle3
+
+    files = files_for("qwen2_5_vl", tmp_path, monkeypatch)
+    used, fed = [], []
+    outputs, unrolled = vlm_eagle3.target_outputs, Eagle3Head.forward_unrolled
+
+    def spy_outputs(*args, **kwargs):
+        got = outputs(*args, **kwargs)
+        used.append(got[3])
+        return got
+
+    def spy_unrolled(self, *args, positions=None, **kwargs):
+        fed.append((positions, used[-1]))
+        return unrolled(self, *args, positions=positions, **kwargs)
+
+    monkeypatch.setattr(vlm_eagle3, "target_outputs", spy_outputs)
+    monkeypatch.setattr(Eagle3Head, "forward_unrolled", spy_unrolled)
+    parser = __import__("argparse").ArgumentParser()
+    vlm_eagle3.add_arguments(parser)
+    head = vlm_eagle3.run(parser.parse_args(eagle3_argv(files, tmp_path / "out", "--fp32-weights")))
+    assert len(fed) == 3 + 2  # three steps, two held-out rows
+    for positions, target in fed[:3]:  # training: every pair at its first token's id in the target's forward
+        assert positions.dim() == 3 and torch.equal(positions, target[..., :-1])
+        assert not torch.equal(positions[1], positions[2])  # image tokens: height and width ids differ
+    model, processor, data = deployed("qwen2_5_vl")
+    loaded = load(tmp_path / "out")
+    assert (loaded.config.positions, list(loaded.config.mrope_section)) == ("mrope", [2, 3, 3])
+    assert json.loads((tmp_path / "out" / "training.json").read_text())["extra"]["positions"] == "mrope"
+    cached = vlm_eagle3.run(parser.parse_args(eagle3_argv(files, tmp_path / "cached", "--fp32-weights",
+                                                          "--target-cache")))  # fmt: skip
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(cached.state_dict()[k], v, atol=1e-3, rtol=1e-3)  # the cache holds float16
+    pipe = SpeculativeVLMPipeline(model, processor, eagle_head=loaded)
+    pipe.set_progress_bar_config(disable=True)
+    ims, texts = row_images(data, [0, 7]), prompts(2, seed=4)
+    plain = pipe(images=ims, prompt=texts, max_new_tokens=12, acceptance="none", output_type="ids").sequences
+    out = pipe(images=ims, prompt=texts, max_new_tokens=12, acceptance="exact", drafter="eagle", tree_depth=3,
+               output_type="ids")  # fmt: skip
+    assert torch.equal(out.sequences, plain)

@@ -19,7 +19,9 @@ skip the target forward; it costs memory (`len(aux) + 1` hidden states per token
 
 `--image-inputs` fixes what an image position feeds the head, at training and when drafting (recorded in the head's
 config): `placeholder` (the image placeholder's token embedding; vLLM's convention) or `embeds` (the projected image
-features the target's decoder received; SGLang's). The model card records the loss and, on held-out rows, the
+features the target's decoder received; SGLang's). The target gets the pipeline's inputs (`vlm_eagle.target_inputs`),
+and on an M-RoPE target (Qwen2.5-VL / Qwen3-VL) the head's pairs sit at the target's own position ids of each row,
+as both engines place them (`Eagle3Head` `positions="mrope"`, recorded in its config). The model card records the loss and, on held-out rows, the
 agreement with the target's greedy token and the greedy chain's acceptance by depth.
 """
 

@@ -13,10 +13,10 @@ import anyres_fixtures
 import pytest
 import qwen_vl_fixtures
 import torch
+from factories import resumed_after_kill
 from vlm_fixtures import prompts
 
 from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-from mmspec.train import common
 from mmspec.train import vlm_vision as task
 from mmspec.train.vlm_answers import user_turn
 from mmspec.train.vlm_eagle import row_images
@@ -121,22 +121,8 @@ def test_a_few_steps_train_a_head_that_drafts_plain_greedy(kind, tmp_path, monke
 def test_kill_and_resume_on_qwen_gives_bit_identical_weights(tmp_path, monkeypatch):
     files = files_for("qwen2_5_vl", tmp_path, monkeypatch)
     whole = task.run(parse(argv(files, tmp_path / "whole", "vispec", "--fp32-weights")))
-
-    class Killed(Exception):
-        pass
-
-    save = common.save_checkpoint
-
-    def killed_after_first(path, state):
-        save(path, state)
-        raise Killed
-
-    monkeypatch.setattr(common, "save_checkpoint", killed_after_first)
     args = argv(files, tmp_path / "killed", "vispec", "--fp32-weights")
-    with pytest.raises(Killed):
-        task.run(parse(args))
-    monkeypatch.setattr(common, "save_checkpoint", save)
-    resumed = task.run(parse(args))
+    resumed = resumed_after_kill(lambda: task.run(parse(args)), monkeypatch)
     for k, v in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
 

@@ -53,7 +53,7 @@ from mmspec.drafters.text_model import TextModelDrafter
 from mmspec.memory import check_hf_call_memory
 from mmspec.methods import EAGLE_HEADS, KNOBS, VLM_LIMITS, acceptance_names, resolve_drafter, resolve_method
 from mmspec.models import DEFAULT_ZOO
-from mmspec.models.hf.image_layout import dynamic_image_sizes, image_layout
+from mmspec.models.hf.image_layout import processor_image_layout
 from mmspec.models.hf.inputs import has_vision, image_token_mask
 from mmspec.models.hf.target import HFTarget, right_align
 from mmspec.random import check_generator
@@ -503,13 +503,7 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         `image_grid_thw` (lengths and grids); any-resolution LLaVA: the processor's count per image
         (`_get_num_multimodal_tokens` over `image_sizes`), else each run of image tokens is one image."""
         reads_images = callable(getattr(self.eagle_head, "prefill_prompt", None))
-        if not reads_images or not dynamic_image_sizes(self.model.config):
-            return None
-        lengths = None
-        count = getattr(self.processor, "_get_num_multimodal_tokens", None)
-        if "image_grid_thw" not in model_inputs and "image_sizes" in model_inputs and callable(count):
-            lengths = list(count(image_sizes=model_inputs["image_sizes"].tolist()).num_image_tokens)
-        return image_layout(self.model, input_ids, model_inputs, lengths)
+        return processor_image_layout(self.model, self.processor, input_ids, model_inputs) if reads_images else None
 
     def make_drafter(self, drafter, guidance, knobs, input_ids, lengths, model_inputs, draft_vocab=None,
                      host_prompt=None, image_layout=None):  # fmt: skip

@@ -53,7 +53,8 @@ def fit_eagle3_head(
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     for _ in range(steps):
         opt.zero_grad()
-        sum(eagle3_losses(head, model, aux, hidden, seq, weight, unroll=2, embeds=embeds)).backward()
+        sum(eagle3_losses(head, model, aux, hidden, seq, weight, unroll=2, embeds=embeds,
+                          positions=extra.get("position_ids"))).backward()  # fmt: skip
         opt.step()
     return head.eval()
 

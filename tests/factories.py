@@ -122,3 +122,28 @@ def assert_first_tokens_follow(sequences, law2, law3, n, what=""):
         tokens = sequences[:, column]
         counts = torch.bincount(torch.where(tokens < 0, v - 1, tokens), minlength=v)  # -1: the row had ended
         assert chisquare_pvalue(counts, law, n) > 1e-3, f"{what}token {column + 1} does not follow the target law"
+
+
+def resumed_after_kill(run, monkeypatch):
+    """`run()` (a training run) killed right after its first checkpoint (`mmspec.train.common.save_checkpoint`
+    raises once it has written it), then run again, resuming: returns the second run's result."""
+    from mmspec.train import common
+
+    class Killed(Exception):
+        pass
+
+    save = common.save_checkpoint
+
+    def killed_after_first(path, state):
+        save(path, state)
+        raise Killed
+
+    monkeypatch.setattr(common, "save_checkpoint", killed_after_first)
+    try:
+        run()
+        raise AssertionError("the run wrote no checkpoint before it ended")
+    except Killed:
+        pass
+    finally:
+        monkeypatch.setattr(common, "save_checkpoint", save)
+    return run()

@@ -34,6 +34,8 @@ class TargetOutput:
         inputs_embeds, image_mask: prefill of a text target, only when asked for (`return_vision=True`, drafters
             with `needs_vision`): what the decoder received, `[rows, L, dim]` (the projected image features merged
             in at the image tokens), and `[rows, L]` True at the image tokens of the prompt (never at padding).
+        positions: prefill of a text target whose positions are not its slots (M-RoPE): the prompt's position ids
+            as the target used them, `[3, rows, L]`; None where position == slot.
     """
 
     p_target: Tensor
@@ -42,6 +44,7 @@ class TargetOutput:
     lengths: Tensor | None = None
     inputs_embeds: Tensor | None = None
     image_mask: Tensor | None = None
+    positions: Tensor | None = None
 
 
 @runtime_checkable

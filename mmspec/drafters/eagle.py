@@ -15,6 +15,9 @@ read the target's merged input embeddings and image mask (`HFTarget.prefill(retu
 `needs_vision`) and write the prompt's pairs with the image pairs replaced by their vision-token policy's tokens, at
 the target's positions (the head keeps a per-row position offset, so a draft position is not its cache slot). Only
 the last prompt pair `(h[L_r - 1], first token)` is left pending; from then on the rounds are EAGLE's.
+
+A head with `set_prompt_positions` (an EAGLE-3 head at the target's M-RoPE positions,
+`mmspec.models.hf.eagle3`) gets the prompt's position ids from the target's prefill (`TargetOutput.positions`).
 """
 
 import logging
@@ -288,6 +291,9 @@ class EagleDrafter:
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # x[t+1] (the last column is overwritten or padding)
         nxt.scatter_(1, (lengths - 1)[:, None], self.guidance.rows(state.pending[:, None]))
         self.cache = self.head.setup_cache(rows, prefix + state.max_length + scratch)
+        set_positions = getattr(self.head, "set_prompt_positions", None)
+        if callable(set_positions):  # a head at the target's own positions (M-RoPE) keeps the prompt's
+            set_positions(self.cache, target_out.positions, lengths)
         if not self.needs_vision:
             self.hidden, self.ids, self.num_valid = target_out.hidden, nxt, lengths
             image_mask = target_out.image_mask

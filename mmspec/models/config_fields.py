@@ -175,6 +175,9 @@ CONFIG_FIELDS = {
         "draft_vocab_size": Int(0),
         "aux_layers": IntList(0),
         "image_inputs": Choice("placeholder", "embeds"),
+        "positions": Choice("slot", "mrope"),
+        "mrope_section": IntList(1, allow_empty=True),
+        "mrope_interleaved": Bool(),
     },
     "LlamaGenVQ": {
         "in_channels": _POS_INT,

@@ -102,6 +102,35 @@ def frozen_target(args):
     return generator, data, model, processor
 
 
+def row_images(data, rows):
+    """The canvases of `vlm-answers` rows `rows` (indices) as PIL images, one per row, in order."""
+    from mmspec.data.canvases import to_pil
+
+    return [to_pil(data["canvases"][r].float() / 255) for r in rows]
+
+
+def target_inputs(model, processor, ids, lengths, images=None):
+    """What the frozen target's base model (`model.model`) takes besides `input_ids` over whole right-padded rows
+    `ids [B, T]` (prompt + answer, `lengths [B]`) whose images are `images` (PIL, one per row whose prompt holds one,
+    in row order; None: text-only rows), as the pipeline prepares a prompt. Returns `(inputs, layout)`:
+
+    * `inputs`: the attention mask, the image processor's outputs (`pixel_values` in the model's dtype and, by
+      class, `image_grid_thw` (Qwen-VL) / `image_sizes` (any-resolution LLaVA)) and, for an M-RoPE target, its own
+      3-D `position_ids` over the rows (`mmspec.models.hf.mrope.sequence_inputs`; `[3, B, T]`);
+    * `layout`: each row's images by length (`mmspec.models.hf.image_layout.processor_image_layout`, None for a
+      fixed-size target), for a vision-aware head's policy."""
+    from mmspec.models.hf.image_layout import processor_image_layout
+    from mmspec.models.hf.mrope import sequence_inputs
+
+    extra = {}
+    if images:
+        extra = dict(processor.image_processor(images, return_tensors="pt"))
+        extra["pixel_values"] = extra["pixel_values"].to(model.dtype)
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    layout = processor_image_layout(model, processor, ids, extra)
+    return {"attention_mask": mask, **sequence_inputs(model, ids, mask, extra)}, layout
+
+
 def answer_mask(lengths, prompt_lengths, width):
     """`[N, width]` True at answer tokens (`prompt_len <= t < length`)."""
     t = torch.arange(width)[None, :]
@@ -114,8 +143,6 @@ def target_features(model, processor, data, path, batch_size=8, quiet=False, inp
     (chunks appended; re-running resumes). `inputs`: what the features depend on (the run flags of the target and
     the data, with their hashes), stored in the cache; a cache made from other inputs is refused."""
     from tqdm.auto import tqdm
-
-    from mmspec.data.canvases import to_pil
 
     path = Path(path)
     done = {"features": [], "inputs": inputs}
@@ -130,10 +157,8 @@ def target_features(model, processor, data, path, batch_size=8, quiet=False, inp
     start = sum(len(f) for f in done["features"])
     for lo in tqdm(range(start, n, batch_size), disable=quiet, desc="target features"):
         hi = min(lo + batch_size, n)
-        pixels = processor.image_processor([to_pil(c.float() / 255) for c in data["canvases"][lo:hi]],
-                                           return_tensors="pt")["pixel_values"]  # fmt: skip
-        mask = torch.arange(ids.shape[1])[None, :] < lengths[lo:hi, None]
-        out = model.model(input_ids=ids[lo:hi], pixel_values=pixels.to(model.dtype), attention_mask=mask.long())
+        inputs, _ = target_inputs(model, processor, ids[lo:hi], lengths[lo:hi], row_images(data, range(lo, hi)))
+        out = model.model(input_ids=ids[lo:hi], **inputs)
         done["features"].append(out.last_hidden_state.to(torch.float16))
         tmp = path.with_suffix(".partial")
         torch.save(done, tmp)

@@ -19,7 +19,9 @@ skip the target forward; it costs memory (`len(aux) + 1` hidden states per token
 
 `--image-inputs` fixes what an image position feeds the head, at training and when drafting (recorded in the head's
 config): `placeholder` (the image placeholder's token embedding; vLLM's convention) or `embeds` (the projected image
-features the target's decoder received; SGLang's). The model card records the loss and, on held-out rows, the
+features the target's decoder received; SGLang's). The target gets the pipeline's inputs (`vlm_eagle.target_inputs`),
+and on an M-RoPE target (Qwen2.5-VL / Qwen3-VL) the head's pairs sit at the target's own position ids of each row,
+as both engines place them (`Eagle3Head` `positions="mrope"`, recorded in its config). The model card records the loss and, on held-out rows, the
 agreement with the target's greedy token and the greedy chain's acceptance by depth.
 """
 
@@ -38,7 +40,14 @@ from mmspec.train.common import (
     train_with_args,
     write_model_card,
 )
-from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask, frozen_target, set_draft_vocabulary
+from mmspec.train.vlm_eagle import (
+    add_vlm_data_arguments,
+    answer_mask,
+    frozen_target,
+    row_images,
+    set_draft_vocabulary,
+    target_inputs,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -104,22 +113,26 @@ def eval_rows(data, n_eval):
 
 @torch.no_grad()
 def target_outputs(model, processor, data, idx, width, aux_layers, embeds=False):
-    """The frozen target on rows `idx` (prompt + answer, images): `(aux [B, T, len * dim], hidden [B, T, dim],
-    inputs_embeds [B, T, dim] or None)`, recorded in one forward (`mmspec.models.hf.inputs`)."""
-    from mmspec.data.canvases import to_pil
+    """The frozen target on rows `idx` (prompt + answer, images; the pipeline's inputs, `vlm_eagle.target_inputs`):
+    `(aux [B, T, len * dim], hidden [B, T, dim], inputs_embeds [B, T, dim] or None, positions [3, B, T] or None)`,
+    recorded in one forward (`mmspec.models.hf.inputs`); `positions` are an M-RoPE target's position ids."""
     from mmspec.models.hf.inputs import capture_decoder_inputs, capture_layer_inputs
 
     ids, lengths = data["input_ids"][idx, :width], data["lengths"][idx]
-    pixels = processor.image_processor([to_pil(data["canvases"][i].float() / 255) for i in idx.tolist()],
-                                       return_tensors="pt")["pixel_values"]  # fmt: skip
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    inputs, _ = target_inputs(model, processor, ids, lengths, row_images(data, idx.tolist()))
     with (
         capture_layer_inputs(model, aux_layers) as seen,
         capture_decoder_inputs(model) if embeds else nullcontext({}) as merged,
     ):
-        out = model.model(input_ids=ids, pixel_values=pixels.to(model.dtype), attention_mask=mask)
+        out = model.model(input_ids=ids, **inputs)
     aux = torch.cat([seen[i] for i in aux_layers], dim=-1)
-    return aux, out.last_hidden_state, merged.get("inputs_embeds")
+    return aux, out.last_hidden_state, merged.get("inputs_embeds"), inputs.get("position_ids")
+
+
+def pair_positions(positions):
+    """The RoPE positions of the pairs `(a[i], x[i+1])` of sequences with position ids `positions [3, B, T]`: the
+    ids of their first tokens `[3, B, T - 1]` (`Eagle3Head`'s `"mrope"` positions); None stays None."""
+    return None if positions is None else positions[..., :-1]
 
 
 def target_draft_logits(head, target, hidden):
@@ -130,16 +143,17 @@ def target_draft_logits(head, target, hidden):
     return (hidden.to(weight.dtype) @ weight.t()).float()
 
 
-def eagle3_losses(head, target, aux, hidden, ids, weight, *, unroll=1, step_decay=1.0, embeds=None):
+def eagle3_losses(head, target, aux, hidden, ids, weight, *, unroll=1, step_decay=1.0, embeds=None, positions=None):
     """Per-step soft cross-entropies of `head` on rows `ids [B, T]` (list of `unroll` scalars).
 
     `aux [B, T, fused]`: the target's aux hidden states, `hidden [B, T, dim]`: its final-norm hidden states (the
     teacher's logits), `weight [B, T]` (bool): tokens whose prediction is trained (answer tokens), `embeds`
-    (optional `[B, T, dim]`): the merged input embeddings (`image_inputs="embeds"`). Output `i` of step `j` (pair
+    (optional `[B, T, dim]`): the merged input embeddings (`image_inputs="embeds"`), `positions` (optional `[3, B,
+    T]`): an M-RoPE target's position ids of the rows (a `positions="mrope"` head's). Output `i` of step `j` (pair
     `(a[i], x[i+1])`, `j` own steps deep) predicts `x[i+2]`; it is counted where `weight[:, i + 2]` and `i >= j`."""
     b = ids.shape[0]
-    outs = head.forward_unrolled(aux[:, :-1], ids[:, 1:], target, unroll,
-                                 embeds=None if embeds is None else embeds[:, 1:])  # fmt: skip
+    outs = head.forward_unrolled(aux[:, :-1], ids[:, 1:], target, unroll, embeds=None if embeds is None else
+                                 embeds[:, 1:], positions=pair_positions(positions))  # fmt: skip
     with torch.no_grad():
         p = torch.softmax(target_draft_logits(head, target, hidden[:, 1:]), -1)  # [B, T-1, N]
     w = torch.cat([weight[:, 2:], weight.new_zeros(b, 1)], dim=1).float()
@@ -154,12 +168,13 @@ def eagle3_losses(head, target, aux, hidden, ids, weight, *, unroll=1, step_deca
 
 
 @torch.no_grad()
-def evaluate_eagle3(head, target, aux, hidden, ids, weight, depth=EVAL_DEPTH, embeds=None):
+def evaluate_eagle3(head, target, aux, hidden, ids, weight, depth=EVAL_DEPTH, embeds=None, positions=None):
     """Held-out agreement with the target's greedy token, as sums and counts (add over chunks, then divide):
     `top1_step{j}` (the head `j` own steps deep predicts the target's argmax) and `accept_depth{d}` (a greedy chain
-    rooted at an answer position keeps its first `d` drafts: steps `0 .. d - 1` all right along it)."""
-    outs = head.forward_unrolled(aux[:, :-1], ids[:, 1:], target, depth,
-                                 embeds=None if embeds is None else embeds[:, 1:])  # fmt: skip
+    rooted at an answer position keeps its first `d` drafts: steps `0 .. d - 1` all right along it). `embeds`,
+    `positions`: as `eagle3_losses`."""
+    outs = head.forward_unrolled(aux[:, :-1], ids[:, 1:], target, depth, embeds=None if embeds is None else
+                                 embeds[:, 1:], positions=pair_positions(positions))  # fmt: skip
     goal = target.get_output_embeddings()(hidden[:, 1:].float()).argmax(-1)  # [B, T-1]
     b, n = goal.shape
     w = torch.cat([weight[:, 2:], weight.new_zeros(b, 1)], dim=1)  # position i predicts an answer token
@@ -224,7 +239,7 @@ def run(args):
             got = target_outputs(model, processor, data, rows, w, aux_layers, embeds)
             for r, i in enumerate(missing):
                 n = int(lengths[i])
-                cache[i] = tuple(None if t is None else t[r, :n].to(torch.float16) for t in got)
+                cache[i] = tuple(None if t is None else t[r, :n].to(torch.float16) for t in got[:3])
         parts = []
         for k in range(3):
             if cache[int(idx[0])][k] is None:
@@ -232,14 +247,16 @@ def run(args):
                 continue
             rows = [cache[i][k].float() for i in idx.tolist()]
             parts.append(torch.stack([torch.nn.functional.pad(r, (0, 0, 0, width - len(r))) for r in rows]))
-        return tuple(parts)
+        # M-RoPE positions: exact and cheap to redo (the image processor's grids, no forward)
+        inputs, _ = target_inputs(model, processor, ids[idx, :width], lengths[idx], row_images(data, idx.tolist()))
+        return (*parts, inputs.get("position_ids"))
 
     def step_fn(step):
         idx = train_idx[torch.randint(len(train_idx), (args.batch_size,), generator=generator)]
         width = int(lengths[idx].max())
-        aux, hidden, merged = outputs(idx, width)
+        aux, hidden, merged, positions = outputs(idx, width)
         losses = eagle3_losses(head, model, aux, hidden, ids[idx, :width], weight[idx, :width], unroll=args.unroll,
-                               step_decay=args.step_decay, embeds=merged)  # fmt: skip
+                               step_decay=args.step_decay, embeds=merged, positions=positions)  # fmt: skip
         scale = sum(args.step_decay**j for j in range(len(losses)))
         loss = sum(args.step_decay**j * value for j, value in enumerate(losses)) / scale
         return {"loss": loss, **{f"loss_step{j}": value.detach() for j, value in enumerate(losses)}}
@@ -258,7 +275,7 @@ def run(args):
         args=args,
         wall_time_s=result.wall_time_s,
         metrics=card_metrics(result, metrics, {"draft_vocab_coverage": covered}),
-        extra={"aux_layers": list(aux_layers), "image_inputs": args.image_inputs},
+        extra={"aux_layers": list(aux_layers), "image_inputs": args.image_inputs, "positions": head.config.positions},
         history=result.history,
     )
     return head
@@ -276,13 +293,14 @@ def evaluate(head, model, processor, data, held, weight, aux_layers, embeds):
     for lo in range(0, len(held), EVAL_CHUNK):
         idx = held[lo : lo + EVAL_CHUNK]
         width = int(data["lengths"][idx].max())
-        aux, hidden, merged = target_outputs(model, processor, data, idx, width, aux_layers, embeds)
+        aux, hidden, merged, positions = target_outputs(model, processor, data, idx, width, aux_layers, embeds)
         tokens, masks = data["input_ids"][idx], weight[idx]  # the chunk's rows, in the order of its target outputs
         for r, i in enumerate(idx.tolist()):
             n = int(data["lengths"][i])
             sl = slice(r, r + 1)
             per_row[i] = evaluate_eagle3(head, model, aux[sl, :n], hidden[sl, :n], tokens[sl, :n], masks[sl, :n],
-                                         embeds=None if merged is None else merged[sl, :n])  # fmt: skip
+                                         embeds=None if merged is None else merged[sl, :n],
+                                         positions=None if positions is None else positions[:, sl, :n])  # fmt: skip
     metrics = {}
     for prefix, rows in groups.items():
         metrics.update({prefix + k: v for k, v in merge_sums(per_row[i] for i in rows).items()})

@@ -45,6 +45,8 @@ from mmspec.train.vlm_eagle import (
     draft_vocabulary,
     eagle_text_losses,
     evaluate_text_head,
+    row_images,
+    target_inputs,
 )
 
 
@@ -164,6 +166,7 @@ class TeacherBatch:
     inputs_embeds: torch.Tensor  # [B, T, D]: the decoder's input embeddings, image features merged in
     image_mask: torch.Tensor  # [B, T] bool
     multimodal: torch.Tensor  # [B] bool: the row kept its image
+    image_layout: object = None  # an `ImageLayout`: each row's images by length (targets whose images differ in size)
 
 
 def text_only_row(ids, prompt_length, is_image):
@@ -177,8 +180,9 @@ def text_only_row(ids, prompt_length, is_image):
 @torch.no_grad()
 def teacher_batch(model, processor, data, idx, multimodal, pad_id=0):
     """Run the frozen target on rows `idx` of a `vlm-answers` file `data` (`multimodal [B]` bool: with the row's
-    canvas as the image; else text-only, `text_only_row`, no pixel values) -> `TeacherBatch`."""
-    from mmspec.data.canvases import to_pil
+    canvas as the image; else text-only, `text_only_row`, no pixel values) -> `TeacherBatch`. The target gets what
+    the pipeline gives it (`mmspec.train.vlm_eagle.target_inputs`: the image processor's outputs, M-RoPE positions),
+    and the batch's `image_layout` is built from the same processor outputs."""
     from mmspec.models.hf.inputs import capture_decoder_inputs, image_token_mask
 
     rows, prompts = [], []
@@ -193,17 +197,13 @@ def teacher_batch(model, processor, data, idx, multimodal, pad_id=0):
     ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
     lengths = torch.tensor([len(r) for r in rows])
     prompt_lengths = torch.tensor(prompts)
-    mask = torch.arange(width)[None, :] < lengths[:, None]
-    pixels = None
-    if bool(multimodal.any()):
-        canvases = [to_pil(data["canvases"][r].float() / 255) for r in idx[multimodal].tolist()]
-        pixels = processor.image_processor(canvases, return_tensors="pt")["pixel_values"].to(model.dtype)
+    inputs, layout = target_inputs(model, processor, ids, lengths, row_images(data, idx[multimodal].tolist()))
     with capture_decoder_inputs(model) as seen:
-        out = model.model(input_ids=ids, pixel_values=pixels, attention_mask=mask.long())
+        out = model.model(input_ids=ids, **inputs)
     return TeacherBatch(ids=ids, lengths=lengths, prompt_lengths=prompt_lengths,
                         weight=answer_mask(lengths, prompt_lengths, width), hidden=out.last_hidden_state.float(),
                         inputs_embeds=seen["inputs_embeds"], image_mask=image_token_mask(model, ids),
-                        multimodal=multimodal.clone())  # fmt: skip
+                        multimodal=multimodal.clone(), image_layout=layout)  # fmt: skip
 
 
 def held_out_rows(data, eval_items):
@@ -217,9 +217,9 @@ def held_out_rows(data, eval_items):
 
 
 def vision_kwargs(batch, generator=None):
-    """`VisionEagleHead.forward_unrolled`'s keyword arguments for a `TeacherBatch`."""
+    """`VisionEagleHead.forward_unrolled`'s keyword arguments for a `TeacherBatch` (its image layout included)."""
     return {"inputs_embeds": batch.inputs_embeds, "image_mask": batch.image_mask,
-            "prompt_lengths": batch.prompt_lengths, "generator": generator}  # fmt: skip
+            "prompt_lengths": batch.prompt_lengths, "generator": generator, "image_layout": batch.image_layout}  # fmt: skip
 
 
 @torch.no_grad()
@@ -252,7 +252,7 @@ def policy_draws(head, model, batch):
     [] otherwise)}`."""
     valid = torch.ones(batch.ids.shape[0], batch.ids.shape[1] - 1, dtype=torch.bool)
     seq = head.draft_sequence(batch.hidden[:, :-1], batch.ids[:, 1:], model, valid, batch.inputs_embeds,
-                              batch.image_mask, batch.prompt_lengths)  # fmt: skip
+                              batch.image_mask, batch.prompt_lengths, image_layout=batch.image_layout)  # fmt: skip
     names = getattr(head.vision, "names", None)
     choice = [] if seq.choice is None else [names[int(c)] if c >= 0 else "no image" for c in seq.choice.tolist()]
     return {"image_tokens": seq.image_tokens.tolist(), "choice": choice}

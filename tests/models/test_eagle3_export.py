@@ -112,13 +112,19 @@ def test_export_holds_every_key_shape_and_field_the_engine_reads(engine, tmp_pat
 
 
 def test_m_rope_targets_get_their_sections_and_vllm_the_vl_architecture():
+    """A head at the target's M-RoPE positions exports its sections (both engines then rotate the draft by
+    M-RoPE); a head trained at 1-D slot positions is refused for an M-RoPE target (`test_eagle3_mrope`)."""
     from transformers import Qwen2_5_VLConfig
 
-    head, _ = small_head()
-    qwen = Qwen2_5_VLConfig(text_config={"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}})
+    flat, _ = small_head()
+    head = Eagle3Head(**{**{k: v for k, v in flat.config.items() if not k.startswith("_")}, "positions": "mrope",
+                         "mrope_section": [2, 3, 3]})  # fmt: skip
+    qwen = Qwen2_5_VLConfig(text_config={"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}})
     for engine in (L, SGL):
         config = export_config(head, qwen, engine)
-        assert config["rope_scaling"]["mrope_section"] == [16, 24, 24]
+        assert config["rope_scaling"]["mrope_section"] == [2, 3, 3]
+        with pytest.raises(ValueError, match="positions='slot'"):
+            export_config(flat, qwen, engine)
     assert export_config(head, qwen, L)["architectures"] == ["Eagle3Qwen2_5vlForCausalLM"]
     assert export_config(head, qwen, SGL)["architectures"] == ["LlamaForCausalLMEagle3"]
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from factories import resumed_after_kill
 from test_train_vlm_vision import _tiny_data
 from vlm_fixtures import tiny_llava, tiny_processor
 
 from mmspec.train import __main__ as train_main
-from mmspec.train import common
 from mmspec.train import vlm_eagle3 as task
 
 
@@ -83,22 +83,8 @@ def test_target_cache_trains_the_same_weights(files, tmp_path):
 
 def test_kill_and_resume_gives_bit_identical_weights(files, tmp_path, monkeypatch):
     whole = task.run(_parse(_argv(files, tmp_path / "whole", "--fp32-weights")))
-
-    class Killed(Exception):
-        pass
-
-    save = common.save_checkpoint
-
-    def killed_after_first(path, state):
-        save(path, state)
-        raise Killed
-
-    monkeypatch.setattr(common, "save_checkpoint", killed_after_first)
     argv = _argv(files, tmp_path / "killed", "--fp32-weights")
-    with pytest.raises(Killed):
-        task.run(_parse(argv))
-    monkeypatch.setattr(common, "save_checkpoint", save)
-    resumed = task.run(_parse(argv))
+    resumed = resumed_after_kill(lambda: task.run(_parse(argv)), monkeypatch)
     for k, v in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
 

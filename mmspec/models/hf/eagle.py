@@ -201,10 +201,11 @@ class TextEagleHead(ModelMixin, ConfigMixin):
 
     def unrolled_steps(self, inputs_of, feats, positions, steps, valid=None):
         """The training-time-test loop over a sequence of `N` draft entries in attention order: step 0 runs the layer
-        on `inputs_of(feats)` (`feats [B, N, dim]`, layer inputs `[B, N, dim]`) causally at RoPE `positions [B, N]`;
+        on `inputs_of(feats)` (`feats [B, N, dim]`, layer inputs `[B, N, dim]`) causally at RoPE `positions [B, N]` (or
+        `[3, B, N]`, M-RoPE);
         step `j` shifts its outputs by one entry (entry `i` gets output `i - 1`) and attends to step-0 keys `<= i - j`
         and to its own chain `i - j + 1 .. i` of the later steps. Returns the `steps` outputs `[B, N, dim]`."""
-        b, n = positions.shape
+        b, n = positions.shape[-2:]  # [B, N], or [3, B, N] (M-RoPE)
         i = torch.arange(n, device=positions.device)
         cache = StaticCache(ConcatKV())  # keys appended out of place: autograd flows through every step
         outputs = []

@@ -24,6 +24,20 @@ Image positions (`image_inputs`), fixed at training and honoured when drafting:
 * `"embeds"` (SGLang's EAGLE worker passes the target's merged `input_embeds` to the draft): an image token enters as
   the projected image feature the target's decoder received. The drafter then reads the target's merged input
   embeddings at prefill (`prefill_prompt`, `HFTarget.prefill(return_vision=True)`).
+
+RoPE positions (`positions`), fixed at training and honoured when drafting:
+
+* `"slot"`: pair `(a[t], x[t+1])` at 1-D position `t + 1` (the text EAGLE head's; on a 1-D RoPE target the engines'
+  `t` differs by a constant, which RoPE does not see);
+* `"mrope"` (the default on an M-RoPE target: Qwen2-VL / Qwen2.5-VL / Qwen3-VL): pair `(a[t], x[t+1])` at the
+  *target's* 3-D M-RoPE position of token `t` -- the model's own `get_rope_index` ids over the prompt (image tokens
+  at their grid coordinates), `t + rope_delta` on every axis after it, drafted tokens continuing by one per step --
+  rotated with the target's `mrope_section` (and Qwen3-VL's interleaving, `mrope_interleaved`). This is what both
+  engines give an EAGLE-3 draft of an M-RoPE target (vLLM `v1/spec_decode/eagle.py`: the target's
+  `target_positions`, `positions += 1` per step when `uses_mrope`; SGLang `llama_eagle3.py`:
+  `forward_batch.mrope_positions` when `rope_scaling` has `mrope_section`): training passes the target's
+  position ids of the sequence (`forward_unrolled(positions=...)`), drafting reads the prompt's from the target's
+  prefill (`set_prompt_positions`, `mmspec.models.hf.mrope.MRopeDraftCache`).
 """
 
 import functools
@@ -37,16 +51,19 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from mmspec.cache import StaticKVCache
 from mmspec.models.config_fields import check_fields
 from mmspec.models.hf.eagle import TextEagleHead
+from mmspec.models.hf.mrope import MRopeDraftCache, mrope_axes, mrope_cos_sin, mrope_params
 from mmspec.models.llamagen.eagle import EagleHead
 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IMAGE_INPUTS", "Eagle3Head", "default_aux_layers"]
+__all__ = ["IMAGE_INPUTS", "POSITIONS", "Eagle3Head", "default_aux_layers"]
 
 IMAGE_INPUTS = ("placeholder", "embeds")  # what an image position feeds the head (module docstring)
+POSITIONS = ("slot", "mrope")  # the RoPE positions of the head's pairs (module docstring)
 
 
 def default_aux_layers(num_layers):
@@ -80,6 +97,8 @@ class Eagle3Head(TextEagleHead):
         draft_vocab_size: tokens the head scores (0: all `vocab_size`).
         aux_layers: target decoder layers whose inputs are fused (strictly ascending, >= 0).
         image_inputs: `"placeholder"` or `"embeds"` (module docstring).
+        positions: `"slot"` or `"mrope"` (module docstring); `mrope_section` (the target's `[t, h, w]` frequency
+            counts, summing to `head_dim / 2`) and `mrope_interleaved` (Qwen3-VL) with `"mrope"` only.
         others: the decoder layer's shapes (`LlamaConfig` fields).
     """
 
@@ -100,6 +119,9 @@ class Eagle3Head(TextEagleHead):
         draft_vocab_size: int = 0,
         aux_layers: tuple = (2, 15, 27),
         image_inputs: str = "placeholder",
+        positions: str = "slot",
+        mrope_section: tuple = (),
+        mrope_interleaved: bool = False,
     ):
         check_fields("Eagle3Head", locals())  # types and ranges; the cross-field rules follow
         ModelMixin.__init__(self)  # not TextEagleHead's layers: this head's own, below
@@ -111,6 +133,11 @@ class Eagle3Head(TextEagleHead):
             raise ValueError(f"image_inputs must be one of {IMAGE_INPUTS}, got {image_inputs!r}")
         if not 0 <= draft_vocab_size <= vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, vocab_size={vocab_size}], got {draft_vocab_size}")
+        if positions == "mrope" and (len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2):
+            raise ValueError(f"mrope_section must be the target's 3 M-RoPE sections summing to head_dim / 2 = "
+                             f"{head_dim // 2} (positions='mrope'), got {list(mrope_section)}")  # fmt: skip
+        if positions == "slot" and (mrope_section or mrope_interleaved):
+            raise ValueError("mrope_section / mrope_interleaved are for positions='mrope' (got positions='slot')")
         if len(aux) * target_hidden_size == hidden_size:
             raise ValueError(f"len(aux_layers) * target_hidden_size must differ from hidden_size={hidden_size} (the "
                              "head tells fused target states from its own features by their width)")  # fmt: skip
@@ -130,11 +157,14 @@ class Eagle3Head(TextEagleHead):
         self.norm = LlamaRMSNorm(hidden_size, eps=rms_norm_eps)
         self.lm_head = nn.Linear(hidden_size, draft_vocab_size or vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(self.layer_config)
+        self.cache_class = MRopeDraftCache if positions == "mrope" else StaticKVCache
+        self._mrope_axes = {}  # device -> the axis of each rotary frequency (`mrope_axes`), made on first use
         self.init_weights()
 
     @classmethod
     def from_target(cls, target, **overrides):
-        """A head whose shapes match the transformers `target` (its text config), aux layers the engines' default.
+        """A head whose shapes match the transformers `target` (its text config), aux layers the engines' default,
+        positions the engines' for it (`"mrope"` with the target's sections on an M-RoPE target, else `"slot"`).
         The decoder layer's sizes (`intermediate_size`, `num_attention_heads`, ...) may be overridden to make a
         smaller head; `hidden_size` stays the target's (the embedding is shared)."""
         t = target.config.get_text_config()
@@ -148,6 +178,9 @@ class Eagle3Head(TextEagleHead):
             max_position_embeddings=t.max_position_embeddings,
             aux_layers=default_aux_layers(t.num_hidden_layers),
         )  # fmt: skip
+        mrope = mrope_params(target.config)
+        if mrope is not None and overrides.get("positions", "mrope") == "mrope":
+            kwargs.update(positions="mrope", **mrope)
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -179,11 +212,23 @@ class Eagle3Head(TextEagleHead):
                 raise ValueError(f"target hidden_size={t.hidden_size} does not match the EAGLE-3 head's "
                                  f"target_hidden_size={self.config.target_hidden_size} (expected "
                                  f"{t.hidden_size}, found {self.config.target_hidden_size})")  # fmt: skip
+            self.check_positions(target.config)
             bad = [i for i in self.config.aux_layers if i >= t.num_hidden_layers]
             if bad:
                 raise ValueError(f"aux_layers {list(self.config.aux_layers)} name layer(s) {bad} of a target with "
                                  f"{t.num_hidden_layers} decoder layers (expected indices < {t.num_hidden_layers})")  # fmt: skip
         super().check_target(target)
+
+    def check_positions(self, target_config):
+        """Raise ValueError naming `mrope_section` unless a `positions="mrope"` head's sections (and interleaving)
+        are the target's (`target_config`): it was trained on that target's M-RoPE ids."""
+        if self.config.positions != "mrope":
+            return
+        mrope = mrope_params(target_config)
+        mine = {"mrope_section": list(self.config.mrope_section), "mrope_interleaved": self.config.mrope_interleaved}
+        if mrope != mine:
+            raise ValueError(f"the head's M-RoPE positions ({mine}) are not the target's ({mrope or 'no M-RoPE'}): "
+                             "it was trained for another target (expected its mrope_section)")  # fmt: skip
 
     def _inputs(self, hidden, input_ids, target, embeds=None):
         """`[embedding ; feature]` `[rows, M, 2 * hidden]`: `hidden` is the fused target states (`fused_size` wide,
@@ -207,19 +252,54 @@ class Eagle3Head(TextEagleHead):
         emb, feature = x.split(self.config.hidden_size, dim=-1)
         m = self.midlayer
         attn_in = torch.cat([m.input_layernorm(emb), m.hidden_norm(feature)], dim=-1)
-        attn, _ = m.self_attn(attn_in, position_embeddings=self.rotary(feature, positions), attention_mask=mask,
-                              past_key_values=cache, position_ids=positions)  # fmt: skip
+        if positions.dim() == 3:  # [3, rows, M]: the target's M-RoPE positions
+            rope, ids = mrope_cos_sin(self.rotary, feature, positions, self.mrope_axes(feature.device)), None
+        else:
+            rope, ids = self.rotary(feature, positions), positions
+        attn, _ = m.self_attn(attn_in, position_embeddings=rope, attention_mask=mask, past_key_values=cache,
+                              position_ids=ids)  # fmt: skip
         r = feature + attn
         return r + m.mlp(m.post_attention_layernorm(r))
 
-    def forward_unrolled(self, hidden, input_ids, target, steps, valid=None, embeds=None):
+    def forward_unrolled(self, hidden, input_ids, target, steps, valid=None, embeds=None, positions=None):
         """Training-time test (`TextEagleHead.forward_unrolled`): step 0 reads the fused target states `hidden
         [B, N, fused_size]`, step `j` the head's own step `j - 1` features. `embeds` (optional `[B, N, hidden]`):
-        the embeddings of `input_ids` with image features at image positions (`image_inputs="embeds"`)."""
+        the embeddings of `input_ids` with image features at image positions (`image_inputs="embeds"`).
+        `positions`: with `positions="mrope"` (required there) the target's M-RoPE position ids of the tokens the
+        pairs' hidden states come from, `[3, B, N]` (the sequence's `position_ids[..., :-1]`); `"slot"`: pair `i`
+        at `i + 1` (1-D)."""
         b, n = input_ids.shape
-        pos = (torch.arange(n, device=input_ids.device) + 1)[None].expand(b, n)
+        if self.config.positions == "mrope":
+            if positions is None or tuple(positions.shape) != (3, b, n):
+                raise ValueError(f"positions must be the target's M-RoPE position ids of the pairs [3, {b}, {n}] "
+                                 f"(the head's positions='mrope'), got "
+                                 f"{None if positions is None else tuple(positions.shape)}")  # fmt: skip
+            pos = positions.to(input_ids.device)
+        else:
+            pos = (torch.arange(n, device=input_ids.device) + 1)[None].expand(b, n)
         return self.unrolled_steps(lambda feats: self._inputs(feats, input_ids, target, embeds), hidden, pos, steps,
                                    valid)  # fmt: skip
+
+    # ------------------------------------------------------------------ positions
+    def mrope_axes(self, device):
+        """`[head_dim / 2]` the M-RoPE axis of each rotary frequency (`mmspec.models.hf.mrope.mrope_axes`) on
+        `device` (made once per device: no host-to-device copy per forward)."""
+        if device not in self._mrope_axes:
+            axes = mrope_axes(self.config.mrope_section, self.config.mrope_interleaved)
+            self._mrope_axes[device] = torch.tensor(axes, dtype=torch.long, device=device)
+        return self._mrope_axes[device]
+
+    def set_prompt_positions(self, cache, positions, lengths):
+        """The drafter's hook at prefill: a `positions="mrope"` head keeps the target's prompt positions `[3, rows,
+        L]` (`TargetOutput.positions`) in its cache, so its pairs sit where the target's tokens do; a `"slot"` head
+        needs nothing."""
+        if self.config.positions == "mrope":
+            cache.set_prompt(positions, lengths)
+
+    def _rope_positions(self, input_pos, cache):
+        """`"mrope"`: the target's position of the token whose hidden state the pair at slot `input_pos` carries
+        (`MRopeDraftCache.pair_positions`, `[3, rows, M]`); `"slot"`: the slot."""
+        return cache.pair_positions(input_pos) if self.config.positions == "mrope" else input_pos
 
     # ------------------------------------------------------------------ image inputs
     @property

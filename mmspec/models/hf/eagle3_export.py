@@ -21,7 +21,11 @@ for those targets; SGLang `LlamaForCausalLMEagle3`), `hidden_size`, `intermediat
 `num_key_value_heads`, `head_dim`, `num_hidden_layers` (1), `rms_norm_eps`, `rope_theta`, `max_position_embeddings`,
 `hidden_act`, `vocab_size`, `draft_vocab_size`, `target_hidden_size`, `tie_word_embeddings` (false: SGLang would tie
 the output head to the embedding), `torch_dtype` bfloat16, `eagle_config` (`use_aux_hidden_state`,
-`eagle_aux_hidden_state_layer_ids`) and, when the target uses M-RoPE, `rope_scaling.mrope_section`.
+`eagle_aux_hidden_state_layer_ids`) and, for a head at M-RoPE positions (`positions="mrope"`,
+`mmspec.models.hf.eagle3`), `rope_scaling.mrope_section` (+ `mrope_interleaved`, Qwen3-VL). Both engines give the
+draft of an M-RoPE target that target's 3-D positions (vLLM: `target_positions` when the target `uses_mrope`; SGLang:
+`forward_batch.mrope_positions` when the draft's `rope_scaling` has `mrope_section`), so a head trained at 1-D slot
+positions on such a target is refused.
 
 The aux layer ids are written in each engine's own convention: vLLM's id `i` is the *input* of target layer `i`
 (`vllm/model_executor/models/llama.py`: `aux_hidden_states.append(hidden_states + residual)` before layer `i`), which
@@ -41,10 +45,13 @@ from pathlib import Path
 
 import torch
 
+from mmspec.models.hf.mrope import mrope_params
+
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINES", "check_export", "export_config", "export_eagle3", "export_tensors", "load_exported"]
+__all__ = ["ENGINES", "check_export", "export_config", "export_eagle3", "export_tensors", "exported_positions",
+           "load_exported"]  # fmt: skip
 
 ENGINES = ("vllm", "sglang")
 ARCHITECTURES = {"vllm": "Eagle3LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle3"}
@@ -90,16 +97,6 @@ def _check_head(head):
                          "target (`python -m mmspec.train vlm-eagle3`) and export that")  # fmt: skip
 
 
-def mrope_section(target_config):
-    """The target's M-RoPE sections (Qwen2-VL family), or None."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    for name in ("rope_scaling", "rope_parameters"):
-        rope = getattr(text, name, None) or {}
-        if isinstance(rope, dict) and rope.get("mrope_section"):
-            return list(rope["mrope_section"])
-    return None
-
-
 def export_config(head, target_config, engine):
     """The engine's `config.json` (a dict) for `head` trained on a target with `target_config` (module docstring).
     ValueError naming the field when the head has a shape the engine refuses."""
@@ -115,6 +112,12 @@ def export_config(head, target_config, engine):
         raise ValueError(f"sglang reads eagle_aux_hidden_state_layer_ids as layer outputs (it captures the input of "
                          f"layer id + 1), so aux layer 0 (the input embeddings) cannot be named; this head's "
                          f"aux_layers={aux}")  # fmt: skip
+    head.check_positions(target_config)
+    if mrope_params(target_config) is not None and c.positions != "mrope":
+        raise ValueError(f"{engine} gives the EAGLE-3 draft of an M-RoPE target the target's 3-D M-RoPE positions, "
+                         f"but this head was trained at 1-D slot positions (positions={c.positions!r}): it would "
+                         "draft at positions it never saw. Retrain it with `python -m mmspec.train vlm-eagle3` "
+                         "(positions='mrope' is the default on this target)")  # fmt: skip
     model_type = getattr(target_config, "model_type", None)
     architecture = ARCHITECTURES[engine]
     if engine == "vllm":
@@ -143,11 +146,13 @@ def export_config(head, target_config, engine):
             "use_aux_hidden_state": True,
             "eagle_aux_hidden_state_layer_ids": aux if engine == "vllm" else [i - 1 for i in aux],
         },
-        "mmspec": {"head": type(head).__name__, "aux_layers": aux, "image_inputs": c.image_inputs, "format": engine},
-    }
-    section = mrope_section(target_config)
-    if section is not None:  # SGLang: M-RoPE when rope_scaling has mrope_section (it sets rope_type "default")
-        config["rope_scaling"] = {"rope_type": "default", "type": "default", "mrope_section": section}
+        "mmspec": {"head": type(head).__name__, "aux_layers": aux, "image_inputs": c.image_inputs,
+                   "positions": c.positions, "format": engine},
+    }  # fmt: skip
+    if c.positions == "mrope":  # both engines: M-RoPE when rope_scaling has mrope_section (rope_type "default")
+        config["rope_scaling"] = {"rope_type": "default", "type": "default", "mrope_section": list(c.mrope_section)}
+        if c.mrope_interleaved:  # Qwen3-VL (the engines' rotary factory reads this key)
+            config["rope_scaling"]["mrope_interleaved"] = True
     return config
 
 
@@ -248,6 +253,16 @@ def export_eagle3(head, target, out, engine, embed_tokens=False):
     return out
 
 
+def exported_positions(config):
+    """The head's `positions` fields from an exported `config.json`: `"mrope"` with its sections where
+    `rope_scaling.mrope_section` is set (what makes both engines rotate the draft by M-RoPE), else `"slot"`."""
+    rope = config.get("rope_scaling") or {}
+    if not rope.get("mrope_section"):
+        return {"positions": "slot"}
+    return {"positions": "mrope", "mrope_section": [int(n) for n in rope["mrope_section"]],
+            "mrope_interleaved": bool(rope.get("mrope_interleaved", False))}  # fmt: skip
+
+
 def load_exported(folder, dtype=torch.float32):
     """An `Eagle3Head` from an exported folder (the round trip): the weights as stored (bf16 values), the draft
     vocabulary from `d2t`, aux layers from the engine's ids. ValueError naming the field or tensor otherwise."""
@@ -279,6 +294,7 @@ def load_exported(folder, dtype=torch.float32):
         max_position_embeddings=config.get("max_position_embeddings", 8192),
         draft_vocab_size=draft if draft != vocab else 0, aux_layers=aux,
         image_inputs=(config.get("mmspec") or {}).get("image_inputs", "placeholder" if engine == "vllm" else "embeds"),
+        **exported_positions(config),
     )  # fmt: skip
     state = {k: v.to(dtype) for k, v in tensors.items() if k not in ("d2t", "t2d", "embed_tokens.weight")}
     state["draft_vocab"] = tensors["d2t"] + torch.arange(draft) if head.config.draft_vocab_size else torch.arange(0)

@@ -19,7 +19,7 @@ from torch import Tensor
 from mmspec.models.hf.inputs import image_token_mask
 
 
-__all__ = ["ImageLayout", "dynamic_image_sizes", "image_layout", "image_runs"]
+__all__ = ["ImageLayout", "dynamic_image_sizes", "image_layout", "image_runs", "processor_image_layout"]
 
 
 def dynamic_image_sizes(config) -> bool:
@@ -139,3 +139,18 @@ def image_layout(model, input_ids: Tensor, model_inputs: dict | None = None,
     if i != len(lengths):
         raise ValueError(f"{source}: {len(lengths) - i} images more than the prompts' image tokens hold")
     return ImageLayout(rows_lengths, rows_grids)
+
+
+def processor_image_layout(model, processor, input_ids: Tensor, model_inputs: dict) -> ImageLayout | None:
+    """The `ImageLayout` of prompts (or whole training rows) `input_ids [rows, L]` from the processor's host outputs
+    `model_inputs`, for a target whose images differ in size (`dynamic_image_sizes`); None for a fixed-size target
+    (a policy then splits by `tokens_per_image`). Qwen-VL: from `image_grid_thw`; any-resolution LLaVA: the
+    processor's count per image (`_get_num_multimodal_tokens` over `image_sizes`); else each run of image tokens is
+    one image. What the pipeline and the trainers (`mmspec.train.vlm_vision`) both use."""
+    if not dynamic_image_sizes(model.config):
+        return None
+    lengths = None
+    count = getattr(processor, "_get_num_multimodal_tokens", None)
+    if "image_grid_thw" not in model_inputs and "image_sizes" in model_inputs and callable(count):
+        lengths = list(count(image_sizes=torch.as_tensor(model_inputs["image_sizes"]).tolist()).num_image_tokens)
+    return image_layout(model, input_ids, model_inputs, lengths)

@@ -19,10 +19,12 @@ import inspect
 import torch
 from torch import Tensor
 
+from mmspec.cache import StaticKVCache
 from mmspec.models.hf.positions import Positions
 
 
-__all__ = ["MRopePositions", "positions_for", "sequence_inputs", "token_types"]
+__all__ = ["MRopeDraftCache", "MRopePositions", "mrope_axes", "mrope_cos_sin", "mrope_params", "positions_for",
+           "sequence_inputs", "token_types"]  # fmt: skip
 
 
 def token_types(config, input_ids: Tensor) -> Tensor:
@@ -76,3 +78,80 @@ def sequence_inputs(model, input_ids: Tensor, attention_mask: Tensor, model_inpu
     inputs = {k: v for k, v in model_inputs.items() if k != "mm_token_type_ids"}
     positions = positions_for(model).prompt(input_ids, attention_mask.sum(1), inputs)
     return inputs if positions is None else {**inputs, "position_ids": positions}
+
+
+def mrope_params(config) -> dict | None:
+    """`{"mrope_section": [t, h, w], "mrope_interleaved": bool}` of a model whose text config uses M-RoPE (Qwen2-VL
+    family: `rope_scaling` / `rope_parameters` hold `mrope_section`; Qwen3-VL interleaves the axes), else None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = getattr(text, name, None) or {}
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            return {"mrope_section": [int(n) for n in rope["mrope_section"]],
+                    "mrope_interleaved": bool(rope.get("mrope_interleaved", False))}  # fmt: skip
+    return None
+
+
+def mrope_axes(section, interleaved: bool = False) -> list[int]:
+    """The position axis (0 temporal, 1 height, 2 width) each of the `sum(section)` rotary frequencies takes.
+    Qwen2-VL / Qwen2.5-VL: contiguous chunks of `section[0]`, `section[1]`, `section[2]` frequencies; Qwen3-VL
+    (`interleaved`): frequency `f` takes height where `f % 3 == 1` and `f < 3 * section[1]`, width where
+    `f % 3 == 2` and `f < 3 * section[2]`, temporal elsewhere."""
+    if not interleaved:
+        return [axis for axis, n in enumerate(section) for _ in range(n)]
+    return [axis if f % 3 == axis and f < 3 * section[axis] else 0 for f in range(sum(section))
+            for axis in [f % 3]]  # fmt: skip
+
+
+def mrope_cos_sin(rotary, x: Tensor, positions: Tensor, axes) -> tuple[Tensor, Tensor]:
+    """M-RoPE's `(cos, sin)` `[rows, M, head_dim]` from a 1-D rotary embedding `rotary` (transformers' `(x,
+    position_ids) -> (cos, sin)`, with `cos = [c ; c]` over the `head_dim / 2` frequencies) for 3-D `positions [3,
+    rows, M]`: frequency `f` rotates by the position on axis `axes[f]` (`mrope_axes`). Applied as ordinary RoPE, this
+    is the target's own multimodal rotary embedding."""
+    cos, sin = zip(*(rotary(x, positions[a]) for a in range(3)))  # each [rows, M, head_dim]
+    axes = torch.as_tensor(axes, device=x.device)
+    pick = torch.cat([axes, axes])  # the two halves share their frequencies
+    index = pick[None, None, None].expand(1, *cos[0].shape)
+    return tuple(torch.stack(t).gather(0, index)[0] for t in (cos, sin))
+
+
+class MRopeDraftCache(StaticKVCache):
+    """A draft head's one-layer cache (slot `s` holds pair `s - 1`: `(h[s - 1], x[s])`) that also keeps, per row, the
+    target's M-RoPE positions of the prompt and its `rope_delta`, so a pair sits at the target's position of its
+    hidden state's token (the serving engines' convention, `mmspec.models.hf.eagle3`): the prompt's own 3-D ids
+    for a prompt token, `t + rope_delta` on every axis after it. Both follow `select_rows`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompt_positions = None  # [3, rows, L]
+        self.prompt_lengths = None  # [rows]
+        self.rope_delta = None  # [rows]
+
+    def set_prompt(self, positions: Tensor, lengths: Tensor) -> None:
+        """The target's prompt positions `[3, rows, L]` (right-padded rows of `lengths [rows]`); `rope_delta` =
+        the row's largest prompt position + 1 - its length (`get_rope_index`'s), no host read."""
+        if positions is None or positions.dim() != 3 or positions.shape[0] != 3 or positions.shape[1] != self.rows:
+            raise ValueError(f"positions must be the target's M-RoPE prompt positions [3, rows={self.rows}, L], got "
+                             f"{None if positions is None else tuple(positions.shape)}")  # fmt: skip
+        valid = torch.arange(positions.shape[2], device=positions.device)[None] < lengths[:, None]
+        largest = torch.where(valid[None], positions, positions.new_full((), -1)).amax(dim=(0, 2))
+        self.prompt_positions, self.prompt_lengths = positions.long(), lengths.long()
+        self.rope_delta = largest + 1 - lengths.long()
+
+    def pair_positions(self, slots: Tensor) -> Tensor:
+        """`[3, rows, M]` RoPE positions of the pairs at cache `slots [rows, M]` (module docstring)."""
+        if self.prompt_positions is None:
+            raise ValueError("the head's M-RoPE positions need the target's prompt positions first (set_prompt)")
+        token = slots - 1  # the token whose hidden state the pair carries
+        table = self.prompt_positions
+        inside = token < self.prompt_lengths[:, None]
+        index = token.clamp(0, table.shape[2] - 1)[None].expand(3, -1, -1)
+        after = (token + self.rope_delta[:, None])[None].expand(3, -1, -1)
+        return torch.where(inside[None], table.gather(2, index), after)
+
+    def select_rows(self, index):
+        super().select_rows(index)
+        if self.prompt_positions is not None:
+            self.prompt_positions = self.prompt_positions[:, index]
+            self.prompt_lengths, self.rope_delta = self.prompt_lengths[index], self.rope_delta[index]
+        return self

@@ -361,7 +361,7 @@ class HFTarget(CachedTarget):
             vision = dict(inputs_embeds=embeds, image_mask=image_token_mask(self.model, input_ids) & valid)
         drafter_hidden = hidden if aux is None else self._aux_states(aux)
         return TargetOutput(p, drafter_hidden if return_hidden else None, input_ids=input_ids, lengths=lengths,
-                            **vision)  # fmt: skip
+                            positions=prompt_positions, **vision)  # fmt: skip
 
     def _aux(self):
         """Records the `hidden_layers` inputs during a forward (a no-op context without them)."""

@@ -19,8 +19,9 @@ inductor. "cudagraphs" captures the traced graph's own kernels in CUDA graphs wi
 compile where inductor takes minutes; the launches go, the kernels stay eager's). "eager" / "aot_eager" trace
 without generating code: the fast way to count graphs and breaks in tests.
 Sampling and verification stay eager by default (a per-row `torch.Generator` is not traceable). With
-`enable_compile(verify=True)` a chain round's verification (and plain AR's one-token draw) is one more graph (role
-"verify"): its uniforms are drawn eagerly first, one draw per generator (`mmspec.decoding.captured_verify`).
+`enable_compile(verify=True)` a chain round's verification (and plain AR's one-token draw) and its emit are one
+more graph (role "verify"): its uniforms are drawn eagerly first, one draw per generator
+(`mmspec.decoding.captured_verify`).
 """
 
 import dataclasses

@@ -11,8 +11,9 @@
 Plain AR decoding is the same loop without a drafter (an empty proposal: the verifier samples one token from
 `p_target` per round). Speculative and plain decoding therefore share every line but the draft.
 
-With `enable_compile(verify=True)` a chain round's verification (and plain AR's draw) runs as one captured graph
-(`mmspec.decoding.captured_verify`, uniforms drawn eagerly first); trees and Jacobi windows use `verify_proposal`.
+With `enable_compile(verify=True)` a chain round's verification (and plain AR's draw) and its emit run as one
+captured graph (`mmspec.decoding.captured_verify`, uniforms drawn eagerly first); trees and Jacobi windows use
+`verify_proposal` and `state.emit`.
 
 The only host syncs per round are the compaction check (how many rows remain, how many tokens were generated, for
 the progress bar) and those a rule needs inside `mmspec.verify` (tree loop bounds); the per-phase timers (a CUDA
@@ -157,14 +158,19 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
                 tokens.clamp(min=0), parents, return_hidden=drafter is not None and drafter.needs_hidden
             )
             stats.target_forwards += 1
-            verify = captured if captured is not None and captured.covers(proposal) else verify_proposal
-            result = verify(rule, proposal, out.p_target, state.generator, guidance.greedy)
+            num = None
+            if captured is not None and captured.covers(proposal):  # verifies and emits in one graph
+                result, num, accepted = captured(rule, proposal, out.p_target, state, guidance.greedy)
+            else:
+                result = verify_proposal(rule, proposal, out.p_target, state.generator, guidance.greedy)
         target.commit(result.num_emitted, None if parents is None else result.path.clamp(min=0))
-        num = state.emit(result.tokens, result.num_emitted, _closes_with_bonus(result, proposal, parents, tokens))
+        if num is None:
+            num = state.emit(result.tokens, result.num_emitted, _closes_with_bonus(result, proposal, parents, tokens))
+            accepted = torch.minimum(result.num_accepted, num)
         if drafter is not None:
             with stats.phase("draft", device):
                 drafter.commit(result, out, state)
-        stats.record_round(proposal.num_draft, torch.minimum(result.num_accepted, num), num, rows=state.ids)
+        stats.record_round(proposal.num_draft, accepted, num, rows=state.ids)
         if callback is not None:
             callback(state, state.rounds)
     guidance.check()

@@ -81,8 +81,8 @@ def run(pipe, method, labels, seed=0, **kw):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_greedy_tokens_equal_eager_and_nothing_recompiles(parts, captured, method):
     """Greedy, batch 1 and a ragged batch of 4 (rows finish at different rounds: 3 rows left run on a bucket of 4,
-    then 2, 1): eager's tokens, stats and trace. With the sampled calls (per-row generators) of the same batches: every verify graph was compiled once per
-    shape, dynamo's counters agree, and a second call compiles nothing."""
+    then 2, 1): eager's tokens, stats and trace. With the sampled calls (per-row generators) of the same batches:
+    every verify graph was compiled once per shape, dynamo's counters agree, and a second call compiles nothing."""
     eager = make_pipe(parts)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for labels in ([1], [0, 1, 2, 3]):

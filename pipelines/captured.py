@@ -25,7 +25,7 @@ class CapturedForwards:
                 kernels without inductor's code generation (fast to compile). "eager" / "aot_eager" trace and count
                 graphs without generating code.
             verify: also capture the loop's chain verification (exact / relaxed / grouped, sampled or greedy; plain
-                AR's one-token draw) as one graph per row bucket, on uniforms drawn eagerly first
+                AR's one-token draw) and its emit as one graph per row bucket, on uniforms drawn eagerly first
                 (`mmspec.decoding.captured_verify`): the same law as eager, another random stream (greedy tokens
                 are eager's). Trees and Jacobi windows verify eagerly. Default `mmspec.methods.COMPILE_VERIFY`.
         """

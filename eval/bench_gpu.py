@@ -4,7 +4,9 @@ Sections of the report:
 
 ``zoo``: every pipeline x main method of the shipped zoo (`mmspec.eval.zoo_runs`: ar-image, t2i, janus, vlm, mar)
 at each ``--batch-size`` (CFG rows included: an image call with guidance runs 2 model rows per image), eager and
-compiled (``pipe.enable_compile(backend=...)``: ``--compile-backend``, dynamo's ``cudagraphs`` by default), timed
+compiled (``pipe.enable_compile(backend=..., verify=True)``: ``--compile-backend``, dynamo's ``cudagraphs`` by
+default; the forwards and the chain verification captured, ``--eager-verify`` keeps the verification eager; the
+report's ``compile_verify`` says which), timed
 interleaved (`mmspec.timing.time_interleaved`, one warm-up call each, medians). Per row: ``eager_s``, ``compiled_s`` (null with ``compiled_reason`` where the
 pipeline has no ``enable_compile`` or compiling failed), ``speedup_vs_eager_plain``,
 ``speedup_vs_compiled_plain`` (the compiled method against the compiled plain baseline of the same run),
@@ -17,7 +19,9 @@ EAGLE-head-sized forward: one decoder layer of the target's width plus its outpu
 ``engine_s`` (the engine's non-forward work of one round: `mmspec.decoding.decode` with a target that returns a
 precomputed distribution over a real-size KV cache and a drafter that returns a fixed proposal, so verification,
 commit and bookkeeping are all that is timed; ``chain`` = K=6 drafts with distributions, ``tree`` = 24 nodes),
-eager and compiled (``torch.compile(mode=--compile-mode)``; the engine is eager only), at the context ``context``.
+eager and compiled (``torch.compile(mode=--compile-mode)``), at the context ``context``; ``engine_compiled_s``:
+``chain`` = the same round with its verification captured (the zoo's compiled backend), ``tree`` null (trees
+verify eagerly); the compiled projection uses it for chain methods.
 Beside them: ``param_bytes``, ``bound_step_s`` (param bytes / peak bandwidth: the physical floor of a step that
 reads every weight once), ``achieved_bandwidth`` (param bytes / plain step) and the device's
 ``peak_bandwidth`` (`PEAK_BANDWIDTH`, by device name; which one was assumed is recorded) and ``copy_bandwidth``
@@ -130,6 +134,9 @@ def add_arguments(parser):
                         "generation, seconds to compile; on an H100 inductor spent the whole zoo budget compiling), "
                         "or inductor (with --compile-mode; enable_compile's own default)")  # fmt: skip
     parser.add_argument("--no-compile", action="store_true", help="eager only (compiled fields null)")
+    parser.add_argument("--eager-verify", action="store_true",
+                        help="compiled rows capture the forwards only; the chain verification stays eager (default: "
+                        "captured too, enable_compile(verify=True))")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress log")
 
 
@@ -359,10 +366,11 @@ def build_arch(name, spec, smoke, dtype, device):
 
 class _FakeTarget:
     """The engine's view of a target whose forward costs nothing: a precomputed `p_target`, a real-size KV cache
-    committed as the real targets commit (`StaticKVCache.commit` / `commit_path`)."""
+    committed as the real targets commit (`StaticKVCache.commit` / `commit_path`). `compiler`: a `Compiler` with
+    `verify` on captures the loop's chain verification (`mmspec.decoding.captured_verify`), None keeps it eager."""
 
-    def __init__(self, p_target, cache, context):
-        self.p, self.cache, self.context = p_target, cache, context
+    def __init__(self, p_target, cache, context, compiler=None):
+        self.p, self.cache, self.context, self.compiler = p_target, cache, context, compiler
 
     def forward(self, tokens, parents=None, return_hidden=False):
         from mmspec.decoding import TargetOutput
@@ -383,7 +391,7 @@ class _FakeDrafter:
     needs_hidden = False
 
     def __init__(self, proposal):
-        self.proposal = proposal
+        self.proposal, self.max_width = proposal, proposal.width
 
     def propose(self, state):
         return self.proposal
@@ -395,8 +403,9 @@ class _FakeDrafter:
         pass
 
 
-def engine_round_time(spec, tree, device, repeats, tokens=33):
-    """Seconds of the engine's work per round (module docstring): `decode` over `tokens` tokens, / rounds."""
+def engine_round_time(spec, tree, device, repeats, tokens=33, compiler=None):
+    """Seconds of the engine's work per round (module docstring): `decode` over `tokens` tokens, / rounds.
+    `compiler`: the chain's verification captured (`_FakeTarget`)."""
     import torch
 
     from mmspec.cache import StaticKVCache
@@ -425,7 +434,7 @@ def engine_round_time(spec, tree, device, repeats, tokens=33):
     head_dim = spec["hidden"] // spec["heads"]
     cache = StaticKVCache(spec["layers"], b, spec["kv_heads"], spec["context"] + tokens + k + 8, head_dim,
                           dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)  # fmt: skip
-    target = _FakeTarget(p, cache, spec["context"])
+    target = _FakeTarget(p, cache, spec["context"], compiler)
     rounds = []
 
     def once():
@@ -456,6 +465,27 @@ def _compiled(runner, mode, smoke=False, backend="inductor"):
     return runner
 
 
+def _engine_compiled(args, spec, device, repeats, budget):
+    """The chain round's engine time with its verification captured (`enable_compile(verify=True)`'s graph, the
+    backend of the zoo's compiled rows; --smoke: dynamo's eager backend): `({"chain": s, "tree": None}, reason)`, or
+    `(None, reason)` without compiling. Trees verify eagerly, so their round is `engine_s`'s."""
+    from mmspec.decoding.compiled import Compiler
+
+    if args.no_compile or args.eager_verify:
+        return None, "--no-compile" if args.no_compile else "--eager-verify"
+    if budget.over():
+        return None, "the section's time budget was spent"
+    backend = "eager" if args.smoke else None if args.compile_backend == "inductor" else args.compile_backend
+    mode = args.compile_mode if backend is None and args.compile_mode != "default" else None
+    try:
+        chain = engine_round_time(spec, False, device, repeats, compiler=Compiler(mode, backend, verify=True))
+    except BudgetSpent as err:
+        return None, str(err)
+    except Exception as err:  # a compile failure is recorded, not fatal
+        return None, f"{type(err).__name__}: {str(err)[:300]}"
+    return {"chain": chain, "tree": None}, "trees verify eagerly (engine_s)"
+
+
 def _step_times(full, draft, widths, device, repeats):
     return {"plain_step_s": median_time(lambda: full.step(1), device, repeats),
             "verify_s": {str(w): median_time(lambda w=w: full.step(w), device, repeats) for w in widths},
@@ -477,7 +507,7 @@ def _arch_costs(args, name, device, dtype, widths, repeats, budget):
              "compiled_verify_widths": projection_widths(widths)}  # fmt: skip
     entry["eager"] = _step_times(full, draft, widths, device, repeats)
     entry["engine_s"] = {kind: engine_round_time(spec, kind == "tree", device, repeats) for kind in ("chain", "tree")}
-    entry["engine_compiled_s"], entry["engine_compiled_reason"] = None, "the engine loop runs eagerly"
+    entry["engine_compiled_s"], entry["engine_compiled_reason"] = _engine_compiled(args, spec, device, repeats, budget)
     entry["achieved_bandwidth"] = params / entry["eager"]["plain_step_s"]
     entry["compiled"], entry["compiled_reason"] = None, None
     if args.no_compile:
@@ -555,9 +585,10 @@ def projection(cost_section):
                 if t is None or str(width) not in t["verify_s"]:
                     row[variant] = None
                     continue
-                round_s = (
-                    t["verify_s"][str(width)] + a["draft_steps"] * t["draft_step_s"] + entry["engine_s"][a["engine"]]
-                )
+                engine = entry["engine_s"][a["engine"]]
+                if variant == "compiled":  # the chain round with its verification captured, where measured
+                    engine = (entry.get("engine_compiled_s") or {}).get(a["engine"]) or engine
+                round_s = t["verify_s"][str(width)] + a["draft_steps"] * t["draft_step_s"] + engine
                 row[variant] = a["tau"] * t["plain_step_s"] / round_s
             rows[anchor] = row
         rows["plain"] = {"tau": 1.0, "eager": 1.0, "compiled": 1.0 if entry.get("compiled") else None}
@@ -569,14 +600,15 @@ def projection(cost_section):
 # section zoo
 
 
-def _set_compile(run, on, smoke, backend=None):
-    """Turn the pipelines' capture on or off; the reason it is unavailable, or None."""
+def _set_compile(run, on, smoke, backend=None, verify=True):
+    """Turn the pipelines' capture on or off (`verify`: the chain verification too); the reason it is unavailable,
+    or None."""
     pipes = {id(x): x for x in run.pipes.values()}.values()
     if not all(hasattr(x, "enable_compile") for x in pipes):
         return f"{type(next(iter(pipes))).__name__} has no enable_compile"
     for x in pipes:
         if on:
-            x.enable_compile(mode=None, backend="eager" if smoke else backend)
+            x.enable_compile(mode=None, backend="eager" if smoke else backend, verify=verify)
         else:
             x.disable_compile()
     return None
@@ -608,7 +640,7 @@ def _zoo_pass(args, run, variant, b, device, repeats, rows):
     if reason is None:
         try:
             backend = None if args.compile_backend == "inductor" else args.compile_backend
-            reason = _set_compile(run, variant == "compiled", args.smoke, backend)
+            reason = _set_compile(run, variant == "compiled", args.smoke, backend, not args.eager_verify)
         except Exception as err:
             reason = f"enable_compile failed: {type(err).__name__}: {str(err)[:300]}"
     skips = cudagraph_skips()
@@ -741,6 +773,7 @@ def run(args):
     peak, assumed = peak_bandwidth(info["device"]) if device.type == "cuda" else (None, None)
     report = {"bench": "gpu", "smoke": bool(args.smoke), "partial": True, **info, "sections": list(args.sections),
               "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
+              "compile_verify": not args.eager_verify,
               "projection_model": PROJECTION_MODEL, "anchors": ANCHORS, "zoo": None, "costs": None,
               "projection": None}  # fmt: skip
     report["bandwidth"] = {"peak": peak, "peak_assumed": assumed, "copy": copy_bandwidth(device, args.smoke)}

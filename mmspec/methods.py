@@ -45,6 +45,7 @@ __all__ = [
     "PRESETS",
     "TREE_DRAFTERS",
     "COMPILE_BACKENDS",
+    "COMPILE_VERIFY",
     "DEFAULT_DRAFT_CONFIDENCE",
     "DRAFT_LENGTHS",
     "DRAFT_LENGTH_KNOBS",
@@ -185,11 +186,19 @@ EAGLE_HEADS = ("eagle", "eagle3", *VISION_POLICIES)
 # elsewhere; backend None: inductor. "eager" / "aot_eager" trace and count graphs without generating code (tests).
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_BACKENDS = (None, "inductor", "cudagraphs", "eager", "aot_eager")
+# `enable_compile(verify=...)`'s default: off, the loop's verification and sampling stay eager (bitwise the eager
+# random stream). On: a chain round's verification (exact / relaxed / grouped, sampled or greedy) or plain AR's draw,
+# and its emit, run as one captured graph on uniforms drawn eagerly first, one draw per generator
+# (`mmspec.decoding.captured_verify`): the same law, another random stream; trees and Jacobi windows stay eager.
+COMPILE_VERIFY = False
 
 
-def check_compile(mode=None, backend=None):
+def check_compile(mode=None, backend=None, verify=COMPILE_VERIFY):
     """Raise ValueError naming the argument unless `mode` is one of `COMPILE_MODES` and `backend` one of
-    `COMPILE_BACKENDS` (a mode other than None/"default" needs the inductor backend)."""
+    `COMPILE_BACKENDS` (a mode other than None/"default" needs the inductor backend); TypeError unless `verify` is a
+    bool."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be a bool, got {verify!r} ({type(verify).__name__})")
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
     if backend not in COMPILE_BACKENDS:

@@ -51,6 +51,7 @@ __all__ = [
     "cfg_combine_stacked",
     "check_probs_finite",
     "finite_flag",
+    "inverse_cdf",
     "logits_to_probs",
     "prob_dtype",
     "sample",
@@ -347,10 +348,8 @@ def sample(
     """
     vocab = probs.shape[-1]
     if method == "inverse_cdf":
-        cdf = probs.to(torch.float64).cumsum(-1)  # [..., V]
         u = rand((*probs.shape[:-1], 1), generator, device=probs.device, dtype=torch.float64, counts=counts)
-        # right=True skips zero-probability tokens (their cdf equals the previous entry).
-        return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).clamp_max(vocab - 1).squeeze(-1)
+        return inverse_cdf(probs, u)
     if method == "exponential":
         if num_rows(generator) is None:
             noise = torch.empty_like(probs).exponential_(generator=generator)  # [..., V]
@@ -366,3 +365,13 @@ def sample(
         flat = probs.reshape(-1, vocab)  # [N, V]
         return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
     raise ValueError(f"method must be 'inverse_cdf', 'exponential' or 'multinomial', got {method!r}")
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """The token of ``probs [..., V]`` (non-negative weights, unnormalised) at the uniform ``u [..., 1]`` (float64,
+    in [0, 1)): ``searchsorted(cumsum(probs), u * total)``, accumulated in float64. `sample`'s default method with its
+    uniform drawn beforehand: a pure tensor function, so a captured graph can sample from pre-drawn uniforms
+    (`mmspec.verify.chain.chain_from_uniforms`). Returns ``[...]`` token ids."""
+    cdf = probs.to(torch.float64).cumsum(-1)  # [..., V]
+    # right=True skips zero-probability tokens (their cdf equals the previous entry).
+    return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).clamp_max(probs.shape[-1] - 1).squeeze(-1)

@@ -2,7 +2,7 @@
 `mmspec.decoding.compiled`; `docs/pipelines.md`, "Captured forwards")."""
 
 from mmspec.decoding.compiled import Compiler
-from mmspec.methods import check_compile
+from mmspec.methods import COMPILE_VERIFY, check_compile
 
 
 __all__ = ["CapturedForwards"]
@@ -15,7 +15,7 @@ class CapturedForwards:
 
     _compiler = None
 
-    def enable_compile(self, mode=None, backend=None):
+    def enable_compile(self, mode=None, backend=None, verify=COMPILE_VERIFY):
         """Capture the per-round forwards from the next call on; returns the pipeline.
 
         Args:
@@ -24,9 +24,13 @@ class CapturedForwards:
             backend: `mmspec.methods.COMPILE_BACKENDS`; None: inductor. "cudagraphs": CUDA graphs of the traced
                 kernels without inductor's code generation (fast to compile). "eager" / "aot_eager" trace and count
                 graphs without generating code.
+            verify: also capture the loop's chain verification (exact / relaxed / grouped, sampled or greedy; plain
+                AR's one-token draw) and its emit as one graph per row bucket, on uniforms drawn eagerly first
+                (`mmspec.decoding.captured_verify`): the same law as eager, another random stream (greedy tokens
+                are eager's). Trees and Jacobi windows verify eagerly. Default `mmspec.methods.COMPILE_VERIFY`.
         """
-        check_compile(mode, backend)
-        self._compiler = Compiler(mode, backend)
+        check_compile(mode, backend, verify)
+        self._compiler = Compiler(mode, backend, verify)
         return self
 
     def disable_compile(self):

@@ -18,7 +18,10 @@ Mode None is "reduce-overhead" (inductor + CUDA graphs) on CUDA and plain induct
 inductor. "cudagraphs" captures the traced graph's own kernels in CUDA graphs without generating code (seconds to
 compile where inductor takes minutes; the launches go, the kernels stay eager's). "eager" / "aot_eager" trace
 without generating code: the fast way to count graphs and breaks in tests.
-Sampling and verification stay eager (a per-row `torch.Generator` is not traceable): only forwards are captured.
+Sampling and verification stay eager by default (a per-row `torch.Generator` is not traceable). With
+`enable_compile(verify=True)` a chain round's verification (and plain AR's one-token draw) and its emit are one
+more graph (role "verify"): its uniforms are drawn eagerly first, one draw per generator
+(`mmspec.decoding.captured_verify`).
 """
 
 import dataclasses
@@ -127,19 +130,23 @@ class CompiledForward:
 
 
 class Compiler:
-    """A pipeline's captured forwards (`pipe.enable_compile(mode, backend)`): one `CompiledForward` per (role,
-    model), created on first use and kept across calls. `mode` / `backend` are checked by the pipeline
-    (`mmspec.methods.check_compile`)."""
+    """A pipeline's captured forwards (`pipe.enable_compile(mode, backend, verify)`): one `CompiledForward` per
+    (role, model), created on first use and kept across calls. `mode` / `backend` / `verify` are checked by the
+    pipeline (`mmspec.methods.check_compile`); `verify`: the loop's chain verification runs captured too (role
+    "verify", `mmspec.decoding.captured_verify`)."""
 
-    def __init__(self, mode=None, backend=None):
-        self.mode, self.backend = mode, backend
+    def __init__(self, mode=None, backend=None, verify=False):
+        self.mode, self.backend, self.verify = mode, backend, verify
         self.forwards: dict[tuple[str, int], CompiledForward] = {}
 
-    def forward(self, role, model, fn=None):
-        """The compiled forward of `model` in `role` (`fn`: the callable to capture, default `model` itself)."""
+    def forward(self, role, model, fn=None, device=None):
+        """The compiled forward of `model` in `role` (`fn`: the callable to capture, default `model` itself; a plain
+        function as `model` is its own key). `device`: where it runs, default the model's parameters' (CPU when
+        it has none)."""
         key = (role, id(model))
         if key not in self.forwards:
-            device = next(iter(model.parameters()), torch.empty(0)).device if hasattr(model, "parameters") else None
+            if device is None and hasattr(model, "parameters"):
+                device = next(iter(model.parameters()), torch.empty(0)).device
             self.forwards[key] = CompiledForward(model if fn is None else fn, role, self.mode, self.backend, device)
         return self.forwards[key]
 

@@ -11,6 +11,10 @@
 Plain AR decoding is the same loop without a drafter (an empty proposal: the verifier samples one token from
 `p_target` per round). Speculative and plain decoding therefore share every line but the draft.
 
+With `enable_compile(verify=True)` a chain round's verification (and plain AR's draw) and its emit run as one
+captured graph (`mmspec.decoding.captured_verify`, uniforms drawn eagerly first); trees and Jacobi windows use
+`verify_proposal` and `state.emit`.
+
 The only host syncs per round are the compaction check (how many rows remain, how many tokens were generated, for
 the progress bar) and those a rule needs inside `mmspec.verify` (tree loop bounds); the per-phase timers (a CUDA
 sync around each phase) run only when asked for (`SpecStats(time_phases=True)`). Counters stay on the device
@@ -23,6 +27,7 @@ import logging
 import torch
 
 from mmspec.cache import prepend_root
+from mmspec.decoding.captured_verify import CapturedVerify
 from mmspec.decoding.drafter import Proposal
 from mmspec.sampling import sample
 from mmspec.verify import VerifyResult, verify_chain, verify_jacobi, verify_tree
@@ -58,6 +63,16 @@ def verify_proposal(rule, proposal: Proposal, p_target, generator, greedy: bool)
                              coupling=proposal.jacobi_coupling, num_draft=proposal.num_draft, validate=False)  # fmt: skip
     return verify_chain(rule, proposal.tokens, p_target, proposal.q_draft, generator=generator,
                         num_draft=proposal.num_draft, greedy=greedy, validate=False)  # fmt: skip
+
+
+def _captured_verify(target, drafter, state):
+    """The call's `CapturedVerify` when the target's compiler captures verification (`enable_compile(verify=True)`),
+    else None."""
+    compiler = getattr(target, "compiler", None)
+    if compiler is None or not compiler.verify:
+        return None
+    width = 0 if drafter is None else drafter.max_width
+    return CapturedVerify(compiler, state.batch_size, width, state.tokens.device)
 
 
 def _closes_with_bonus(result, proposal, parents, tokens):
@@ -123,6 +138,7 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
     """
     device = state.tokens.device
     reported = 0
+    captured = _captured_verify(target, drafter, state)
     while True:
         left, generated = _drop_finished(state, target, drafter)
         if progress is not None:
@@ -142,13 +158,19 @@ def decode(target, drafter, rule, state, guidance, stats, *, progress=None, call
                 tokens.clamp(min=0), parents, return_hidden=drafter is not None and drafter.needs_hidden
             )
             stats.target_forwards += 1
-            result = verify_proposal(rule, proposal, out.p_target, state.generator, guidance.greedy)
+            num = None
+            if captured is not None and captured.covers(proposal):  # verifies and emits in one graph
+                result, num, accepted = captured(rule, proposal, out.p_target, state, guidance.greedy)
+            else:
+                result = verify_proposal(rule, proposal, out.p_target, state.generator, guidance.greedy)
         target.commit(result.num_emitted, None if parents is None else result.path.clamp(min=0))
-        num = state.emit(result.tokens, result.num_emitted, _closes_with_bonus(result, proposal, parents, tokens))
+        if num is None:
+            num = state.emit(result.tokens, result.num_emitted, _closes_with_bonus(result, proposal, parents, tokens))
+            accepted = torch.minimum(result.num_accepted, num)
         if drafter is not None:
             with stats.phase("draft", device):
                 drafter.commit(result, out, state)
-        stats.record_round(proposal.num_draft, torch.minimum(result.num_accepted, num), num, rows=state.ids)
+        stats.record_round(proposal.num_draft, accepted, num, rows=state.ids)
         if callback is not None:
             callback(state, state.rounds)
     guidance.check()

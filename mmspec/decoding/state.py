@@ -16,7 +16,27 @@ from mmspec.decoding.trace import ACCEPTED, BONUS, PREFILL, RESAMPLED, DecodeTra
 from mmspec.random import Generators, select_generators
 
 
-__all__ = ["SequenceState"]
+__all__ = ["SequenceState", "append_tokens"]
+
+
+def append_tokens(tokens, count, ended, new_tokens, num_new, max_length: int, eos, inplace: bool = False):
+    """The tensor part of `SequenceState.emit`: append `new_tokens[b, :num_new[b]]` to row b of the buffer `tokens`
+    (after `count[b]` tokens), cut at `max_length` and after an EOS of `eos` (ids or None). A pure function when
+    `inplace` is False (`tokens` comes back as a new buffer: what a captured graph runs,
+    `mmspec.decoding.captured_verify`); `inplace=True` writes `tokens` in place (eager `emit`).
+
+    Returns ``(tokens, count + num, ended, num)``, ``num [B']`` the tokens appended per row."""
+    m = new_tokens.shape[1]
+    j = torch.arange(m, device=new_tokens.device)
+    num = torch.minimum(num_new, max_length - count)
+    if eos is not None:
+        eos_at = torch.where((new_tokens[..., None] == eos).any(-1) & (j < num[:, None]), j, m).amin(1)
+        ended = ended | (eos_at < num)
+        num = torch.minimum(num, eos_at + 1)
+    keep = j[None, :] < num[:, None]  # [B', M]
+    cols = torch.where(keep, count[:, None] + j[None, :], max_length + j[None, :])
+    tokens = tokens.scatter_(1, cols, new_tokens) if inplace else tokens.scatter(1, cols, new_tokens)
+    return tokens, count + num, ended, num
 
 
 class SequenceState:
@@ -98,23 +118,26 @@ class SequenceState:
             `[B']` tokens appended per row.
         """
         m = new_tokens.shape[1]
-        if self.tokens.shape[1] < self.max_length + m:  # scratch columns take the writes that are not kept
+        self.reserve(m)
+        self.tokens, count, self.ended, num = append_tokens(
+            self.tokens, self.count, self.ended, new_tokens, num_new, self.max_length, self.eos, inplace=True
+        )
+        self.log_round(m, count, num, num_new - 1, bonus)
+        return num
+
+    def reserve(self, m: int) -> None:
+        """Scratch columns after `max_length` for a round of `m` tokens (the writes that are not kept go there)."""
+        if self.tokens.shape[1] < self.max_length + m:
             pad = self.tokens.new_full((self.batch_size, self.max_length + m - self.tokens.shape[1]), -1)
             self.tokens = torch.cat([self.tokens, pad], dim=1)
-        j = torch.arange(m, device=new_tokens.device)
-        num = torch.minimum(num_new, self.max_length - self.count)
-        if self.eos is not None:
-            eos_at = torch.where(self._is_eos(new_tokens) & (j < num[:, None]), j, m).amin(1)
-            self.ended = self.ended | (eos_at < num)
-            num = torch.minimum(num, eos_at + 1)
-        keep = j[None, :] < num[:, None]  # [B', M]
-        cols = torch.where(keep, self.count[:, None] + j[None, :], self.max_length + j[None, :])
-        self.tokens.scatter_(1, cols, new_tokens)
+
+    def log_round(self, m: int, count: Tensor, num: Tensor, last: Tensor, bonus: Tensor | None) -> None:
+        """The host-side part of `emit` (the tensors were written by `append_tokens`): log the round (`last`: the
+        index of its closing token, `num_new - 1`) and take the new `count`."""
         self.rounds += 1
-        self._log.append((self.ids, self.count, num, num_new - 1, bonus))
+        self._log.append((self.ids, self.count, num, last, bonus))
         self._widest = max(self._widest, m)  # host-known: the widest round, for `full_trace`
-        self.count = self.count + num
-        return num
+        self.count = count
 
     def keep(self, index: Tensor, host_index: list[int] | None = None) -> None:
         """Keep only rows `index [B'']` (positions in the current buffer) for the rounds to come. `host_index`: the

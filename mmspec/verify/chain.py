@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from mmspec.random import Generators, check_generator, rand
-from mmspec.sampling import prob_dtype, sample
+from mmspec.sampling import inverse_cdf, prob_dtype, sample
 from mmspec.verify.checks import Checks, check_shape, check_tokens_and_probs, gather_last, num_draft_mask
 from mmspec.verify.gsd import Grouped
 from mmspec.verify.lantern import Lantern
@@ -27,7 +27,15 @@ from mmspec.verify.results import VerifyResult
 from mmspec.verify.rules import AcceptanceRule, Exact
 
 
-__all__ = ["verify_chain", "verify_exact", "verify_greedy", "verify_grouped", "verify_relaxed"]
+__all__ = [
+    "chain_from_uniforms",
+    "decide_chain",
+    "verify_chain",
+    "verify_exact",
+    "verify_greedy",
+    "verify_grouped",
+    "verify_relaxed",
+]
 
 
 def chain_setup(
@@ -107,6 +115,66 @@ def assemble_chain(
     )
 
 
+def decide_chain(
+    rule: AcceptanceRule,
+    p: Tensor,
+    q: Tensor | None,
+    tokens: Tensor,
+    lengths: Tensor,
+    valid: Tensor,
+    coins: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chain rule given its acceptance uniforms ``coins [B, K]`` (None: greedy decoding), a pure tensor function
+    (no generator, no host read). ``p``, ``q``, ``tokens``, ``lengths``, ``valid``: as `chain_setup` returns them.
+
+    Returns ``(accept_prob [B, K], num_accepted [B], dist [B, V])``: ``dist`` is what the next token is drawn from
+    (the rule's residual at the first rejection, ``p_target`` past the last valid draft; greedy: ``p_target`` at
+    the stop, whose argmax is the token)."""
+    batch, k = tokens.shape
+    rows = torch.arange(batch, device=p.device)
+    if coins is None:
+        accepted = rule.greedy_accept(p[:, :k], tokens) & valid
+        accept_prob = accepted.to(p.dtype)
+    else:
+        accept_prob = torch.where(valid, rule.accept(p[:, :k], q, tokens), 0.0)  # [B, K]
+        accepted = (coins < accept_prob) & valid
+    n = accepted.long().cumprod(-1).sum(-1)  # [B] first rejection (prefix-closed)
+    p_sel = p[rows, n]  # [B, V] target dist at the next position
+    if coins is None or k == 0:
+        return accept_prob, n, p_sel
+    idx = n.clamp(max=k - 1)
+    resid = rule.residual(p_sel, None if q is None else q[rows, idx], tokens[rows, idx])
+    return accept_prob, n, torch.where((n >= lengths)[:, None], p_sel, resid)  # bonus if every valid draft accepted
+
+
+def chain_from_uniforms(
+    rule: AcceptanceRule,
+    draft_tokens: Tensor,
+    p_target: Tensor,
+    q_draft: Tensor | None,
+    num_draft: Tensor,
+    uniforms: Tensor | None,
+) -> VerifyResult:
+    """`verify_chain` (unvalidated) as a pure tensor function of pre-drawn uniforms: what a captured graph runs
+    (`mmspec.decoding.captured_verify`).
+
+    ``uniforms [B, K+1]`` (float64; None: greedy decoding): ``uniforms[:, :K]`` are the acceptance coins,
+    ``uniforms[:, K]`` the next token's draw by inverse CDF (`mmspec.sampling.inverse_cdf`) from the residual or
+    the bonus distribution. The same law as `verify_chain` (a coin is compared with the acceptance probability in
+    float64; the next token is the inverse CDF of its distribution at a uniform), another random stream: the coins
+    and the draw come from the caller's one draw per generator. ``K = 0`` is plain AR decoding: one token from
+    ``p_target[:, 0]``."""
+    batch, k = draft_tokens.shape
+    p = p_target.to(prob_dtype(p_target.dtype))
+    q = None if q_draft is None else q_draft.to(p.dtype)
+    lengths, valid = num_draft_mask(num_draft, batch, k, p.device)
+    tokens = torch.where(valid, draft_tokens, 0).clamp(0, p.shape[-1] - 1)  # safe for gathers  [B, K]
+    coins = None if uniforms is None else uniforms[:, :k]
+    accept_prob, n, dist = decide_chain(rule, p, q, tokens, lengths, valid, coins)
+    next_token = dist.argmax(-1) if uniforms is None else inverse_cdf(dist, uniforms[:, k:])
+    return assemble_chain(draft_tokens, n, next_token, accept_prob)
+
+
 def run_chain(
     rule: AcceptanceRule,
     draft_tokens: Tensor,
@@ -133,26 +201,9 @@ def run_chain(
     rule.check(p.shape[-1], checks if validate else None)
     checks.run()
     batch, k = tokens.shape
-    rows = torch.arange(batch, device=p.device)
-    if greedy:
-        accepted = rule.greedy_accept(p[:, :k], tokens) & valid
-        accept_prob = accepted.to(p.dtype)
-        coins = None
-    else:
-        accept_prob = torch.where(valid, rule.accept(p[:, :k], q, tokens), 0.0)  # [B, K]
-        coins = rand((batch, k), generator, device=p.device, dtype=p.dtype, counts=lengths)  # [B, K]
-        accepted = (coins < accept_prob) & valid
-    n = accepted.long().cumprod(-1).sum(-1)  # [B] first rejection (prefix-closed)
-    p_sel = p[rows, n]  # [B, V] target dist at the next position
-    if greedy:
-        next_token = p_sel.argmax(-1)
-    else:
-        resid = p_sel
-        if k > 0:
-            idx = n.clamp(max=k - 1)
-            resid = rule.residual(p_sel, None if q is None else q[rows, idx], tokens[rows, idx])
-        dist = torch.where((n >= lengths)[:, None], p_sel, resid)  # bonus if every valid draft was accepted
-        next_token = sample(dist, generator)
+    coins = None if greedy else rand((batch, k), generator, device=p.device, dtype=p.dtype, counts=lengths)  # [B, K]
+    accept_prob, n, dist = decide_chain(rule, p, q, tokens, lengths, valid, coins)
+    next_token = dist.argmax(-1) if greedy else sample(dist, generator)
     result = assemble_chain(draft_tokens, n, next_token, accept_prob)
     return result, ChainState(p, q, tokens, lengths, coins, accept_prob, n)
 

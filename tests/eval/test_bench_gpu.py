@@ -39,6 +39,10 @@ def _check_costs(report, archs, compiled=True):
         assert set(entry["engine_s"]) == {"chain", "tree"}
         if compiled:  # counted: 0 on the CPU (no CUDA graphs to skip)
             assert entry["cudagraph_skips"] == 0
+            # the chain round with its verification captured (trees verify eagerly)
+            assert entry["engine_compiled_s"]["chain"] > 0 and entry["engine_compiled_s"]["tree"] is None, entry
+        else:
+            assert entry["engine_compiled_s"] is None and entry["engine_compiled_reason"] == "--no-compile"
         _positive_numbers({k: v for k, v in entry.items() if k not in ("bound_step_s", "compiled_reason", "cudagraph_skips",
                                                                         "engine_compiled_s", "engine_compiled_reason")})  # fmt: skip
         rows = report["projection"][name]

@@ -1,0 +1,115 @@
+"""Captured verification: a chain round's verification and the emit that goes with it as one
+`torch.compile(fullgraph=True, dynamic=False)` graph (`pipe.enable_compile(verify=True)`, `docs/pipelines.md`,
+"Captured forwards").
+
+A `torch.Generator` (or a per-row list of them, `mmspec.random`) cannot be traced, so the round's randomness is
+drawn eagerly first, in one draw of a fixed shape: ``uniforms [rows, W + 1]`` (float64) per round, a single
+generator's one `rand`, or ``W + 1`` uniforms from each row's own generator (a row's draws depend on its generator
+only, and every row draws the same amount each round whatever the rest of the batch does: no per-row counts, no
+host read). The rule then runs as a pure tensor function of (drafts, ``p_target``, ``q_draft``, lengths, uniforms),
+`mmspec.verify.chain.chain_from_uniforms`: coins ``uniforms[:, :W]``, the residual / bonus token by inverse CDF at
+``uniforms[:, W]``. That is the law of `mmspec.verify.verify_chain`, with another random stream than eager's
+(greedy decoding draws nothing and gives eager's tokens). The same graph appends the round's tokens to the
+`SequenceState`'s buffer (`mmspec.decoding.state.append_tokens`, out of place: the graph takes the buffer, the counts
+and the EOS flags and hands back new ones; the round's log stays on the host, `SequenceState.log_round`) and gives
+the stats their per-row counts. The cache commit, the loop's compaction read and the stats' log stay eager.
+
+Shapes are the call's buckets, so a whole generation compiles one graph per (row bucket, greedy): the width ``W`` is
+the drafter's `max_width` every round (0 for plain AR decoding: one token from ``p_target[:, 0]``), a narrower
+proposal padded (its padding is never valid); the rows are `row_bucket`s of the call's first batch, as the
+forwards'. Padding rows verify (and append to) copies of row 0 and are cut off.
+
+Covered: chain proposals (no tree parents, no Jacobi re-draft) under any `mmspec.verify.AcceptanceRule` (exact,
+LANTERN, GSD), sampled or greedy, and plain AR decoding. Trees and Jacobi windows verify eagerly
+(`mmspec.decoding.loop.verify_proposal`), as does everything when verification capture is off (the default).
+"""
+
+import torch
+
+from mmspec.decoding.compiled import pad_rows, row_bucket
+from mmspec.decoding.drafter import Proposal
+from mmspec.decoding.state import append_tokens
+from mmspec.random import rand
+from mmspec.verify import VerifyResult
+from mmspec.verify.chain import chain_from_uniforms
+
+
+__all__ = ["CapturedVerify", "captured_round"]
+
+
+def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, buffer, count, ended, max_length, eos):
+    """The traced function: `chain_from_uniforms`, then the round's tokens appended to the state's buffer
+    (`mmspec.decoding.state.append_tokens`, out of place). `draft_tokens` / `num_draft` None: no drafts (plain AR
+    decoding). Returns (num_accepted, accept_mask, tokens, accept_prob, num_emitted, buffer, count, ended, num,
+    bonus, accepted): `bonus` the round closed with a token drawn from `p_target` itself (every valid draft accepted),
+    `accepted` the accepted drafts kept (`min(num_accepted, num)`, for the stats)."""
+    if draft_tokens is None:
+        draft_tokens = torch.zeros(p_target.shape[0], 0, dtype=torch.long, device=p_target.device)
+    out = chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms)
+    buffer, count, ended, num = append_tokens(buffer, count, ended, out.tokens, out.num_emitted, max_length, eos)
+    bonus = out.num_accepted >= (draft_tokens.shape[1] if num_draft is None else num_draft)
+    accepted = torch.minimum(out.num_accepted, num)
+    verified = (out.num_accepted, out.accept_mask, out.tokens, out.accept_prob, out.num_emitted)
+    return (*verified, buffer, count, ended, num, bonus, accepted)
+
+
+def _pad_width(x, width):
+    """`x [B, K, ...]` padded with zeros to `width` columns (one op; never valid, never read as a distribution);
+    None stays None."""
+    if x is None or x.shape[1] >= width:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))
+
+
+class CapturedVerify:
+    """One decoding call's captured chain verification (`mmspec.decoding.loop.decode` makes it when the target's
+    compiler has `verify` on).
+
+    Args:
+        compiler: the pipeline's `mmspec.decoding.compiled.Compiler` (role ``"verify"``; its graphs are kept across
+            calls).
+        rows: the call's batch items (the row buckets' limit).
+        width: the drafter's `max_width` (0: plain AR decoding).
+        device: where the call runs.
+    """
+
+    def __init__(self, compiler, rows: int, width: int, device):
+        self.compiler, self.rows, self.width, self.device = compiler, int(rows), int(width), torch.device(device)
+
+    def covers(self, proposal: Proposal) -> bool:
+        """A chain (or an empty proposal) no wider than the call's width: the rounds this object verifies."""
+        return proposal.parents is None and proposal.jacobi_coupling is None and proposal.width <= self.width
+
+    def uniforms(self, generator, live: int, rows: int):
+        """The round's ``[rows, W + 1]`` float64 uniforms: one draw of a single generator, or ``W + 1`` from each of
+        the `live` rows' own generators (padding rows copy row 0's)."""
+        if generator is None or isinstance(generator, torch.Generator):
+            return rand((rows, self.width + 1), generator, device=self.device, dtype=torch.float64)
+        return pad_rows(rand((live, self.width + 1), generator, device=self.device, dtype=torch.float64), rows)
+
+    def __call__(self, rule, proposal: Proposal, p_target, state, greedy: bool):
+        """Verify one round (as `mmspec.decoding.loop.verify_proposal`) and append its tokens to `state` (as
+        `SequenceState.emit`) through the captured graph. Returns ``(VerifyResult, num [B'], accepted [B'])``: the
+        tokens appended per row and the accepted drafts among them."""
+        live, k = proposal.tokens.shape
+        rows, width = row_bucket(live, self.rows), self.width
+        tokens, lengths = None, None  # plain AR decoding: no drafts (made in the graph)
+        if width:
+            tokens = pad_rows(_pad_width(proposal.tokens, width), rows)
+            lengths = pad_rows(proposal.num_draft, rows, fill=0)
+        p = pad_rows(_pad_width(p_target, width + 1), rows)
+        q = pad_rows(_pad_width(proposal.q_draft, width), rows)
+        uniforms = None if greedy else self.uniforms(state.generator, live, rows)
+        state.reserve(width + 1)
+        held = [pad_rows(x, rows) for x in (state.tokens, state.count, state.ended)]
+        run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
+        out = run(rule, tokens, p, q, lengths, uniforms, *held, state.max_length, state.eos)
+        if rows > live:
+            out = [x[:live] for x in out]
+        num_accepted, accept_mask, chosen, accept_prob, num_emitted, buffer, count, ended, num, bonus, accepted = out
+        if width > k:
+            accept_mask, chosen, accept_prob = accept_mask[:, :k], chosen[:, : k + 1], accept_prob[:, :k]
+        state.tokens, state.ended = buffer, ended
+        state.log_round(k + 1, count, num, num_accepted, bonus)
+        result = VerifyResult(num_accepted, accept_mask, chosen, accept_prob=accept_prob, num_emitted=num_emitted)
+        return result, num, accepted

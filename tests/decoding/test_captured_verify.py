@@ -1,0 +1,271 @@
+"""Captured verification (`pipe.enable_compile(verify=True)`, `mmspec.decoding.captured_verify`): a chain round's
+verification (or plain AR's draw) and its emit as one fullgraph graph on uniforms drawn eagerly first.
+
+* greedy tokens equal eager's (EAGLE chain and plain, batch 1 and a ragged batch of 4 that compacts onto row buckets;
+  the VLM pipeline's ragged batch with rows ending at EOS);
+* the law: chi-square of the first two emitted tokens through the captured graph (ragged drafts, a proposal narrower
+  than the call's width, so the padding and the uniforms' layout are exercised);
+* counted: `_dynamo.explain` 1 graph / 0 breaks per rule, 0 recompiles over whole generations, engine ops per round
+  outside the graphs (`ENGINE_OPS_CAPTURED`, exact bounds) and host reads within the eager budgets;
+* per-row generators: a row's tokens do not depend on the rest of its batch.
+Graphs are traced with backend "eager" (no code generation): fast, and the same graphs inductor would get.
+"""
+
+import contextlib
+
+import factories
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+from mmspec.counting import HostReads, OpCount
+from mmspec.decoding.captured_verify import CapturedVerify, captured_round
+from mmspec.decoding.compiled import Compiler
+from mmspec.decoding.drafter import Proposal
+from mmspec.decoding.state import SequenceState
+from mmspec.eval.bench_profile import profile_call
+from mmspec.verify import Exact, Grouped, Lantern
+
+
+V, GRID = 16, 4
+METHODS = {"eagle-chain": dict(acceptance="exact", drafter="eagle", tree_depth=4), "plain": dict(acceptance="none")}
+# method -> eager ops of a round's captured verification + emit at batch 1 (eager: 59 + 15 for the chain, 13 + 15 for
+# plain): at a full row / width bucket its one `rand` and the graph's launch (2); a chain narrower than the call's
+# width near the image's end adds its padding (tokens, p_target, q_draft: 3) and the cut back (3); the first round
+# widens the state's buffer once (2)
+VERIFY_OPS = {"eagle-chain": 8, "plain": 4}
+# method -> the engine's other ops per round (the loop's compaction read, the cache commit, the pending tokens, the
+# stats), as measured (25.4, 27.3 at batch 1) + slack; these stay eager (eager loop: 101.6 for the chain in all)
+ENGINE_OPS_CAPTURED = {"eagle-chain": 27, "plain": 29}
+
+
+@pytest.fixture(scope="module")
+def parts():
+    from mmspec.models.llamagen.eagle import EagleHead
+
+    target = factories.tiny_gpt(0, vocab_size=V, num_classes=4, block_size=GRID**2, std=0.3)
+    head = EagleHead.from_target(target, initializer_range=0.3).init_weights(torch.Generator().manual_seed(2)).eval()
+    return target, head, factories.tiny_vq(V)
+
+
+class VerifyOnly(Compiler):
+    """A compiler that captures the verification only (the forwards run eagerly, through their captured padding):
+    the graph under test, quick to trace. One test runs everything captured (`test_full_capture_greedy`)."""
+
+    def forward(self, role, model, fn=None, device=None):
+        return super().forward(role, model, fn, device) if role == "verify" else (model if fn is None else fn)
+
+
+def make_pipe(parts, compiler=None):
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    target, head, vq = parts
+    pipe = SpeculativeARImagePipeline(target, vq, None, head)
+    pipe.set_progress_bar_config(disable=True)
+    pipe._compiler = compiler
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def captured(parts):
+    """One pipeline with verification captured, shared: each graph is traced once for the module."""
+    return make_pipe(parts, VerifyOnly(backend="eager", verify=True))
+
+
+def run(pipe, method, labels, seed=0, **kw):
+    gen = [torch.Generator().manual_seed(seed + i) for i in range(len(labels))] if kw.pop("per_row", False) else None
+    gen = gen or torch.Generator().manual_seed(seed)
+    return pipe(class_labels=labels, generator=gen, output_type="tokens", **METHODS[method], **kw)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_tokens_equal_eager_and_nothing_recompiles(parts, captured, method):
+    """Greedy, batch 1 and a ragged batch of 4 (rows finish at different rounds: 3 rows left run on a bucket of 4,
+    then 2, 1): eager's tokens, stats and trace. With the sampled calls (per-row generators) of the same batches:
+    every verify graph was compiled once per shape, dynamo's counters agree, and a second call compiles nothing."""
+    eager = make_pipe(parts)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for labels in ([1], [0, 1, 2, 3]):
+        want, got = (run(pipe, method, labels, do_sample=False) for pipe in (eager, captured))
+        assert torch.equal(got.images, want.images), labels
+        # the round's log and counts, written by the graph's emit, are eager's too
+        assert (got.stats.accepted_tokens, got.stats.rounds) == (want.stats.accepted_tokens, want.stats.rounds)
+        assert torch.equal(got.trace.origin, want.trace.origin) and torch.equal(got.trace.round, want.trace.round)
+        run(captured, method, labels, per_row=True)
+    report = captured.compile_report()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    assert report["verify"]["calls"] > 0 and graphs <= report["verify"]["graphs"]
+    run(captured, method, [1], per_row=True)
+    again = captured.compile_report()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == graphs  # the second call: none
+    assert again["verify"]["recompiles"] == 0 and again["verify"]["graphs"] == report["verify"]["graphs"], again
+    rows = {
+        sig[2][0][0] for (role, _), f in captured.compiler.forwards.items() if role == "verify" for sig in f.shapes
+    }
+    assert rows <= {4, 2, 1} and len(rows) > 1, rows  # the verify graph follows the row buckets
+
+
+def test_full_capture_greedy(parts):
+    """Everything captured (`enable_compile(backend="eager", verify=True)`: target, EAGLE head, verification):
+    eager's greedy tokens, one graph per shape, no recompile."""
+    pipe = make_pipe(parts).enable_compile(backend="eager", verify=True)
+    want = run(make_pipe(parts), "eagle-chain", [1], do_sample=False).images
+    assert torch.equal(run(pipe, "eagle-chain", [1], do_sample=False).images, want)
+    report = pipe.compile_report()
+    assert set(report) == {"target", "drafter", "verify"}, report
+    assert all(r["recompiles"] == 0 and r["graphs"] == r["shapes"] for r in report.values()), report
+    assert report["verify"]["graphs"] == 1, report
+
+
+RULES = {"exact": Exact(), "relaxed": Lantern(neighbours=torch.arange(V).roll(1)[:, None], delta=0.2),
+         "grouped": Grouped(embeddings=torch.randn(V, 4, generator=torch.Generator().manual_seed(0)))}  # fmt: skip
+
+
+@pytest.mark.parametrize("rule, greedy, eos", [("exact", False, None), ("exact", True, [2, 5]), ("relaxed", False, [2]),
+                                             ("relaxed", True, None), ("grouped", False, None)])  # fmt: skip
+def test_verification_is_one_graph_without_breaks(rule, greedy, eos):
+    """`_dynamo.explain` of the traced round (verification + emit, with and without EOS ids): 1 graph, 0 breaks."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.rand(3, 4, V, generator=gen).softmax(-1)
+    q = torch.rand(3, 3, V, generator=gen).softmax(-1)
+    tokens, lengths = torch.randint(0, V, (3, 3), generator=gen), torch.tensor([3, 1, 0])
+    uniforms = None if greedy else torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    held = torch.full((3, 10 + 4), -1), torch.tensor([1, 3, 9]), torch.zeros(3, dtype=torch.bool)  # a state's
+    eos = None if eos is None else torch.tensor(eos)
+    explained = torch._dynamo.explain(captured_round)(RULES[rule], tokens, p, q, lengths, uniforms, *held, 10, eos)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_captured_chain_law(chi2_pvalue):
+    """Monte Carlo through `CapturedVerify` (the graph, its padding and its uniforms): 200k independent rows, 0-2
+    valid drafts of 2 per row against a call width of 3; the first emitted token follows p1 and the first two
+    p1(y1) p2(y2 | y1) (chi-square p > 1e-4, fixed seeds), as `test_verify_exact`'s eager test."""
+    n, gen = 200_000, torch.Generator().manual_seed(10)
+    law = torch.Generator().manual_seed(2)
+    p1, p2, p3 = (torch.rand(shape, generator=law).pow(2) for shape in ((V,), (V, V), (V, V, V)))
+    q1, q2 = (torch.rand(shape, generator=law).pow(2) for shape in ((V,), (V, V)))
+    p1, p2, p3, q1, q2 = (x / x.sum(-1, keepdim=True) for x in (p1, p2, p3, q1, q2))
+
+    def draw(probs):
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+    x1 = draw(q1.expand(n, V))
+    x2 = draw(q2[x1])
+    num_draft = torch.randint(0, 3, (n,), generator=gen)
+    drafts = torch.where(torch.arange(2) < num_draft[:, None], torch.stack([x1, x2], 1), -1)
+    p_target = torch.stack([p1.expand(n, V), p2[x1], p3[x1, x2]], dim=1)
+    q_draft = torch.stack([q1.expand(n, V), q2[x1]], dim=1)
+    verify = CapturedVerify(Compiler(backend="eager", verify=True), n, 3, "cpu")
+    state = SequenceState(torch.zeros(n, dtype=torch.long), 8, generator=gen)
+    res, num, _ = verify(Exact(), Proposal(drafts, num_draft, q_draft), p_target, state, greedy=False)
+    assert res.tokens.shape == (n, 3) and (res.num_accepted <= num_draft).all() and torch.equal(num, res.num_emitted)
+    assert torch.equal(state.tokens[:, 1:4], torch.where(res.tokens >= 0, res.tokens, -1))  # appended after token 0
+    y1 = res.tokens[:, 0]
+    y2 = torch.where(res.num_accepted >= 1, res.tokens[:, 1], draw(p2[y1]))  # next round if rejected
+    assert chi2_pvalue(y1, p1) > 1e-4
+    assert chi2_pvalue(y1 * V + y2, (p1[:, None] * p2).flatten()) > 1e-4
+
+
+def test_per_row_generators_keep_rows_batch_independent(captured):
+    """Sampled EAGLE chain, per-row generators: row 2 of a batch of 3 is the same image alone (its draws come from
+    its own generator only, the same number each round)."""
+    batch = run(captured, "eagle-chain", [0, 1, 2], per_row=True).images
+    alone = run(captured, "eagle-chain", [2], seed=2, per_row=True).images
+    assert torch.equal(batch[2], alone[0])
+    plain = run(captured, "plain", [0, 1, 2], per_row=True).images
+    assert torch.equal(plain[2], run(captured, "plain", [2], seed=2, per_row=True).images[0])
+
+
+def _counters(kind=OpCount):
+    return [m for m in _get_current_dispatch_mode_stack() if isinstance(m, kind)]
+
+
+@contextlib.contextmanager
+def graphs_as_launches(pipe, monkeypatch):
+    """Run every captured graph of `pipe` outside the dispatch modes (dynamo refuses to trace under one; a graph is
+    one launch, counted under phase "graph" of the active `OpCount`), and count `CapturedVerify` calls (the graph's
+    launch included) under phase "verify". Yields the lists of each verification's eager ops and host reads."""
+    patched, verify_ops, verify_reads = [], [], []
+    for forward in pipe.compiler.forwards.values():
+        compiled = forward._compiled
+
+        def launch(*args, _compiled=compiled, **kwargs):
+            with _disable_current_modes():
+                out = _compiled(*args, **kwargs)
+            for counter in _counters():
+                counter.by_phase[counter._phases[-1] if counter._phases[-1] == "verify" else "graph"] += 1
+            return out
+
+        forward._compiled = launch
+        patched.append((forward, compiled))
+    call = CapturedVerify.__call__
+
+    def counted(self, *args, **kwargs):
+        reads = _counters(HostReads)
+        before_reads = [r.count for r in reads]
+        if not _counters():  # not counting ops (profile_call's warm-up call, a call counting host reads only)
+            out = call(self, *args, **kwargs)
+        else:
+            counter = _counters()[-1]
+            before = counter.by_phase["verify"]
+            with counter.phase("verify"):
+                out = call(self, *args, **kwargs)
+            verify_ops.append(counter.by_phase["verify"] - before)
+        verify_reads.extend(r.count - b for r, b in zip(reads, before_reads))
+        return out
+
+    monkeypatch.setattr(CapturedVerify, "__call__", counted)
+    try:
+        yield verify_ops, verify_reads
+    finally:
+        for forward, compiled in patched:
+            forward._compiled = compiled
+
+
+class _Run:
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    def call(self, method, batch, seed=0):
+        return run(self.pipe, method, list(range(batch)), seed)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_engine_ops_and_host_reads_per_round(captured, method, monkeypatch):
+    """`profile_call`'s count with the graphs as launches: a round's verification and emit are `VERIFY_OPS` eager
+    ops (its draw and its graph's launch; eager: 74 for the chain, 28 for plain), the rest of the engine
+    `ENGINE_OPS_CAPTURED` per round; the call keeps test_host_reads' budget, and the verification reads nothing, also on a ragged batch of
+    per-row generators (eager, the coins drawn with per-row counts read them once per chain round)."""
+    with torch.no_grad():
+        run(captured, method, [0, 1, 2], per_row=True)  # every graph of the shapes below exists
+        with graphs_as_launches(captured, monkeypatch) as (verify_ops, verify_reads):
+            row = profile_call(_Run(captured), method, 1)
+            counted_ops = list(verify_ops)
+            with HostReads():
+                out = run(captured, method, [0, 1, 2], per_row=True)
+    engine, rounds = row["ops_per_round"]["engine"], row["rounds"]
+    assert rounds >= 2 and len(counted_ops) == rounds, (rounds, counted_ops)
+    assert counted_ops.count(2) > rounds // 2 and max(counted_ops) <= VERIFY_OPS[method], f"{method}: {counted_ops}"
+    assert engine <= ENGINE_OPS_CAPTURED[method], f"{method}: {engine:.1f} engine ops per round besides verification"
+    # test_host_reads' budget of these methods: one read per round, 8 per call outside the rounds
+    assert row["host_reads_per_call"] <= rounds + 8, row["host_reads_where"]
+    assert len(verify_reads) >= rounds + max(out.stats.rounds) and not any(verify_reads), verify_reads
+
+
+def test_vlm_ragged_batch_with_eos_equals_eager():
+    """The VLM pipeline (tiny LLaVA, seed 1: rows 0 and 1 end at EOS early, so the graph's EOS cut and compaction are
+    exercised), greedy, a ragged batch of 4: the draft LM's chain gives eager's ids, no recompile."""
+    from vlm_fixtures import images, prompts, tiny_llava, tiny_processor
+
+    from mmspec.models.hf.draft import truncated_draft
+    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+    target = tiny_llava(4, seed=1)
+    pipe = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=truncated_draft(target, 3))
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(images=images(4), prompt=prompts(4), max_new_tokens=30, output_type="ids", do_sample=False)
+    want = pipe(**kw, acceptance="exact", drafter="model").sequences
+    pipe._compiler = VerifyOnly(backend="eager", verify=True)
+    assert torch.equal(pipe(**kw, acceptance="exact", drafter="model").sequences, want)
+    assert pipe.compile_report()["verify"]["recompiles"] == 0
+    assert (want[:2] == -1).any(1).all() and (want[2:] >= 0).all()  # rows 0 and 1 ended early

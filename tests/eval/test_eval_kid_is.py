@@ -156,3 +156,34 @@ def test_in_domain_kid_is_and_shipped_statistics():
     logits = ClassifierLogits(clf)(images[:8])
     torch.testing.assert_close(logits, clf(images[:8] * 2 - 1))
     assert mnist_metrics(images, labels, shipped, clf)["kid"] is None  # statistics alone cannot give KID
+
+
+@pytest.mark.zoo
+def test_mnist_reference_is_computed_once_per_classifier_weights(monkeypatch):
+    """`mnist_reference` runs the 10,000 test images once per process for each classifier's weights: the same (or an
+    equal) classifier reuses it, other weights or another split compute anew."""
+    import copy
+
+    import mmspec.data.mnist
+    import mmspec.eval.metrics as metrics
+    import mmspec.models
+
+    calls = []
+
+    def fake_mnist(split):
+        calls.append(split)
+        g = torch.Generator().manual_seed(len(calls))
+        return torch.rand(24, 1, 32, 32, generator=g) * 2 - 1, torch.zeros(24, dtype=torch.long)
+
+    monkeypatch.setattr(mmspec.data.mnist, "load_mnist", fake_mnist)
+    monkeypatch.setattr(metrics, "_REFERENCES", {})
+    clf = mmspec.models.load(ROOT / "assets" / "mnist-classifier")
+    first = metrics.mnist_reference(clf)
+    assert metrics.mnist_reference(clf) is first and metrics.mnist_reference(copy.deepcopy(clf)) is first
+    assert calls == ["test"]
+    metrics.mnist_reference(clf, split="val")
+    other = copy.deepcopy(clf)
+    with torch.no_grad():
+        next(other.parameters()).add_(0.01)
+    assert metrics.mnist_reference(other) is not first
+    assert calls == ["test", "val", "test"]

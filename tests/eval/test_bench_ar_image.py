@@ -88,3 +88,18 @@ def test_bench_t2i_model_runs_the_same_methods_on_prompts(tmp_path):
     assert list(report["methods"]) == ["plain", "jacobi", "grouped"] and report["config"]["model"] == "t2i"
     assert report["methods"]["jacobi"]["step_compression"] >= 1.0
     assert bench_ar_image.DIGIT_PROMPTS[7] == "a handwritten seven"
+
+
+def test_texture_dataset_flags_are_checked_before_loading(tmp_path, capsys):
+    """`--dataset textures`: class-conditional only, and a zoo without the texture folders is refused, both before
+    any model loads (exit 2, one line naming the flag)."""
+    for argv, flag in ((["--dataset", "textures", "--model", "t2i"], "--model"),
+                       (["--dataset", "textures", "--zoo", str(tmp_path)], "--zoo")):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            main(["ar-image", *argv, "--methods", "plain,jacobi"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"argument {flag}" in err, err
+    (tmp_path / "mnist-c2i").mkdir()  # the MNIST zoo's folders do not stand in for the texture zoo's
+    with pytest.raises(SystemExit):
+        main(["ar-image", "--dataset", "textures", "--zoo", str(tmp_path), "--methods", "plain"])
+    assert "texture-c2i" in capsys.readouterr().err

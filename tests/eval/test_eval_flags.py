@@ -108,7 +108,7 @@ REFERENCE = [
     (["--work-dir", "{tmp}/file.txt"], "--work-dir"),
     (["--work-dir", "{tmp}/file.txt/chunks"], "--work-dir"),
     (["--zoo", "{tmp}/missing"], "--zoo"),
-    (["--dtype", "float16"], "--dtype"),
+    (["--dtype", "int8"], "--dtype"),
 ]
 
 

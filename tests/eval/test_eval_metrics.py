@@ -365,4 +365,22 @@ def test_shipped_inception_stats_are_packed_and_symmetric():
     path = Path(__file__).resolve().parents[2] / "assets" / "reference-stats" / "mnist-test-inception.npz"
     stats = load_reference_stats(path)
     assert stats.sigma.shape == (2048, 2048) and np.array_equal(stats.sigma, stats.sigma.T)
-    assert stats.num_samples == 10000 and path.stat().st_size < 9_000_000
+    assert stats.num_samples == 10000 and path.stat().st_size < 4_300_000
+    assert stats.protocol["stored_dtype"] == "float16"
+
+
+def test_float16_storage_keeps_the_mean_in_float32_and_the_covariance_to_3_digits(tmp_path):
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((200, 16)) * 3 + 1
+    stats = ReferenceStats(*feature_statistics(feats), num_samples=200)
+    path = save_reference_stats(tmp_path / "half.npz", stats, dtype="float16", packed=True)
+    with np.load(path) as data:
+        assert data["mu"].dtype == np.float32 and data["sigma_triu"].dtype == np.float16
+    back = load_reference_stats(path)
+    assert np.allclose(back.mu, stats.mu, rtol=1e-6)
+    assert np.abs(back.sigma - stats.sigma).max() <= 1e-3 * np.abs(stats.sigma).max()
+    assert frechet_distance(back.mu, back.sigma, np.zeros(16), np.eye(16)) == pytest.approx(
+        frechet_distance(stats.mu, stats.sigma, np.zeros(16), np.eye(16)), rel=1e-3
+    )
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        save_reference_stats(tmp_path / "x.npz", stats, dtype="int8")

@@ -5,6 +5,13 @@ a flat MNIST background is the opposite).
 Measured teacher-forced on held-out token grids with their true class, at temperature 1, no top-k and no guidance:
 for every position, the target's next-token distribution p gives its entropy, its top-1 probability, and `k90`, the
 number of most likely tokens needed to cover 90 % of p. Averages run over all positions of all grids.
+
+Entropy alone does not place a zoo in SJD's stall regime. Jacobi drafts a position from a stale guess of the tokens
+before it, so what decides its acceptance is how much p moves when an earlier token changes: a near-uniform model
+whose p hardly depends on the context accepts stale drafts as readily as a confident one. `stale_acceptance` measures
+that directly: at a random position j of each grid, the token is redrawn from the model's own p, and the next
+position's distribution before and after is compared, `sum_v min(p(v | x_<=j), p(v | x_<j, x'_j))`: the probability
+that a draft sampled with a one-token-stale prefix is accepted (1 minus their total variation).
 """
 
 import math
@@ -12,7 +19,7 @@ import math
 import torch
 
 
-__all__ = ["next_token_stats"]
+__all__ = ["next_token_stats", "stale_acceptance"]
 
 
 def _summaries(probs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -24,13 +31,39 @@ def _summaries(probs: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def next_token_stats(model, codes: torch.Tensor, labels: torch.Tensor, batch_size: int = 100) -> dict[str, float]:
-    """Next-token statistics of a `LlamaGenGPT` c2i `model` on `codes` [N, T] (int) with classes `labels` [N].
+def stale_acceptance(model, codes: torch.Tensor, labels: torch.Tensor, generator: torch.Generator,
+                     positions_per_row: int = 4, batch_size: int = 100) -> float:  # fmt: skip
+    """Mean `sum_v min(p(v | x_<=j), p(v | x_<j, x'_j))` at position j + 1, over `positions_per_row` random positions
+    j of every row of `codes` [N, T] (classes `labels` [N]), with x'_j drawn from the model's own p(. | x_<j); the
+    positions and draws come from `generator`."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(codes), batch_size):
+        x = codes[start : start + batch_size].long().repeat_interleave(positions_per_row, 0)
+        y = labels[start : start + batch_size].long().repeat_interleave(positions_per_row, 0)
+        drop = torch.zeros(len(x), dtype=torch.bool)
+        probs = model.forward_train(x, y, drop=drop).logits.float().softmax(-1)  # [n, T, V]: p of token t
+        rows = torch.arange(len(x))
+        j = torch.randint(0, x.shape[1] - 1, (len(x),), generator=generator)
+        redrawn = torch.multinomial(probs[rows, j], 1, generator=generator)[:, 0]
+        stale = x.clone()
+        stale[rows, j] = redrawn
+        moved = model.forward_train(stale, y, drop=drop).logits.float().softmax(-1)
+        total += float(torch.minimum(probs[rows, j + 1], moved[rows, j + 1]).sum(-1).sum())
+        count += len(x)
+    return total / count
+
+
+@torch.no_grad()
+def next_token_stats(model, codes: torch.Tensor, labels: torch.Tensor, batch_size: int = 100,
+                     seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """Next-token statistics of a `LlamaGenGPT` c2i `model` on `codes` [N, T] (int) with classes `labels` [N];
+    `stale_acceptance` draws from `torch.Generator().manual_seed(seed)`.
 
     Returns:
         `entropy_nats` / `entropy_bits` (mean per-token entropy), `top1_prob` (mean top-1 probability),
         `k90_mean` / `k90_median` (tokens needed to cover 90 % of p), `frac_top1_above_0.9` (share of positions the
-        target is nearly sure of), `vocab` and `positions` (how many were averaged).
+        target is nearly sure of), `stale_acceptance` (above), `vocab` and `positions` (how many were averaged).
 
     Raises:
         ValueError: `codes` and `labels` disagree in length, or `codes` is empty.
@@ -53,6 +86,7 @@ def next_token_stats(model, codes: torch.Tensor, labels: torch.Tensor, batch_siz
         "frac_top1_above_0.9": float((top1 > 0.9).float().mean()),
         "k90_mean": float(k90.mean()),
         "k90_median": float(k90.median()),
+        "stale_acceptance": stale_acceptance(model, codes, labels, torch.Generator().manual_seed(seed)),
         "vocab": int(probs.shape[-1]),
         "positions": int(entropy.numel()),
     }

@@ -35,3 +35,37 @@ def test_stats_average_every_position_of_the_model():
     )
     with pytest.raises(ValueError, match="equal length"):
         next_token_stats(model, codes, labels[:3])
+
+
+def test_stale_acceptance_is_one_for_a_context_free_model_and_matches_enumeration():
+    import torch
+
+    from mmspec.eval.entropy import stale_acceptance
+
+    codes = torch.randint(16, (3, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1, 2])
+    free = tiny_gpt(vocab_size=16, block_size=16, num_classes=4)
+    with torch.no_grad():  # no token embedding and no layer output: every position's p is the same (uniform)
+        free.tok_embeddings.weight.zero_()
+        for layer in free.layers:
+            layer.attention.wo.weight.zero_()
+            layer.feed_forward.w2.weight.zero_()
+    assert stale_acceptance(free, codes, labels, torch.Generator().manual_seed(0)) == pytest.approx(1.0, abs=1e-6)
+
+    model = tiny_gpt(vocab_size=16, block_size=16, num_classes=4, std=0.5)  # a context-dependent p
+    drop = torch.zeros(1, dtype=torch.bool)
+    exact = []  # E over j and x'_j ~ p(. | x_<j) of sum_v min(p(v | x_<=j), p(v | x_<j, x'_j)), by enumeration
+    for n in range(len(codes)):
+        x, y = codes[n : n + 1], labels[n : n + 1]
+        p = model.forward_train(x, y, drop=drop).logits.softmax(-1)[0]
+        for j in range(15):
+            value = 0.0
+            for v in range(16):
+                stale = x.clone()
+                stale[0, j] = v
+                moved = model.forward_train(stale, y, drop=drop).logits.softmax(-1)[0, j + 1]
+                value += float(p[j, v]) * float(torch.minimum(p[j + 1], moved).sum())
+            exact.append(value)
+    exact = sum(exact) / len(exact)
+    sampled = stale_acceptance(model, codes, labels, torch.Generator().manual_seed(0), positions_per_row=600)
+    assert exact < 0.97 and sampled == pytest.approx(exact, abs=0.02)

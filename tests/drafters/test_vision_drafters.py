@@ -138,14 +138,22 @@ def _exact_marginals(model, processor, image, prompt, temperature, eos):
     return law2, law3
 
 
-def test_sampled_first_tokens_follow_the_target_law_at_t07(vpipe):
+@pytest.fixture(scope="module")
+def laws_at_t07(base):
+    """The target's exact laws of tokens 2 and 3 at T = 0.7 on the sampled test's image prompt (once: every policy's
+    pipeline decodes `base`'s target)."""
+    image, text = images(1, seed=5)[0], prompts(1, seed=5)
+    return _exact_marginals(base.model, base.processor, image, text[0], 0.7, base.eos_token_ids()[0])
+
+
+def test_sampled_first_tokens_follow_the_target_law_at_t07(vpipe, base, laws_at_t07):
     """Tokens 2 and 3 (drafted from the compacted prefill, verified, resampled in the first round) follow the
     target's law at T = 0.7."""
     policy, p = vpipe
     image, text = images(1, seed=5)[0], prompts(1, seed=5)
     temperature, n = 0.7, 3000
-    eos = p.eos_token_ids()[0]
-    law2, law3 = _exact_marginals(p.model, p.processor, image, text[0], temperature, eos)
+    assert p.model is base.model and p.processor is base.processor  # the laws' target
+    law2, law3 = laws_at_t07
     gens = [torch.Generator().manual_seed(20_000 + i) for i in range(n)]
     out = p(images=[image] * n, prompt=text * n, max_new_tokens=3, do_sample=True, temperature=temperature,
             acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip

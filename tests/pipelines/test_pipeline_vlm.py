@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from factories import assert_first_tokens_follow
+from factories import assert_first_tokens_follow, digest
 from pipeline_mixin import SpeculativePipelineTesterMixin
 from vlm_fixtures import (
     hf_greedy,
@@ -44,14 +44,14 @@ def make_pipe(kind):
     return pipe
 
 
-@pytest.fixture(scope="module", params=["lm", "llava"])
-def pipe(request):
-    return request.param, make_pipe(request.param)
-
-
 @pytest.fixture(scope="module")
 def lm_pipe():
     return make_pipe("lm")
+
+
+@pytest.fixture(scope="module", params=["lm", "llava"])
+def pipe(request, lm_pipe):
+    return request.param, lm_pipe if request.param == "lm" else make_pipe(request.param)
 
 
 def _ims(kind, n, seed=0):
@@ -85,9 +85,23 @@ def test_ragged_batch4_greedy_per_row_eos(pipe, drafter, knobs):
         assert (plain[:2] == -1).any(1).all() and (plain[2:] >= 0).all()
 
 
+_LAWS = {}  # digest of (weights, prompt, temperature, eos) -> _exact_marginals' laws: once per process
+
+
 def _exact_marginals(model, ids, temperature, eos):
     """Exact laws of the 2nd and 3rd generated tokens of one prompt (the 1st comes from the prefill), over the
-    vocabulary + one "ended" cell (index V: an earlier token was `eos`)."""
+    vocabulary + one "ended" cell (index V: an earlier token was `eos`).
+
+    Computed once per process for each (model weights, prompt, temperature, eos): the sampled-law tests here, in
+    `test_draft_length` and `test_compiled_hf` share a target (`tiny_lm(4, seed=1)`) and prompt."""
+    key = digest(type(model).__name__, model.state_dict(), ids, temperature, eos)
+    if key not in _LAWS:
+        _LAWS[key] = _enumerate_marginals(model, ids, temperature, eos)
+    law2, law3 = _LAWS[key]
+    return law2.clone(), law3.clone()
+
+
+def _enumerate_marginals(model, ids, temperature, eos):
     with torch.no_grad():
         p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)  # [V]
         v = p1.shape[0]
@@ -105,9 +119,9 @@ def _exact_marginals(model, ids, temperature, eos):
 
 
 @pytest.mark.parametrize("drafter,knobs", DRAFTERS)
-def test_sampled_first_tokens_follow_the_target_law(drafter, knobs):
+def test_sampled_first_tokens_follow_the_target_law(lm_pipe, drafter, knobs):
     """Tokens 2 and 3 (drafted, verified, resampled in the first round) follow the exact target law."""
-    p = make_pipe("lm")
+    p = lm_pipe
     text = prompts(1, seed=5)
     ids, _, _ = p.encode(None, text, None, "cpu")
     temperature, n = 1.5, 3000
@@ -230,10 +244,13 @@ def test_nan_draft_logits_name_the_draft_model(knobs):
         p(prompt=prompts(1), max_new_tokens=6, acceptance="exact", drafter="model", **knobs)
 
 
-def test_draft_vocabulary_keeps_decoding_lossless():
+def test_draft_vocabulary_keeps_decoding_lossless(lm_pipe):
     """An EAGLE head scoring only half the vocabulary (FR-Spec): q_draft is 0 elsewhere, greedy output unchanged,
     sampled tokens still follow the target law."""
-    p = make_pipe("lm")
+    # a pipeline of its own around lm_pipe's models: it registers another head (lm_pipe keeps its own)
+    p = SpeculativeVLMPipeline(lm_pipe.model, lm_pipe.processor, draft_model=lm_pipe.draft_model,
+                               eagle_head=lm_pipe.eagle_head)  # fmt: skip
+    p.set_progress_bar_config(disable=True)
     full = p.eagle_head
     head = TextEagleHead.from_target(p.model, draft_vocab_size=32)
     head.load_state_dict({k: v for k, v in full.state_dict().items() if k != "draft_vocab"}, strict=False)

@@ -56,8 +56,10 @@ def test_zoo_sizes():
     assert per_token_flops(draft) <= per_token_flops(target) / 4
 
 
+# 50 plain samples (5 per digit), at least 90 % classified as requested: 50 / 50 here (100 / 100 for the 100 this test
+# drew before); guidance off (guidance_scale=1) gives 41 / 50 (87 / 100): fails either way
 def test_target_draws_the_requested_digits(pipe, classifier):
-    labels = torch.arange(10).repeat_interleave(10)
+    labels = torch.arange(10).repeat_interleave(5)
     out = pipe(class_labels=labels, acceptance="none", output_type="pt", generator=torch.Generator().manual_seed(0))
     acc = (classifier(out.images * 2 - 1).argmax(-1) == labels).float().mean().item()
     assert acc >= 0.9, f"classifier accuracy on plain samples {acc:.3f}"

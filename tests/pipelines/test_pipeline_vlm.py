@@ -58,12 +58,25 @@ def _ims(kind, n, seed=0):
     return images(n, seed) if kind == "llava" else None
 
 
+@pytest.fixture(scope="module")
+def greedy_refs(pipe):
+    """Per kind, decoded once for every drafter below: transformers' greedy `generate` and the pipeline's plain greedy,
+    on `prompts(1)` (24 new tokens) and on the ragged `prompts(4)` (30 new tokens, transformers row by row)."""
+    kind, p = pipe
+    refs = {}
+    for n, max_new in ((1, 24), (4, 30)):
+        ims, texts = _ims(kind, n), prompts(n)
+        hf = [hf_greedy(p.model, p.processor, ims[r] if ims else None, texts[r], max_new) for r in range(n)]
+        plain = p(images=ims, prompt=texts, max_new_tokens=max_new, acceptance="none", output_type="ids").sequences
+        refs[n] = hf, plain
+    return refs
+
+
 @pytest.mark.parametrize("drafter,knobs", DRAFTERS)
-def test_greedy_batch1_equals_plain_and_transformers(pipe, drafter, knobs):
+def test_greedy_batch1_equals_plain_and_transformers(pipe, greedy_refs, drafter, knobs):
     kind, p = pipe
     ims, texts = _ims(kind, 1), prompts(1)
-    reference = hf_greedy(p.model, p.processor, ims[0] if ims else None, texts[0], 24)
-    plain = p(images=ims, prompt=texts, max_new_tokens=24, acceptance="none", output_type="ids").sequences[0]
+    (reference,), plain = greedy_refs[1][0], greedy_refs[1][1][0]
     out = p(images=ims, prompt=texts, max_new_tokens=24, acceptance="greedy", drafter=drafter, **knobs)
     assert [t for t in plain.tolist() if t >= 0] == reference
     assert torch.equal(out.sequences[0], plain)
@@ -72,13 +85,12 @@ def test_greedy_batch1_equals_plain_and_transformers(pipe, drafter, knobs):
 
 
 @pytest.mark.parametrize("drafter,knobs", DRAFTERS)
-def test_ragged_batch4_greedy_per_row_eos(pipe, drafter, knobs):
+def test_ragged_batch4_greedy_per_row_eos(pipe, greedy_refs, drafter, knobs):
     kind, p = pipe
     ims, texts = _ims(kind, 4), prompts(4)  # prompts of 2..8 words: ragged lengths
-    plain = p(images=ims, prompt=texts, max_new_tokens=30, acceptance="none", output_type="ids").sequences
+    refs, plain = greedy_refs[4]
     for r in range(4):  # every row equals transformers' generate on that row alone
-        ref = hf_greedy(p.model, p.processor, ims[r] if ims else None, texts[r], 30)
-        assert [t for t in plain[r].tolist() if t >= 0] == ref
+        assert [t for t in plain[r].tolist() if t >= 0] == refs[r]
     out = p(images=ims, prompt=texts, max_new_tokens=30, acceptance="exact", drafter=drafter, **knobs)
     assert torch.equal(out.sequences, plain)
     if kind == "llava":  # seed 1's tiny LLaVA ends rows 0 and 1 early: per-row EOS is exercised

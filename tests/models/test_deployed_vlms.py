@@ -163,7 +163,7 @@ def sampled_first_tokens(p, seed, n=3000, temperature=1.5):
     """`n` sampled 3-token answers of pipeline `p`'s EAGLE chain (depth 3) to one image prompt, one generator per
     answer seeded from `seed`, and the exact laws of tokens 2 and 3: `(out, law2, law3, n)`."""
     image, text = _law_prompt()
-    law2, law3 = _laws(p.model, p.processor, temperature, p.eos_token_ids()[0])
+    law2, law3 = (law.clone() for law in _laws(p.model, p.processor, temperature, p.eos_token_ids()[0]))
     gens = [torch.Generator().manual_seed(seed + i) for i in range(n)]
     out = p(images=[image] * n, prompt=[text] * n, max_new_tokens=3, do_sample=True, temperature=temperature,
             acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip

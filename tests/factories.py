@@ -1,5 +1,7 @@
 """Tiny models built in the tests, shared by every test folder (`from factories import tiny_gpt`)."""
 
+import hashlib
+
 import torch
 
 from mmspec.models.llamagen.gpt import LlamaGenGPT
@@ -147,3 +149,29 @@ def resumed_after_kill(run, monkeypatch):
     finally:
         monkeypatch.setattr(common, "save_checkpoint", save)
     return run()
+
+
+def digest(*parts) -> str:
+    """sha256 of `parts`: tensors (dtype, shape and bytes), dicts / lists / tuples of them, other values by `repr`.
+    The key of the tests' per-process caches of computed references (a model enters by its `state_dict()`)."""
+    h = hashlib.sha256()
+
+    def feed(x):
+        if isinstance(x, torch.Tensor):
+            h.update(f"tensor {x.dtype} {tuple(x.shape)}".encode())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            h.update(f"dict {len(x)}".encode())
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{type(x).__name__} {len(x)}".encode())
+            for item in x:
+                feed(item)
+        else:
+            h.update(repr(x).encode())
+
+    for part in parts:
+        feed(part)
+    return h.hexdigest()

@@ -4,6 +4,7 @@ Llama causal LM, a random LLaVA (CLIP vision tower) with its processor, and draf
 import numpy as np
 import PIL.Image
 import torch
+from factories import digest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     CLIPImageProcessorPil,
@@ -101,9 +102,36 @@ def hf_greedy(model, processor, image, prompt, max_new_tokens):
     return out[0, enc["input_ids"].shape[1] :].tolist()
 
 
+_FITTED_HEADS = {}  # train_tiny_head's key -> (head state, global RNG state after fitting): once per process
+
+
 def train_tiny_head(pipe, ims, texts, steps=150, max_new_tokens=24, seed=0):
     """A `TextEagleHead` fitted in a few seconds on the target's own greedy continuations (so EAGLE drafts get
-    accepted and multi-token commits are exercised)."""
+    accepted and multi-token commits are exercised).
+
+    Fitted once per process for each (target weights, config and EOS ids, encoded inputs, steps, max_new_tokens,
+    seed): later calls get a new head with the fitted weights, and the global RNG left as fitting leaves it (fitting
+    seeds it), so a caller sees what a fresh fit gives."""
+    from mmspec.models.hf.eagle import TextEagleHead
+
+    model = pipe.model
+    ids, lengths, extra = pipe.encode(ims, texts, None, "cpu")
+    generation = getattr(model, "generation_config", None)
+    key = digest(type(model).__name__, model.config.to_json_string(), generation and generation.to_json_string(),
+                 model.state_dict(), pipe.eos_token_ids(), ids, lengths, extra, steps, max_new_tokens, seed)  # fmt: skip
+    if key not in _FITTED_HEADS:
+        head = _fit_tiny_head(pipe, ims, texts, steps, max_new_tokens, seed)
+        _FITTED_HEADS[key] = {k: v.clone() for k, v in head.state_dict().items()}, torch.get_rng_state()
+        return head
+    state, rng = _FITTED_HEADS[key]
+    with torch.random.fork_rng():
+        head = TextEagleHead.from_target(model, initializer_range=0.05)
+    head.load_state_dict(state)
+    torch.set_rng_state(rng)
+    return head.eval()
+
+
+def _fit_tiny_head(pipe, ims, texts, steps, max_new_tokens, seed):
     from mmspec.models.hf.eagle import TextEagleHead
     from mmspec.models.hf.mrope import sequence_inputs
     from mmspec.train.vlm_eagle import eagle_text_losses

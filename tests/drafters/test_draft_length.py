@@ -11,6 +11,7 @@ VLM pipeline with rows drafting different K in the same round (chi-square agains
 import factories
 import pytest
 import torch
+from test_pipeline_vlm import _exact_marginals
 from vlm_fixtures import prompts, tiny_lm, tiny_tokenizer, train_tiny_head
 
 from mmspec.decoding import Guidance, SequenceState, decode
@@ -310,25 +311,6 @@ def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
 
 
 # ---------------------------------------------------------------------- through the pipelines
-def _exact_marginals(model, ids, temperature, eos):
-    """Exact laws of the 2nd and 3rd generated tokens of one prompt (vocabulary + an "ended" cell)."""
-    with torch.no_grad():
-        p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)
-        v = p1.shape[0]
-        seq = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], 1)
-        p2_given = torch.softmax(model(seq).logits[:, -1].double() / temperature, -1)
-        seq3 = torch.cat([seq.repeat_interleave(v, 0), torch.arange(v).repeat(v)[:, None]], 1)
-        p3_given = torch.cat(
-            [torch.softmax(model(c).logits[:, -1].double() / temperature, -1) for c in seq3.split(1024)]
-        )
-    joint12 = p1[:, None] * p2_given
-    law2 = torch.cat([joint12[torch.arange(v) != eos].sum(0), joint12[eos].sum()[None]])
-    joint123 = joint12.reshape(-1, 1) * p3_given
-    ended = (torch.arange(v * v) // v == eos) | (torch.arange(v * v) % v == eos)
-    law3 = torch.cat([joint123[~ended].sum(0), joint123[ended].sum()[None]])
-    return law2, law3
-
-
 @pytest.fixture(scope="module")
 def lm_pipe():
     from mmspec.models.hf.draft import truncated_draft

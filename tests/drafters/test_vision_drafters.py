@@ -61,11 +61,21 @@ def check_image_stats(policy, pipe, extra, batch):
         assert per_answer == [expected_image_tokens(policy)] * batch
 
 
+@pytest.fixture(scope="module")
+def hf_refs(base):
+    """transformers' greedy `generate` of `base`'s target (every policy's pipeline decodes it; asserted below), once:
+    `images(1)` / `prompts(1)` to 24 new tokens, and each row of `images(4)` / `prompts(4)` to 30."""
+    ims, texts = images(4), prompts(4)
+    one = hf_greedy(base.model, base.processor, images(1)[0], prompts(1)[0], 24)
+    return one, [hf_greedy(base.model, base.processor, ims[r], texts[r], 30) for r in range(4)]
+
+
 @pytest.mark.parametrize("knobs", KNOBS)
-def test_greedy_batch1_equals_plain_and_transformers(vpipe, knobs):
+def test_greedy_batch1_equals_plain_and_transformers(vpipe, base, hf_refs, knobs):
     policy, p = vpipe
     ims, texts = images(1), prompts(1)
-    reference = hf_greedy(p.model, p.processor, ims[0], texts[0], 24)
+    assert p.model is base.model and p.processor is base.processor
+    reference = hf_refs[0]
     plain = p(images=ims, prompt=texts, max_new_tokens=24, acceptance="none", output_type="ids").sequences[0]
     out = p(images=ims, prompt=texts, max_new_tokens=24, acceptance="greedy", drafter="eagle", **knobs)
     assert [t for t in plain.tolist() if t >= 0] == reference
@@ -76,13 +86,14 @@ def test_greedy_batch1_equals_plain_and_transformers(vpipe, knobs):
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
-def test_ragged_batch4_greedy_rows_stop_at_different_times(vpipe, knobs):
+def test_ragged_batch4_greedy_rows_stop_at_different_times(vpipe, base, hf_refs, knobs):
     """Rows 0 and 1 end early and leave the batch (`select_rows` on the head cache's offsets / image vectors)."""
     policy, p = vpipe
     ims, texts = images(4), prompts(4)
+    assert p.model is base.model and p.processor is base.processor
     plain = p(images=ims, prompt=texts, max_new_tokens=30, acceptance="none", output_type="ids").sequences
     for r in range(4):
-        assert [t for t in plain[r].tolist() if t >= 0] == hf_greedy(p.model, p.processor, ims[r], texts[r], 30)
+        assert [t for t in plain[r].tolist() if t >= 0] == hf_refs[1][r]
     assert (plain[:2] == -1).any(1).all() and (plain[2:] >= 0).all()
     out = p(images=ims, prompt=texts, max_new_tokens=30, acceptance="exact", drafter="eagle", output_type="ids",
             **knobs)  # fmt: skip
@@ -138,14 +149,22 @@ def _exact_marginals(model, processor, image, prompt, temperature, eos):
     return law2, law3
 
 
-def test_sampled_first_tokens_follow_the_target_law_at_t07(vpipe):
+@pytest.fixture(scope="module")
+def laws_at_t07(base):
+    """The target's exact laws of tokens 2 and 3 at T = 0.7 on the sampled test's image prompt (once: every policy's
+    pipeline decodes `base`'s target)."""
+    image, text = images(1, seed=5)[0], prompts(1, seed=5)
+    return _exact_marginals(base.model, base.processor, image, text[0], 0.7, base.eos_token_ids()[0])
+
+
+def test_sampled_first_tokens_follow_the_target_law_at_t07(vpipe, base, laws_at_t07):
     """Tokens 2 and 3 (drafted from the compacted prefill, verified, resampled in the first round) follow the
     target's law at T = 0.7."""
     policy, p = vpipe
     image, text = images(1, seed=5)[0], prompts(1, seed=5)
     temperature, n = 0.7, 3000
-    eos = p.eos_token_ids()[0]
-    law2, law3 = _exact_marginals(p.model, p.processor, image, text[0], temperature, eos)
+    assert p.model is base.model and p.processor is base.processor  # the laws' target
+    law2, law3 = laws_at_t07
     gens = [torch.Generator().manual_seed(20_000 + i) for i in range(n)]
     out = p(images=[image] * n, prompt=text * n, max_new_tokens=3, do_sample=True, temperature=temperature,
             acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip

@@ -15,7 +15,7 @@ import pytest
 import torch
 from factories import assert_first_tokens_follow
 from qwen_vl_fixtures import images
-from test_deployed_vlms import KINDS, QWEN, _pipe, _sizes, sampled_first_tokens
+from test_deployed_vlms import KINDS, QWEN, _pipe, _sizes, plain_ragged, sampled_first_tokens
 from vision_seam_fixtures import check_positions, record_head_positions
 from vlm_fixtures import prompts, random_vision_head
 
@@ -37,10 +37,7 @@ def vision_head(text_head, target, policy, seed=0):
 @pytest.fixture(scope="module", params=KINDS)
 def base(request):
     """(kind, the class's pipeline with its fitted EAGLE head, plain greedy on the ragged batch)."""
-    pipe = _pipe(request.param)
-    ims, texts = images(_sizes(pipe.kind)), prompts(4)
-    plain = pipe(images=ims, prompt=texts, max_new_tokens=24, acceptance="none", output_type="ids").sequences
-    return pipe, plain
+    return _pipe(request.param), plain_ragged(request.param)
 
 
 def with_head(pipe, policy):

@@ -6,6 +6,7 @@ EAGLE chain and tree) equals plain greedy on that ragged batch and at batch 1, a
 tokens follow the target's exact law (chi-square against enumeration through transformers' own forwards)."""
 
 import functools
+from types import SimpleNamespace
 
 import anyres_fixtures
 import pytest
@@ -54,6 +55,19 @@ def pipe(request):
     return _pipe(request.param)
 
 
+@functools.cache
+def _plain_ragged(kind):
+    """`_pipe(kind)`'s plain greedy on the ragged batch (four grids, `prompts(4)`), 24 new tokens: the reference of
+    every lossless drafter here and of `test_deployed_vision_heads`, decoded once per process."""
+    p = _pipe(kind)
+    ims, texts = images(_sizes(kind)), prompts(4)
+    return p(images=ims, prompt=texts, max_new_tokens=24, acceptance="none", output_type="ids").sequences
+
+
+def plain_ragged(kind):
+    return _plain_ragged(kind).clone()
+
+
 def _generate(p, ims, text, max_new_tokens):
     """transformers' own greedy `generate` for one conversation (stops at EOS; the EOS is kept)."""
     content = [{"type": "image"} for _ in ims] + [{"type": "text", "text": text}]
@@ -98,7 +112,7 @@ def test_several_images_in_one_prompt(pipe):
 @pytest.mark.parametrize("drafter,knobs", DRAFTERS)
 def test_lossless_drafters_equal_plain_greedy(pipe, drafter, knobs):
     ims, texts = images(_sizes(pipe.kind)), prompts(4)
-    plain = pipe(images=ims, prompt=texts, max_new_tokens=24, acceptance="none", output_type="ids").sequences
+    plain = plain_ragged(pipe.kind)
     out = pipe(images=ims, prompt=texts, max_new_tokens=24, acceptance="exact", drafter=drafter, **knobs)
     assert torch.equal(out.sequences, plain)
     one = pipe(images=ims[:1], prompt=texts[:1], max_new_tokens=24, acceptance="exact", drafter=drafter, **knobs)
@@ -148,12 +162,24 @@ def test_sampled_first_tokens_follow_the_target_law(kind):
 def sampled_first_tokens(p, seed, n=3000, temperature=1.5):
     """`n` sampled 3-token answers of pipeline `p`'s EAGLE chain (depth 3) to one image prompt, one generator per
     answer seeded from `seed`, and the exact laws of tokens 2 and 3: `(out, law2, law3, n)`."""
-    image, text = images([(24, 32)], seed=7)[0], "w5 w6 w7"
-    law2, law3 = _exact_marginals(p, image, text, temperature, p.eos_token_ids()[0])
+    image, text = _law_prompt()
+    law2, law3 = (law.clone() for law in _laws(p.model, p.processor, temperature, p.eos_token_ids()[0]))
     gens = [torch.Generator().manual_seed(seed + i) for i in range(n)]
     out = p(images=[image] * n, prompt=[text] * n, max_new_tokens=3, do_sample=True, temperature=temperature,
             acceptance="exact", drafter="eagle", tree_depth=3, generator=gens, output_type="ids")  # fmt: skip
     return out, law2, law3, n
+
+
+def _law_prompt():
+    """`sampled_first_tokens`' image prompt: (image, text)."""
+    return images([(24, 32)], seed=7)[0], "w5 w6 w7"
+
+
+@functools.cache
+def _laws(model, processor, temperature, eos):
+    """`sampled_first_tokens`' exact laws, once per process for each target (a vision head's pipeline shares its
+    class's target and processor)."""
+    return _exact_marginals(SimpleNamespace(model=model, processor=processor), *_law_prompt(), temperature, eos)
 
 
 def test_saved_folder_loads_strictly(pipe, tmp_path):

@@ -172,9 +172,15 @@ def test_shipped_folder_is_small_and_documented():
         assert field in card
 
 
+@pytest.fixture(scope="module")
+def shipped_vlm():
+    """The shipped `mnist-vlm` (model, processor), loaded once for the tests of its answers (they only generate)."""
+    return load_vlm("mnist-vlm")
+
+
 @pytest.mark.zoo
-def test_shipped_vlm_names_held_out_digits():
-    model, processor = load_vlm("mnist-vlm")
+def test_shipped_vlm_names_held_out_digits(shipped_vlm):
+    model, processor = shipped_vlm
     images, labels = mnist_digits("test")
     gen = torch.Generator().manual_seed(12345)
     layouts, canvases = sample_batch(20, images, labels, gen)
@@ -187,10 +193,10 @@ def test_shipped_vlm_names_held_out_digits():
 
 
 @pytest.mark.zoo
-def test_shipped_vlm_describes_four_digit_canvases_in_full():
+def test_shipped_vlm_describes_four_digit_canvases_in_full(shipped_vlm):
     """The bench workload: "Describe the image." on held-out 4-digit canvases gets the whole template answer (>= 64
     tokens: the count, then every cell in reading order) with the digits right."""
-    model, processor = load_vlm("mnist-vlm")
+    model, processor = shipped_vlm
     images, labels = mnist_digits("test")
     gen = torch.Generator().manual_seed(0)
     layouts = []

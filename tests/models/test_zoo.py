@@ -56,13 +56,21 @@ def test_zoo_sizes():
     assert per_token_flops(draft) <= per_token_flops(target) / 4
 
 
+# 50 plain samples (5 per digit), at least 90 % classified as requested: 50 / 50 here (100 / 100 for the 100 this test
+# drew before); guidance off (guidance_scale=1) gives 41 / 50 (87 / 100): fails either way
 def test_target_draws_the_requested_digits(pipe, classifier):
-    labels = torch.arange(10).repeat_interleave(10)
+    labels = torch.arange(10).repeat_interleave(5)
     out = pipe(class_labels=labels, acceptance="none", output_type="pt", generator=torch.Generator().manual_seed(0))
     acc = (classifier(out.images * 2 - 1).argmax(-1) == labels).float().mean().item()
     assert acc >= 0.9, f"classifier accuracy on plain samples {acc:.3f}"
     recorded = json.loads((ZOO / "mnist-c2i" / "sample_eval.json").read_text())
     assert recorded["num_images"] == 1000 and recorded["accuracy"] >= 0.9
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(pipe):
+    """Plain greedy decoding of labels 0, 3, 8: the reference of every method below, decoded once."""
+    return pipe(class_labels=[0, 3, 8], do_sample=False, output_type="tokens", acceptance="none")
 
 
 @pytest.mark.parametrize(
@@ -75,9 +83,9 @@ def test_target_draws_the_requested_digits(pipe, classifier):
     ],
     ids=["draft", "eagle-chain", "eagle-tree", "jacobi"],
 )
-def test_greedy_speculative_equals_plain_greedy_on_zoo(pipe, method):
+def test_greedy_speculative_equals_plain_greedy_on_zoo(pipe, plain_greedy, method):
     kw = dict(class_labels=[0, 3, 8], do_sample=False, output_type="tokens")
-    plain = pipe(acceptance="none", **kw)
+    plain = plain_greedy
     spec = pipe(**method, **kw)
     assert torch.equal(plain.images, spec.images)
     assert spec.stats.target_forwards < plain.stats.target_forwards

@@ -43,10 +43,13 @@ def test_draft_costs_at_most_a_third_of_the_target_per_step(pipe):
     assert pipe.draft_transformer.seq_len == pipe.transformer.seq_len == pipe.vae.tokens_per_image >= 16
 
 
+# 20 images (two of each digit), at most 2 wrong. These seeds give 20 / 20 (and 40 / 40 for the 40 images this test
+# drew before); guidance off (guidance_scale=1) gives 17 / 20 (and 35 / 40): fails either way; labels shifted by one:
+# 0 / 20 (a sampler that ignored the label would score about 0.1)
 def test_target_draws_the_requested_digits(pipe):
     classifier = load(ZOO / "mnist-classifier")
-    labels = [i % 10 for i in range(40)]
-    gens = [torch.Generator().manual_seed(1000 + i) for i in range(40)]
+    labels = [i % 10 for i in range(20)]
+    gens = [torch.Generator().manual_seed(1000 + i) for i in range(20)]
     images = pipe(labels, guidance_scale=4.0, generator=gens, output_type="pt").images
     with torch.no_grad():
         accuracy = (classifier(images * 2 - 1).argmax(-1) == torch.tensor(labels)).float().mean()

@@ -83,12 +83,17 @@ SAMPLED = [
 ]
 
 
+@pytest.fixture(scope="module")
+def plain_3000(pipe):
+    """3000 plain samples (seed 1, label 1): the reference of every two-sample test below, drawn once."""
+    return run(pipe, seed=1, class_labels=[1], num_images_per_prompt=3000, acceptance="none").images
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", SAMPLED, ids=lambda m: "-".join(str(v) for v in m.values()))
-def test_sampling_marginals_match_plain(pipe, method):
+def test_sampling_marginals_match_plain(pipe, plain_3000, method):
     """Two-sample chi-square, per position, speculative vs plain sampling (CFG 2, T=1) over 3000 images."""
-    n, positions = 3000, (1, 2, 3, 7, 15)
-    plain = run(pipe, seed=1, class_labels=[1], num_images_per_prompt=n, acceptance="none").images
+    n, positions, plain = 3000, (1, 2, 3, 7, 15), plain_3000
     spec = run(pipe, seed=2, class_labels=[1], num_images_per_prompt=n, **method).images
     for j, (a, b) in zip(positions, zip(_marginals(plain, positions), _marginals(spec, positions))):
         keep = (a + b) > 0
@@ -97,10 +102,9 @@ def test_sampling_marginals_match_plain(pipe, method):
 
 
 @pytest.mark.slow
-def test_marginal_test_has_power(pipe):
+def test_marginal_test_has_power(pipe, plain_3000):
     """The same test rejects a lossy rule (LANTERN with a large budget), so passing it means something."""
-    n = 3000
-    plain = run(pipe, seed=1, class_labels=[1], num_images_per_prompt=n, acceptance="none").images
+    n, plain = 3000, plain_3000
     lossy = run(pipe, seed=2, class_labels=[1], num_images_per_prompt=n, acceptance="relaxed", drafter="jacobi",
                 relaxation_top_k=8, relaxation_delta=0.9).images  # fmt: skip
     pvals = []

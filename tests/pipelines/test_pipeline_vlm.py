@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from factories import assert_first_tokens_follow
+from factories import assert_first_tokens_follow, digest
 from pipeline_mixin import SpeculativePipelineTesterMixin
 from vlm_fixtures import (
     hf_greedy,
@@ -44,26 +44,39 @@ def make_pipe(kind):
     return pipe
 
 
-@pytest.fixture(scope="module", params=["lm", "llava"])
-def pipe(request):
-    return request.param, make_pipe(request.param)
-
-
 @pytest.fixture(scope="module")
 def lm_pipe():
     return make_pipe("lm")
+
+
+@pytest.fixture(scope="module", params=["lm", "llava"])
+def pipe(request, lm_pipe):
+    return request.param, lm_pipe if request.param == "lm" else make_pipe(request.param)
 
 
 def _ims(kind, n, seed=0):
     return images(n, seed) if kind == "llava" else None
 
 
+@pytest.fixture(scope="module")
+def greedy_refs(pipe):
+    """Per kind, decoded once for every drafter below: transformers' greedy `generate` and the pipeline's plain greedy,
+    on `prompts(1)` (24 new tokens) and on the ragged `prompts(4)` (30 new tokens, transformers row by row)."""
+    kind, p = pipe
+    refs = {}
+    for n, max_new in ((1, 24), (4, 30)):
+        ims, texts = _ims(kind, n), prompts(n)
+        hf = [hf_greedy(p.model, p.processor, ims[r] if ims else None, texts[r], max_new) for r in range(n)]
+        plain = p(images=ims, prompt=texts, max_new_tokens=max_new, acceptance="none", output_type="ids").sequences
+        refs[n] = hf, plain
+    return refs
+
+
 @pytest.mark.parametrize("drafter,knobs", DRAFTERS)
-def test_greedy_batch1_equals_plain_and_transformers(pipe, drafter, knobs):
+def test_greedy_batch1_equals_plain_and_transformers(pipe, greedy_refs, drafter, knobs):
     kind, p = pipe
     ims, texts = _ims(kind, 1), prompts(1)
-    reference = hf_greedy(p.model, p.processor, ims[0] if ims else None, texts[0], 24)
-    plain = p(images=ims, prompt=texts, max_new_tokens=24, acceptance="none", output_type="ids").sequences[0]
+    (reference,), plain = greedy_refs[1][0], greedy_refs[1][1][0]
     out = p(images=ims, prompt=texts, max_new_tokens=24, acceptance="greedy", drafter=drafter, **knobs)
     assert [t for t in plain.tolist() if t >= 0] == reference
     assert torch.equal(out.sequences[0], plain)
@@ -72,22 +85,35 @@ def test_greedy_batch1_equals_plain_and_transformers(pipe, drafter, knobs):
 
 
 @pytest.mark.parametrize("drafter,knobs", DRAFTERS)
-def test_ragged_batch4_greedy_per_row_eos(pipe, drafter, knobs):
+def test_ragged_batch4_greedy_per_row_eos(pipe, greedy_refs, drafter, knobs):
     kind, p = pipe
     ims, texts = _ims(kind, 4), prompts(4)  # prompts of 2..8 words: ragged lengths
-    plain = p(images=ims, prompt=texts, max_new_tokens=30, acceptance="none", output_type="ids").sequences
+    refs, plain = greedy_refs[4]
     for r in range(4):  # every row equals transformers' generate on that row alone
-        ref = hf_greedy(p.model, p.processor, ims[r] if ims else None, texts[r], 30)
-        assert [t for t in plain[r].tolist() if t >= 0] == ref
+        assert [t for t in plain[r].tolist() if t >= 0] == refs[r]
     out = p(images=ims, prompt=texts, max_new_tokens=30, acceptance="exact", drafter=drafter, **knobs)
     assert torch.equal(out.sequences, plain)
     if kind == "llava":  # seed 1's tiny LLaVA ends rows 0 and 1 early: per-row EOS is exercised
         assert (plain[:2] == -1).any(1).all() and (plain[2:] >= 0).all()
 
 
+_LAWS = {}  # digest of (weights, prompt, temperature, eos) -> _exact_marginals' laws: once per process
+
+
 def _exact_marginals(model, ids, temperature, eos):
     """Exact laws of the 2nd and 3rd generated tokens of one prompt (the 1st comes from the prefill), over the
-    vocabulary + one "ended" cell (index V: an earlier token was `eos`)."""
+    vocabulary + one "ended" cell (index V: an earlier token was `eos`).
+
+    Computed once per process for each (model weights, prompt, temperature, eos): the sampled-law tests here, in
+    `test_draft_length` and `test_compiled_hf` share a target (`tiny_lm(4, seed=1)`) and prompt."""
+    key = digest(type(model).__name__, model.state_dict(), ids, temperature, eos)
+    if key not in _LAWS:
+        _LAWS[key] = _enumerate_marginals(model, ids, temperature, eos)
+    law2, law3 = _LAWS[key]
+    return law2.clone(), law3.clone()
+
+
+def _enumerate_marginals(model, ids, temperature, eos):
     with torch.no_grad():
         p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)  # [V]
         v = p1.shape[0]
@@ -105,9 +131,9 @@ def _exact_marginals(model, ids, temperature, eos):
 
 
 @pytest.mark.parametrize("drafter,knobs", DRAFTERS)
-def test_sampled_first_tokens_follow_the_target_law(drafter, knobs):
+def test_sampled_first_tokens_follow_the_target_law(lm_pipe, drafter, knobs):
     """Tokens 2 and 3 (drafted, verified, resampled in the first round) follow the exact target law."""
-    p = make_pipe("lm")
+    p = lm_pipe
     text = prompts(1, seed=5)
     ids, _, _ = p.encode(None, text, None, "cpu")
     temperature, n = 1.5, 3000
@@ -230,10 +256,13 @@ def test_nan_draft_logits_name_the_draft_model(knobs):
         p(prompt=prompts(1), max_new_tokens=6, acceptance="exact", drafter="model", **knobs)
 
 
-def test_draft_vocabulary_keeps_decoding_lossless():
+def test_draft_vocabulary_keeps_decoding_lossless(lm_pipe):
     """An EAGLE head scoring only half the vocabulary (FR-Spec): q_draft is 0 elsewhere, greedy output unchanged,
     sampled tokens still follow the target law."""
-    p = make_pipe("lm")
+    # a pipeline of its own around lm_pipe's models: it registers another head (lm_pipe keeps its own)
+    p = SpeculativeVLMPipeline(lm_pipe.model, lm_pipe.processor, draft_model=lm_pipe.draft_model,
+                               eagle_head=lm_pipe.eagle_head)  # fmt: skip
+    p.set_progress_bar_config(disable=True)
     full = p.eagle_head
     head = TextEagleHead.from_target(p.model, draft_vocab_size=32)
     head.load_state_dict({k: v for k, v in full.state_dict().items() if k != "draft_vocab"}, strict=False)

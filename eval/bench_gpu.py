@@ -486,6 +486,54 @@ def _engine_compiled(args, spec, device, repeats, budget):
     return {"chain": chain, "tree": None}, "trees verify eagerly (engine_s)"
 
 
+PROFILE_CALLS = 3  # plain steps under the profiler per variant (`kernel_profile`)
+PROFILE_TOP = 8  # kernels named in `kernel_profile`'s `top`
+
+
+def kernel_profile(fn, device, calls=PROFILE_CALLS):
+    """What one call of `fn` runs on the device, from `torch.profiler` over `calls` calls (after one warm-up):
+    ``kernels`` (device kernels per call; on the CPU, aten ops), ``device_s`` (their summed time per call),
+    ``graph_launches`` and ``kernel_launches`` (host-side CUDA graph replays and kernel launches per call), ``top``
+    (the `PROFILE_TOP` most expensive kernels: name, calls and seconds per call). It tells why a captured step stays
+    above its bandwidth floor: many small unfused kernels (a kernel-bound step) or kernels launched one by one."""
+    try:
+        return _kernel_profile(fn, device, calls)
+    except Exception as err:  # a diagnostic: its failure is recorded, never the run's
+        return {"failed": f"{type(err).__name__}: {str(err)[:300]}"}
+
+
+def _kernel_profile(fn, device, calls):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    on_device = device.type == "cuda"
+    kernels, launches, graphs = [], 0.0, 0.0
+    for e in prof.key_averages():
+        if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"):
+            launches += e.count
+        elif e.key in ("cudaGraphLaunch", "cuGraphLaunch"):
+            graphs += e.count
+        if on_device:
+            self_time = getattr(e, "self_device_time_total", None)
+            if self_time is None:
+                self_time = getattr(e, "self_cuda_time_total", 0)
+            if self_time > 0 and e.device_type.name == "CUDA":
+                kernels.append((e.key, e.count, self_time))
+        elif e.key.startswith("aten::") and e.self_cpu_time_total > 0:
+            kernels.append((e.key, e.count, e.self_cpu_time_total))
+    kernels.sort(key=lambda k: -k[2])
+    return {"calls": calls, "kernels": sum(k[1] for k in kernels) / calls,
+            "device_s": sum(k[2] for k in kernels) / calls / 1e6, "kernel_launches": launches / calls,
+            "graph_launches": graphs / calls,
+            "top": [{"name": name[:120], "calls": n / calls, "s": t / calls / 1e6} for name, n, t in kernels[:PROFILE_TOP]]}  # fmt: skip
+
+
 def _step_times(full, draft, widths, device, repeats):
     return {"plain_step_s": median_time(lambda: full.step(1), device, repeats),
             "verify_s": {str(w): median_time(lambda w=w: full.step(w), device, repeats) for w in widths},
@@ -506,6 +554,7 @@ def _arch_costs(args, name, device, dtype, widths, repeats, budget):
              "context": spec["context"], "rows": spec["rows"], "verify_widths": list(widths),
              "compiled_verify_widths": projection_widths(widths)}  # fmt: skip
     entry["eager"] = _step_times(full, draft, widths, device, repeats)
+    entry["profile"] = {"eager": kernel_profile(lambda: full.step(1), device), "compiled": None}
     entry["engine_s"] = {kind: engine_round_time(spec, kind == "tree", device, repeats) for kind in ("chain", "tree")}
     entry["engine_compiled_s"], entry["engine_compiled_reason"] = _engine_compiled(args, spec, device, repeats, budget)
     entry["achieved_bandwidth"] = params / entry["eager"]["plain_step_s"]
@@ -520,6 +569,7 @@ def _arch_costs(args, name, device, dtype, widths, repeats, budget):
             skips = cudagraph_skips()
             entry["compiled"] = _step_times(full, draft, entry["compiled_verify_widths"], device, repeats)
             entry["cudagraph_skips"] = cudagraph_skips() - skips
+            entry["profile"]["compiled"] = kernel_profile(lambda: full.step(1), device)
         except BudgetSpent as err:
             entry["compiled_reason"] = str(err)
         except Exception as err:  # a compile failure is recorded, not fatal

@@ -44,7 +44,16 @@ def _check_costs(report, archs, compiled=True):
         else:
             assert entry["engine_compiled_s"] is None and entry["engine_compiled_reason"] == "--no-compile"
         _positive_numbers({k: v for k, v in entry.items() if k not in ("bound_step_s", "compiled_reason", "cudagraph_skips",
-                                                                        "engine_compiled_s", "engine_compiled_reason")})  # fmt: skip
+                                                                        "engine_compiled_s", "engine_compiled_reason",
+                                                                        "profile")})  # fmt: skip
+        # the plain step's profile: aten ops on the CPU (kernels on CUDA), their time, the most expensive named
+        for variant in ("eager", "compiled") if compiled else ("eager",):
+            prof = entry["profile"][variant]
+            assert prof["kernels"] >= 10 and prof["device_s"] > 0, prof
+            assert prof["graph_launches"] == 0 and 0 < len(prof["top"]) <= 8, prof
+            assert all(k["name"].startswith("aten::") and k["s"] > 0 for k in prof["top"]), prof
+        if not compiled:
+            assert entry["profile"]["compiled"] is None
         rows = report["projection"][name]
         assert set(rows) == {"eagle", "lantern", "sjd-pac", "vispec", "plain"}
         for anchor, row in rows.items():

@@ -16,7 +16,8 @@ shape, with exact counts of the graphs it compiled (`pipe.enable_compile(...)`, 
 
 Mode None is "reduce-overhead" (inductor + CUDA graphs) on CUDA and plain inductor elsewhere; backend None is
 inductor. "cudagraphs" captures the traced graph's own kernels in CUDA graphs without generating code (seconds to
-compile where inductor takes minutes; the launches go, the kernels stay eager's). "eager" / "aot_eager" trace
+compile where inductor takes minutes; the launches go, the kernels stay eager's), with the weights and the KV cache
+read in place (`mmspec.decoding.cudagraphs`). "eager" / "aot_eager" trace
 without generating code: the fast way to count graphs and breaks in tests.
 Sampling and verification stay eager by default (a per-row `torch.Generator` is not traceable). With
 `enable_compile(verify=True)` a chain round's verification (and plain AR's one-token draw) and its emit are one
@@ -43,6 +44,12 @@ def _inner_backend(mode, backend):
     """The backend dynamo's graphs go to: inductor with `mode` (torch.compile's own wrapper), or a named one."""
     if backend in (None, "inductor"):
         return torch._TorchCompileInductorWrapper(mode, None, False)
+    if (
+        backend == "cudagraphs"
+    ):  # torch's, with the weights and the KV cache read in place (`mmspec.decoding.cudagraphs`)
+        from mmspec.decoding.cudagraphs import cudagraphs
+
+        return cudagraphs
     return torch._dynamo.lookup_backend(backend)
 
 

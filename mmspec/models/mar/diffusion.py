@@ -96,6 +96,7 @@ class GaussianDiffusion:
         }
         self._host_arrays = arrays  # numpy: `step_coefficients` reads these, not tensors
         self._arrays = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        self._placed = {}  # device -> the schedule's tensors there (`_on`)
 
     def step_coefficients(self, i: int) -> dict[str, float]:
         """Every schedule array at step ``i`` as Python floats (samplers at one step for all tokens)."""
@@ -107,7 +108,9 @@ class GaussianDiffusion:
         """The schedule's tensors (every array and ``timestep_map``) on `device`, copied there once per device and
         kept: a head call on an accelerator then indexes tensors already there, with no host-to-device copy."""
         device = torch.device(device)
-        placed = self.__dict__.setdefault("_placed", {})
+        # a plain attribute, read while a captured sampler traces: torch 2.11's dynamo cannot trace
+        # `__dict__.setdefault` (an H200 run hit it)
+        placed = self._placed
         if device not in placed:
             placed[device] = {k: v.to(device) for k, v in (*self._arrays.items(), ("steps", self._step_map))}
         return placed[device]

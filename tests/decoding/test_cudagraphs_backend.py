@@ -6,8 +6,7 @@ memcpys per LlamaGen-XL step (`assets/bench/gpu-h200-captured.json`)."""
 
 import pytest
 import torch
-from torch._dynamo.backends import cudagraphs as torch_backend
-from torch._inductor import cudagraph_trees
+from cudagraph_proxy import recording, skips
 
 from mmspec.decoding.compiled import Compiler
 from mmspec.decoding.cudagraphs import cudagraphs
@@ -27,17 +26,8 @@ class _Model(torch.nn.Module):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    calls = []
-
-    def record(model, inputs, static_input_idxs, **kwargs):
-        calls.append({"inputs": list(inputs), "static": list(static_input_idxs), **kwargs})
-        return model  # the boxed graph, run as it is
-
-    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", record)
-    monkeypatch.setattr(torch_backend, "check_for_skip", lambda model, fixed: None)  # CPU: torch would skip
-    monkeypatch.setattr(torch_backend, "get_device_index", lambda model: 0)  # CPU: torch asserts a CUDA graph
     torch._dynamo.reset()
-    yield calls
+    yield recording(monkeypatch)
     torch._dynamo.reset()
 
 
@@ -67,13 +57,11 @@ def test_weights_buffers_and_marked_cache_are_static_inputs_and_nothing_else(rec
 
 def test_a_graph_writing_an_unmarked_tensor_is_not_captured(recorded):
     """Written in place but not static: CUDA graphs would write a copy, so the graph runs uncaptured (a counted skip)."""
-    from torch._dynamo.utils import counters
-
     model, cache, x = _Model().eval(), torch.zeros(4, 8), torch.randn(2, 8)  # the cache is not marked static
-    before = counters["inductor"]["cudagraph_skips"]
+    before = skips()
     with torch.no_grad():
         torch.compile(model, backend=cudagraphs, fullgraph=True, dynamic=False)(x, cache)
-    assert recorded == [] and counters["inductor"]["cudagraph_skips"] == before + 1
+    assert recorded == [] and skips() == before + 1
     torch.testing.assert_close(cache[:2], x)  # run uncaptured, the write still lands
 
 

@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CompiledForward", "Compiler", "bucket_width", "dense", "owned", "pad_block", "pad_rows", "row_bucket"]
 
-RECOMPILE_LIMIT = 64  # per wrapper's code object, scoped to its calls; far above the shapes of one method
+# per wrapper's code object, set for the calls that bring a new input shape (the ones that compile); far above the
+# shapes of one method. A recompile of a seen shape runs under dynamo's own settings and still counts (`recompiles`)
+RECOMPILE_LIMIT = 64
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the inductor modes that capture CUDA graphs
 
 
@@ -120,12 +122,18 @@ class CompiledForward:
         must not write into its tensor arguments (caches, passed as objects, are written in place)."""
         self.calls += 1
         args, kwargs = tuple(dense(a) for a in args), {k: dense(v) for k, v in kwargs.items()}
-        self.shapes.add(self.signature(args, kwargs))
+        shape = self.signature(args, kwargs)
+        if shape in self.shapes:  # compiled before: no scoped settings (a config patch costs tens of microseconds of
+            return self._run(args, kwargs)  # host time, in every call of every round)
+        self.shapes.add(shape)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-            if not self.cudagraphs:
-                return self._compiled(*args, **kwargs)
-            torch.compiler.cudagraph_mark_step_begin()
-            return owned(self._compiled(*args, **kwargs))
+            return self._run(args, kwargs)
+
+    def _run(self, args, kwargs):
+        if not self.cudagraphs:
+            return self._compiled(*args, **kwargs)
+        torch.compiler.cudagraph_mark_step_begin()
+        return owned(self._compiled(*args, **kwargs))
 
     @property
     def recompiles(self) -> int:

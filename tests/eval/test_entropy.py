@@ -69,3 +69,26 @@ def test_stale_acceptance_is_one_for_a_context_free_model_and_matches_enumeratio
     exact = sum(exact) / len(exact)
     sampled = stale_acceptance(model, codes, labels, torch.Generator().manual_seed(0), positions_per_row=600)
     assert exact < 0.97 and sampled == pytest.approx(exact, abs=0.02)
+
+
+def test_neighbour_information_separates_copied_from_independent_grids():
+    """Grids whose every token copies its left neighbour carry all of a token's entropy as left information and
+    none from above (each row starts with a fresh token); independent tokens carry none either way. The pairs never
+    cross a row's start (a left pair there would be the previous row's last token)."""
+    from mmspec.eval.entropy import _pairs, neighbour_information
+
+    g = torch.Generator().manual_seed(0)
+    grid, vocab = 4, 8
+    starts = torch.randint(0, vocab, (4000, grid, 1), generator=g)
+    copied = starts.expand(-1, -1, grid).reshape(-1, grid * grid)  # each row: one token, repeated
+    out = neighbour_information(copied[:3000], copied[3000:], grid, vocab)
+    assert out["entropy"] == pytest.approx(math.log(vocab), abs=0.02)
+    assert out["cond_entropy_left"] < 0.01 and out["info_left"] == pytest.approx(math.log(vocab), abs=0.03)
+    assert abs(out["info_up"]) < 0.03  # rows are independent
+    independent = torch.randint(0, vocab, (4000, grid * grid), generator=g)
+    out = neighbour_information(independent[:3000], independent[3000:], grid, vocab)
+    assert abs(out["info_left"]) < 0.02 and abs(out["info_up"]) < 0.02
+    ctx, tok = _pairs(torch.arange(16)[None], grid, 1)
+    assert len(tok) == grid * (grid - 1) and bool(((tok - ctx) == 1).all()) and not bool((tok % grid == 0).any())
+    ctx, tok = _pairs(torch.arange(16)[None], grid, grid)
+    assert bool(((tok - ctx) == grid).all()) and len(tok) == grid * (grid - 1)

@@ -57,9 +57,9 @@ DIGIT_PROMPTS = [f"a handwritten {w}" for w in
 
 
 MAX_IMAGES = 10_000  # `--num-images` per method per repeat
-ZOO_PREFIX = {"mnist": "mnist", "textures": "texture"}  # `--dataset` -> the zoo folders' prefix
 
 MAX_REPEATS = 1000
+ZOO_PREFIX = {"mnist": "mnist", "textures": "texture"}  # `--dataset` -> the zoo folders' prefix
 
 
 def add_arguments(parser):
@@ -257,8 +257,11 @@ def run(args):
         pred = classifier(out.images.to(device) * 2 - 1).argmax(-1)
         return int((pred == torch.tensor(labels[c], device=pred.device)).sum())
 
-    from mmspec.eval.texture_quality import held_out_next_token_stats, method_fids, texture_reference
+    from mmspec.eval.entropy import held_out_next_token_stats
+    from mmspec.eval.texture_quality import method_fids, texture_reference
 
+    # the FID reference first (made once, ~9 min of Inception when missing): a broken one fails before any generation
+    reference, path = texture_reference(progress=not args.quiet) if textures else (None, None)
     images = {name: [] for name in names}
 
     def collect(name, out):
@@ -269,7 +272,6 @@ def run(args):
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names}
     if textures:
         config["target_next_token"] = held_out_next_token_stats(pipe.vqvae, pipe.transformer, args.dataset)
-        reference, path = texture_reference(progress=not args.quiet)
         fids = method_fids(images, reference, path.name)
         for name in names:
             methods[name]["fid"] = fids[name]

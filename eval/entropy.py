@@ -21,12 +21,15 @@ texture zoo's 512-code VQ has H(x) = 6.20 nats and H(x | left) = 6.06, 0.14 nats
 (`docs/zoo.md`).
 """
 
+import logging
 import math
 
 import torch
 
 
-__all__ = ["neighbour_information", "next_token_stats", "stale_acceptance"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["held_out_next_token_stats", "neighbour_information", "next_token_stats", "stale_acceptance"]
 
 
 def _summaries(probs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -126,3 +129,22 @@ def next_token_stats(model, codes: torch.Tensor, labels: torch.Tensor, batch_siz
         "vocab": int(probs.shape[-1]),
         "positions": int(entropy.numel()),
     }
+
+
+@torch.no_grad()
+def held_out_next_token_stats(vq, transformer, dataset: str, count: int = 200) -> dict | None:
+    """`next_token_stats` of `transformer` on the first `count` held-out (test) images of `dataset`, tokenized by
+    `vq`, with their true classes; None (logged) for a zoo whose VQ or target does not fit the dataset's images (a
+    test's tiny zoo: its grid or classes differ)."""
+    from mmspec.data.datasets import load_images
+
+    images, labels = load_images(dataset, "test")
+    images, labels = images[:count], labels[:count]
+    device = next(transformer.parameters()).device
+    config = transformer.config
+    tokens = (images.shape[-1] // vq.downsample_factor) ** 2
+    if vq.config.sample_size != images.shape[-1] or config.block_size != tokens or labels.max() >= config.num_classes:
+        logger.info("no next-token statistics: the zoo does not fit the %s images", dataset)
+        return None
+    codes = vq.encode(images.to(device))
+    return next_token_stats(transformer, codes, labels.to(device)) | {"images": len(images)}

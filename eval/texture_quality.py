@@ -1,7 +1,7 @@
 """Quality and regime of the high-entropy texture zoo for `mmspec bench ar-image --dataset textures`: a digit
 classifier does not apply to textures, so each method's images are scored by FID (Inception pool3, the existing
-`compute_fid`) against the 1,800 held-out texture crops, and the target's next-token statistics
-(`mmspec.eval.entropy`) on held-out token grids place the zoo in a method's regime.
+`compute_fid`) against the 1,800 held-out texture crops (the target's next-token statistics on held-out token grids,
+`mmspec.eval.entropy.held_out_next_token_stats`, place the zoo in a method's regime).
 
 The reference statistics are made once by `mmspec eval reference --dataset textures --features inception` (about
 9 minutes of Inception on one CPU core, resumable) and kept under `runs/reference-stats/`: they are not shipped.
@@ -42,23 +42,3 @@ def method_fids(images: dict[str, list[torch.Tensor]], reference, reference_name
     return {name: compute_fid(torch.cat(batches).clamp(0, 1), reference, extractor,
                               reference_name=reference_name).fid
             for name, batches in images.items()}  # fmt: skip
-
-
-@torch.no_grad()
-def held_out_next_token_stats(vq, transformer, dataset: str, count: int = 200) -> dict | None:
-    """`next_token_stats` of `transformer` on the first `count` held-out (test) images of `dataset`, tokenized by
-    `vq`, with their true classes; None (logged) for a zoo whose VQ or target does not fit the dataset's images (a
-    test's tiny zoo: its grid or classes differ)."""
-    from mmspec.data.datasets import load_images
-    from mmspec.eval.entropy import next_token_stats
-
-    images, labels = load_images(dataset, "test")
-    images, labels = images[:count], labels[:count]
-    device = next(transformer.parameters()).device
-    config = transformer.config
-    tokens = (images.shape[-1] // vq.downsample_factor) ** 2
-    if vq.config.sample_size != images.shape[-1] or config.block_size != tokens or labels.max() >= config.num_classes:
-        logger.info("no next-token statistics: the zoo does not fit the %s images", dataset)
-        return None
-    codes = vq.encode(images.to(device))
-    return next_token_stats(transformer, codes, labels.to(device)) | {"images": len(images)}

@@ -14,12 +14,9 @@ Inference only: a graph traced with gradients enabled goes to torch's backend un
 """
 
 import functools
-import logging
 
 import torch
 
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["cudagraphs", "static_input_indices"]
 

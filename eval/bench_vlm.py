@@ -13,7 +13,9 @@ tree of ``--model-tree-depth`` levels, ``--model-tree-top-k`` children per node,
 ``--tree-nodes`` nodes); the adaptive draft-length rows (`draft_length=`, chains of at most
 ``--adaptive-max-tokens``, per-row K): ``draft-model-heuristic`` / ``eagle-heuristic`` (transformers' schedule: +2
 after a fully accepted round, -1 otherwise), ``draft-model-cost`` / ``eagle-cost`` (the per-row cost model) and
-``draft-model-frspec-cost`` (the cost model on the FR-Spec draft LM), ``draft-model-frspec-batch-cost`` /
+``draft-model-frspec-cost`` (the cost model on the FR-Spec draft LM; the ``-cost`` rows are priced by the
+verification costs measured on this host first, ``verify_costs``, unless ``--cost-model line``),
+``draft-model-frspec-batch-cost`` /
 ``eagle-batch-cost`` (one K for the whole batch, priced at the batch's cost: ``draft_length="batch-cost"``); the
 vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
 ``specvlm`` (SpecVLM's gated elastic compressor) and ``msd`` (MSD's decoupled drafting), each from its zoo folder
@@ -109,6 +111,8 @@ SPECVLM_EXPERTS = ("prune", "pool", "conv", "resampler", "text-only")  # mmspec.
 
 
 MAX_PROMPTS = 10_000  # `--num-prompts`
+COST_MODELS = ("table", "line")  # `--cost-model`: how the "cost" rows price a verification (`measure_verify_costs`)
+COST_REPEATS = 5  # timed forwards per width (median) in `measure_verify_costs`
 WORKLOADS = ("templated", "free-form")
 TEMPLATED_PROMPT = "Describe the image."
 DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128}  # free-form answers are long: cut at 128 tokens
@@ -162,6 +166,9 @@ def add_arguments(parser):
     parser.add_argument("--draft-confidence", type=_confidence, default=0.4, help="draft-model-confident stop")
     parser.add_argument("--adaptive-max-tokens", type=nodes, default=8,
                         help="the adaptive rows' K_max (draft-model-heuristic / -cost, eagle-heuristic / -cost)")  # fmt: skip
+    parser.add_argument("--cost-model", choices=COST_MODELS, default="table",
+                        help="the -cost rows' verification price: table (measured here first, at widths 1 to "
+                             "--adaptive-max-tokens + 1: verify_costs) or line (the registry's verify_token_cost)")  # fmt: skip
     parser.add_argument("--model-tree-depth", type=depth, default=5, help="draft-model-tree depth")
     parser.add_argument("--model-tree-top-k", type=top_k, default=2, help="draft-model-tree children per node")
     parser.add_argument("--model-tree-nodes", type=nodes, default=10, help="draft-model-tree nodes")
@@ -316,6 +323,30 @@ def load_vision_heads(args, pipe):
     return {name: load(Path(args.zoo) / f"mnist-vlm-{name}", dtype=pipe.model.dtype) for name in names}
 
 
+@torch.no_grad()
+def measure_verify_costs(pipe, prefix: torch.Tensor, widths: int, repeats: int = COST_REPEATS) -> tuple:
+    """`verify_costs` for the "cost" rows: the target's decoder and output head over `m` new tokens after the
+    `prefix` [1, L] token ids (a prompt's, placeholders included), for m = 1..`widths`, in one-token forwards
+    (median of `repeats` each, the new tokens dropped from the cache after every forward). A calibration of this
+    host, made before any timed row; it sets only how much each round drafts, never an answer."""
+    from transformers import DynamicCache
+
+    decoder, head = pipe.model.get_decoder(), pipe.model.get_output_embeddings()
+    cache = DynamicCache()
+    decoder(input_ids=prefix, past_key_values=cache, use_cache=True)
+    times = []
+    for m in range(1, widths + 1):
+        new = prefix[:, -1:].expand(1, m).contiguous()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            head(decoder(input_ids=new, past_key_values=cache, use_cache=True).last_hidden_state)
+            samples.append(time.perf_counter() - start)
+            cache.crop(-m)
+        times.append(sorted(samples)[len(samples) // 2])
+    return tuple(round(t / times[0], 3) for t in times)
+
+
 def answer_generators(first, count, seed, device):
     """One generator per answer, answer `i` of the workload seeded `seed + i` (the same in every method)."""
     return [torch.Generator(device).manual_seed(seed + first + i) for i in range(count)]
@@ -397,6 +428,16 @@ def run(args, pipe=None, canvases=None, heads=None):
                and not (m in VISION_METHODS and m not in heads) and not (do_sample and m.startswith("hf-"))]  # fmt: skip
     if "plain" not in methods:
         methods.insert(0, "plain")
+    verify_costs = None
+    if getattr(args, "cost_model", "table") == "table" and any(ADAPTIVE.get(m, (None, None))[1] == "cost"
+                                                                 for m in methods):  # fmt: skip
+        prefix = pipe.encode(canvases[:1], *((prompts[:1], None) if key == "prompt" else (None, prompts[:1])),
+                             device)[0]  # fmt: skip
+        verify_costs = measure_verify_costs(pipe, prefix, k_max + 1)
+        logger.info("verification cost by width (one-token forwards): %s", verify_costs)
+        for name, (_, policy, _) in ADAPTIVE.items():
+            if policy == "cost":
+                ours[name]["verify_costs"] = verify_costs
 
     def draft_lm_image_tokens(ims, texts):
         """Image tokens transformers' assistant (the draft LM) reads per answer."""
@@ -540,6 +581,7 @@ def run(args, pipe=None, canvases=None, heads=None):
                 for name, kw in ours.items()
             },
             "hf-assisted": hf_assisted_knobs(pipe),
+            "cost_model": getattr(args, "cost_model", "table"),
         },
         "batch_sizes": args.batch_size,
         "num_prompts": len(canvases),

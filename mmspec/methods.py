@@ -36,6 +36,7 @@ from mmspec.verify import RESAMPLES, RULE_CLASSES, Exact, Grouped, Lantern
 
 
 __all__ = [
+    "CostTable",
     "ACCEPTANCES",
     "DRAFTERS",
     "EAGLE_HEADS",
@@ -155,6 +156,23 @@ DRAFTERS = {
 }
 
 
+class CostTable(tuple):
+    """A knob kind: verification costs by width, `(c(1), c(2), ..., c(n))` (`c(m)`: a target forward over `m` tokens
+    of one row, in one-token forwards; `c(1)` is 1), from a sequence of reals or a comma list ("1,1.54,1.73")."""
+
+    def __new__(cls, value):
+        if isinstance(value, str):
+            try:
+                value = [float(x) for x in value.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"a comma list of numbers, got {value!r}") from None
+        if isinstance(value, (str, bytes)) or not all(
+            isinstance(x, numbers.Real) and not isinstance(x, bool) for x in value
+        ):
+            raise TypeError(f"a sequence of numbers, got {value!r}")
+        return super().__new__(cls, (float(x) for x in value))
+
+
 @dataclass(frozen=True)
 class Knob:
     """A method keyword of the pipelines: `kind` is int, float, bool or a tuple of allowed strings."""
@@ -258,7 +276,7 @@ CONTINUOUS_DEFAULTS = {
 # "batch-cost": one K for the batch, priced at the batch's cost (a padded chain costs every row the widest K).
 DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost", "batch-cost")
 COST_POLICIES = ("cost", "batch-cost")  # the policies that read the cost knobs
-DRAFT_LENGTH_KNOBS = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost")  # its knobs
+DRAFT_LENGTH_KNOBS = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost", "verify_costs")
 DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' `assistant_confidence_threshold` default
 # a draft forward's cost in one-token target forwards, per drafter, when `draft_step_cost` is unset (measured on the
 # zoo's VLM at batch 1, 1 thread, `bench vlm --time-phases`: the 4-layer draft LM with SmolLM2's output head 0.24,
@@ -268,6 +286,10 @@ DRAFT_STEP_COSTS = {"model": 0.25, "eagle": 0.08}
 # token), 7 tokens 2.85x (0.31); 4 tokens 1.2-1.8x on the Intel hosts (0.07-0.27)
 DEFAULT_VERIFY_TOKEN_COST = 0.3
 MAX_COST = 100.0  # the cost knobs' upper bound: past it a draft or a verified token costs more than any use
+# `verify_costs`: a measured cost per verification width instead of the straight line `1 + v (m - 1)` (a CPU's
+# small-matrix kernels make it anything but straight: 1 / 1.54 / 1.73 / 2.64 / 2.38 at widths 1-5 for the zoo's VLM
+# target, AMD EPYC, 1 thread). At least widths 1 and 2, at most `MAX_COST_WIDTHS`; wider chains extend its last step.
+MAX_COST_WIDTHS = 64
 
 
 # The branching part of an SJD-PAC tree (width + width**2 + ... + width**(depth-1) nodes) is bounded like the
@@ -436,6 +458,18 @@ def _knobs():
                 used_by=("model", "eagle"),
             ),
             Knob(
+                "verify_costs",
+                CostTable,
+                None,
+                "draft_length='cost': the measured cost of a verification forward by width, c(1)..c(n) in one-token "
+                "target forwards (c(1) = 1; a comma list on the command line), instead of verify_token_cost's line; "
+                "chains wider than the table extend its last step",
+                lambda v: 2 <= len(v) <= MAX_COST_WIDTHS and v[0] == 1 and all(0 < x <= MAX_COST for x in v),
+                f"2 to {MAX_COST_WIDTHS} widths, c(1) = 1, each in (0, {MAX_COST:g}]",
+                optional=True,
+                used_by=("model", "eagle"),
+            ),
+            Knob(
                 "verify_token_cost",
                 float,
                 None,
@@ -480,6 +514,10 @@ PRESETS = {
 def _type_ok(kind, value):
     if isinstance(kind, tuple):
         return isinstance(value, str)
+    if kind is CostTable:
+        return isinstance(value, (tuple, list)) and all(
+            isinstance(x, numbers.Real) and not isinstance(x, bool) for x in value
+        )
     if kind is bool:
         return isinstance(value, bool)
     if isinstance(value, bool):
@@ -504,6 +542,8 @@ def check_knob(name, value):
         return value
     value = knob.kind(value)
     if knob.kind is float and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if knob.kind is CostTable and not all(math.isfinite(x) for x in value):
         raise ValueError(f"{name} must be finite, got {value}")
     if knob.check is not None and not knob.check(value):
         raise ValueError(f"{name} must be {knob.bound}, got {value!r}")
@@ -597,6 +637,7 @@ class MethodSettings(Mapping):
     draft_confidence: float | None
     draft_step_cost: float | None
     verify_token_cost: float | None
+    verify_costs: tuple | None
     resample: str
 
     def __getitem__(self, name):
@@ -660,10 +701,15 @@ def _resolve_draft_length(values, pipeline, drafter):
         values["draft_length"] = "confidence"
     policy = values["draft_length"]
     if policy not in COST_POLICIES:
-        given = [name for name in ("draft_step_cost", "verify_token_cost") if values[name] is not None]
+        given = [name for name in ("draft_step_cost", "verify_token_cost", "verify_costs") if values[name] is not None]
         if given:
             raise ValueError(f"{', '.join(given)}: read by draft_length='cost' / 'batch-cost' only, got "
                              f"draft_length={policy!r}")  # fmt: skip
+    if values["verify_costs"] is not None:
+        if policy != "cost":
+            raise ValueError(f"verify_costs: read by draft_length='cost' only, got draft_length={policy!r}")
+        if values["verify_token_cost"] is not None:
+            raise ValueError("verify_costs and verify_token_cost: give one verification cost model, not both")
     if policy == "fixed":
         return
     if drafter not in ("model", "eagle") or (values["tree_top_k"] > 1 and _tree_drafter(pipeline, drafter)):

@@ -348,6 +348,7 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         draft_length: str = KNOBS["draft_length"].default,
         draft_step_cost: float | None = KNOBS["draft_step_cost"].default,
         verify_token_cost: float | None = KNOBS["verify_token_cost"].default,
+        verify_costs: tuple | None = KNOBS["verify_costs"].default,
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_type: str = "text",
         return_dict: bool = True,
@@ -384,6 +385,8 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
                 expected tokens per unit of cost; `docs/methods.md`). Lossless in every case.
             draft_step_cost, verify_token_cost: `draft_length="cost"`: a draft forward's cost and each further
                 verified token's, in one-token target forwards (registry defaults per drafter).
+            verify_costs: `draft_length="cost"`: the measured cost of a verification forward by width instead of
+                `verify_token_cost`'s line (`c(1) = 1, c(2), ...`; `mmspec bench vlm` measures it).
             generator: one `torch.Generator` or a list with one per answer (then an answer does not depend on what
                 else is in its batch).
             output_type: `"text"` (decoded answers and ids) | `"ids"` (ids only).
@@ -401,7 +404,8 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
                                                callback_on_step_end)  # fmt: skip
         knobs = self.check_draft_knobs(acceptance, drafter, num_draft_tokens, tree_nodes, tree_depth, tree_top_k,
                                        draft_vocab, draft_confidence, return_dict, draft_length=draft_length,
-                                       draft_step_cost=draft_step_cost, verify_token_cost=verify_token_cost)  # fmt: skip
+                                       draft_step_cost=draft_step_cost, verify_token_cost=verify_token_cost,
+                                       verify_costs=verify_costs)  # fmt: skip
         if not isinstance(time_phases, bool):
             raise TypeError(f"time_phases must be a bool, got {time_phases!r}")
         guidance = Guidance(SamplingParams(1.0, temperature, top_k, top_p, do_sample))

@@ -180,6 +180,13 @@ def test_registry_resolves_the_draft_length_knobs():
         (dict(draft_step_cost=-0.1, draft_length="cost"), ValueError, "draft_step_cost"),
         (dict(verify_token_cost=float("nan"), draft_length="cost"), ValueError, "verify_token_cost"),
         (dict(draft_step_cost=0.1), ValueError, "draft_step_cost"),  # a cost knob without the cost policy
+        (dict(verify_costs=(1, 2)), ValueError, "verify_costs"),  # likewise
+        (dict(verify_costs=(1, 2), draft_length="batch-cost"), ValueError, "verify_costs"),
+        (dict(verify_costs=(1, 2), verify_token_cost=0.2, draft_length="cost"), ValueError, "verify_costs"),
+        (dict(verify_costs=(2, 3), draft_length="cost"), ValueError, "verify_costs"),  # c(1) is 1
+        (dict(verify_costs=(1,), draft_length="cost"), ValueError, "verify_costs"),
+        (dict(verify_costs=(1, float("inf")), draft_length="cost"), ValueError, "verify_costs"),
+        (dict(verify_costs="1,2", draft_length="cost"), TypeError, "verify_costs"),  # a string: the CLI's form only
         (dict(draft_length="heuristic", tree_top_k=2, num_draft_tokens=None), ValueError, "draft_length"),
     ]
     for knobs, error, match in bad:
@@ -188,6 +195,31 @@ def test_registry_resolves_the_draft_length_knobs():
     for acceptance, drafter in (("jacobi", "jacobi"), ("none", None)):
         with pytest.raises(ValueError, match="draft_length"):
             resolve_method(acceptance, drafter, None, "image", draft_length="heuristic")
+
+
+def test_cost_model_prices_verification_by_the_measured_table():
+    """`verify_costs` replaces the line `1 + v (m - 1)`: a table equal to the line picks the line's K for any
+    hazards; the zoo VLM's measured table (a jump at 4 tokens, AMD EPYC) moves a row whose drafts are accepted 90 % of
+    the time from K = 3 (the line's choice) to the K that is cheapest per token under the table (K = 8: widths 7-9
+    cost about what 4 does); widths past the table extend its last step."""
+    from mmspec.drafters.lengths.cost import verification_costs
+
+    assert verification_costs(4, 0.3) == pytest.approx([1.3, 1.6, 1.9, 2.2])
+    assert verification_costs(4, 0.3, (1, 1.5, 2.5)) == pytest.approx([1.5, 2.5, 3.5, 4.5])  # last step repeated
+    g = torch.Generator().manual_seed(0)
+    hazards = torch.rand(64, 8, generator=g) * 0.6
+    line = CostLength(8, draft_step_cost=0.17, verify_token_cost=0.3)
+    table = CostLength(8, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=[1 + 0.3 * m for m in range(9)])
+    assert torch.equal(line.best_k(hazards), table.best_k(hazards)) and len(set(line.best_k(hazards).tolist())) > 2
+    measured = (1, 1.54, 1.73, 2.64, 2.38, 2.36, 2.75, 2.68, 2.68)
+    steady = torch.full((1, 8), 0.1)  # 90 % of drafts accepted at every position
+    survival = [0.9 ** (i + 1) for i in range(8)]
+    rate = [(1 + sum(survival[:k])) / (measured[k] + 0.17 * k) for k in range(1, 9)]  # E(K) / C(K), by hand
+    assert int(line.best_k(steady)) == 3
+    measured_policy = CostLength(8, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=measured)
+    assert int(measured_policy.best_k(steady)) == 1 + rate.index(max(rate)) == 8  # widths 7-9 cost about the same
+    assert measured_policy.first_k() == 1 + max(range(8), key=lambda k: (1 + sum(0.8 ** (i + 1) for i in range(k + 1)))
+                                                / (measured[k + 1] + 0.17 * (k + 1)))  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the law, on the toy AR engine
@@ -352,6 +384,8 @@ def test_vlm_greedy_equals_plain_while_rows_draft_different_lengths(lm_pipe, mon
     monkeypatch.setattr("mmspec.pipelines.vlm.make_draft_length", record)
     size = dict(num_draft_tokens=6) if drafter == "model" else dict(tree_depth=6)
     costs = dict(draft_step_cost=0.1, verify_token_cost=0.2) if "cost" in policy else {}
+    if policy == "cost" and drafter == "model":  # a measured table instead of the line (a jump at 3 tokens)
+        costs = dict(draft_step_cost=0.1, verify_costs=(1, 1.2, 2.0, 1.6, 1.8, 2.0, 2.2))
     for n in (1, 4):  # batch 1, and a ragged batch of 4 (prompts of 2..8 words)
         texts = prompts(8)[4 - n : 4]  # prompts the tiny head was fitted on
         plain = lm_pipe(prompt=texts, max_new_tokens=24, acceptance="none", output_type="ids").sequences

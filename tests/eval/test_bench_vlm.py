@@ -37,4 +37,11 @@ def test_bench_vlm_reports_every_method(tmp_path):
     assert b1["draft-model"]["tau"] > 1.0 and b1["draft-model-tree"]["tau"] > 1.0 and b1["eagle"]["tau"] >= 1.0
     assert b1["hf-assisted"]["draft_calls"] > 0 and b1["hf-assisted"]["tau"] is None
     assert report["knobs"]["eagle-cost"]["draft_length"] == "cost" and b1["eagle-cost"]["tau"] >= 1.0
+    # the -cost rows are priced by the verification costs measured first (widths 1..K_max + 1), the same table each
+    costs = report["knobs"]["eagle-cost"]["verify_costs"]
+    assert report["knobs"]["cost_model"] == "table" and len(costs) == args.adaptive_max_tokens + 1
+    assert (
+        costs[0] == 1.0 and all(c > 0 for c in costs) and report["knobs"]["draft-model-cost"]["verify_costs"] == costs
+    )
+    assert "verify_costs" not in report["knobs"]["eagle-heuristic"]
     assert "speedup_vs_hf_assisted" in b1["eagle"] and report["knobs"]["hf-assisted"]["num_assistant_tokens"]

@@ -39,6 +39,9 @@ def make_draft_length(method, k_max: int):
     if name not in POLICIES:
         raise ValueError(f"draft_length must be one of {tuple(POLICIES)}, got {name!r}")
     confidence = method["draft_confidence"]
-    if name in ("cost", "batch-cost"):
+    if name == "cost":
+        return POLICIES[name](k_max, method["draft_step_cost"], method["verify_token_cost"], confidence,
+                              verify_costs=method["verify_costs"])  # fmt: skip
+    if name == "batch-cost":
         return POLICIES[name](k_max, method["draft_step_cost"], method["verify_token_cost"], confidence)
     return POLICIES[name](k_max, confidence)

@@ -5,7 +5,8 @@ then with probability `1 - h_i` (h_i: the row's *hazard* at position i), so the 
 position i with `S(i) = (1 - h_1) ... (1 - h_i)` and a round of K drafts emits `E(K) = 1 + S(1) + ... + S(K)` tokens
 (the bonus / correction token included). It costs `C(K) = c(K + 1) + K * d`: a verification forward over K + 1
 tokens, `c(m) = 1 + v * (m - 1)` in units of a one-token target forward (`verify_token_cost` = v: the cost curve is
-not flat), plus K draft forwards of `draft_step_cost` = d each. The row's next K is `argmax_{1 <= K <= k_max} E(K) /
+not flat), or the measured `c(m)` of `verify_costs` (widths past its end extend its last step), plus K draft forwards
+of `draft_step_cost` = d each. The row's next K is `argmax_{1 <= K <= k_max} E(K) /
 C(K)` (tokens per unit of time, the renewal-reward rate of a stream of such rounds). The hazards are running
 estimates per row and position: discounted counts of the rounds that reached position i and of those rejected
 there (each round: `n_i <- g * n_i + [reached i]`, `r_i <- g * r_i + [rejected at i]`, g = `decay`), `h_i = (r_i +
@@ -20,14 +21,28 @@ import torch
 from mmspec.decoding.draft_length import RowLengths
 
 
-__all__ = ["CostLength", "expected_rate"]
+__all__ = ["CostLength", "expected_rate", "verification_costs"]
 
 
-def expected_rate(survival, draft_step_cost: float, verify_token_cost: float):
+def verification_costs(k_max: int, verify_token_cost: float, verify_costs=None) -> list[float]:
+    """`[c(2), ..., c(k_max + 1)]`: a verification forward's cost at each chain length K = 1..k_max (module
+    docstring): the line `1 + v (m - 1)`, or the table `verify_costs` (`c(1), c(2), ...`) extended by its last step."""
+    if verify_costs is None:
+        return [1 + verify_token_cost * k for k in range(1, k_max + 1)]
+    table = list(verify_costs)
+    while len(table) < k_max + 1:
+        table.append(table[-1] + (table[-1] - table[-2]))
+    return table[1 : k_max + 1]
+
+
+def expected_rate(survival, draft_step_cost: float, verify_token_cost: float, verify_costs=None):
     """`[..., k_max]` expected tokens per unit of cost `E(K) / C(K)` for K = 1..k_max, from `survival [..., k_max]`
     (`S(i)`: the probability that the first i drafts are all accepted; module docstring)."""
-    ks = torch.arange(1, survival.shape[-1] + 1, device=survival.device, dtype=survival.dtype)
-    return (1 + survival.cumsum(-1)) / (1 + (verify_token_cost + draft_step_cost) * ks)
+    k_max = survival.shape[-1]
+    ks = torch.arange(1, k_max + 1, device=survival.device, dtype=survival.dtype)
+    verify = torch.tensor(verification_costs(k_max, verify_token_cost, verify_costs), dtype=survival.dtype,
+                          device=survival.device)  # fmt: skip
+    return (1 + survival.cumsum(-1)) / (verify + draft_step_cost * ks)
 
 
 class CostLength(RowLengths):
@@ -37,6 +52,7 @@ class CostLength(RowLengths):
         k_max: the longest chain.
         draft_step_cost: d, one draft forward's cost in one-token target forwards.
         verify_token_cost: v, each further token of a verification forward, likewise.
+        verify_costs: optional measured `c(1), c(2), ...` per verification width (replaces v's line).
         confidence: optional in (0, 1): the in-round stop (`ConfidenceStop`).
         decay: g in (0, 1]: the weight of the previous rounds' counts (0.8: about the last five rounds).
         prior: (r0, n0), the pseudo-counts of rejections and of rounds at every position (0.4, 2: h = 0.2).
@@ -48,7 +64,7 @@ class CostLength(RowLengths):
     name = "cost"
 
     def __init__(self, k_max, draft_step_cost, verify_token_cost, confidence=None, decay=0.8, prior=(0.4, 2.0),
-                 chained_prior=False):  # fmt: skip
+                 chained_prior=False, verify_costs=None):  # fmt: skip
         super().__init__(k_max)
         if not (0 <= draft_step_cost and 0 <= verify_token_cost and 0 < decay <= 1 and 0 <= prior[0] < prior[1]):
             raise ValueError(f"need costs >= 0, decay in (0, 1] and prior pseudo-counts 0 <= r0 < n0, got "
@@ -56,6 +72,9 @@ class CostLength(RowLengths):
         self.d, self.v, self.decay, self.prior = float(draft_step_cost), float(verify_token_cost), float(decay), prior
         self.confidence = confidence
         self.chained_prior = bool(chained_prior)
+        self.verify_costs = None if verify_costs is None else tuple(float(c) for c in verify_costs)
+        if self.verify_costs is not None and (len(self.verify_costs) < 2 or min(self.verify_costs) <= 0):
+            raise ValueError(f"verify_costs needs c(1), c(2), ... > 0, got {verify_costs}")
         self.counts = None
 
     def hazard(self):
@@ -73,16 +92,17 @@ class CostLength(RowLengths):
 
     def best_k(self, hazard):
         survival = (1 - hazard).cumprod(-1)
-        return expected_rate(survival, self.d, self.v).argmax(-1) + 1
+        return expected_rate(survival, self.d, self.v, self.verify_costs).argmax(-1) + 1
 
     def first_k(self):
         """Every row's first K, from the prior's hazard alone (host arithmetic: no tensor is read)."""
         r0, n0 = self.prior
+        verify = verification_costs(self.k_max, self.first_token_cost(), self.verify_costs)
         survival, total, rates = 1.0, 1.0, []
         for k in range(1, self.k_max + 1):
             survival *= 1 - r0 / n0
             total += survival
-            rates.append(total / (1 + (self.first_token_cost() + self.d) * k))
+            rates.append(total / (verify[k - 1] + self.d * k))
         return 1 + rates.index(max(rates))
 
     def first_token_cost(self) -> float:

@@ -37,11 +37,17 @@ def verification_costs(k_max: int, verify_token_cost: float, verify_costs=None) 
 
 def expected_rate(survival, draft_step_cost: float, verify_token_cost: float, verify_costs=None):
     """`[..., k_max]` expected tokens per unit of cost `E(K) / C(K)` for K = 1..k_max, from `survival [..., k_max]`
-    (`S(i)`: the probability that the first i drafts are all accepted; module docstring)."""
+    (`S(i)`: the probability that the first i drafts are all accepted; module docstring). `verify_costs`: the table
+    (`c(1), c(2), ...`), or its `[k_max]` tensor of `verification_costs` already on `survival`'s device."""
     k_max = survival.shape[-1]
     ks = torch.arange(1, k_max + 1, device=survival.device, dtype=survival.dtype)
-    verify = torch.tensor(verification_costs(k_max, verify_token_cost, verify_costs), dtype=survival.dtype,
-                          device=survival.device)  # fmt: skip
+    if verify_costs is None:
+        verify = 1 + verify_token_cost * ks
+    elif torch.is_tensor(verify_costs):
+        verify = verify_costs
+    else:
+        verify = torch.tensor(verification_costs(k_max, verify_token_cost, verify_costs), dtype=survival.dtype,
+                              device=survival.device)  # fmt: skip
     return (1 + survival.cumsum(-1)) / (verify + draft_step_cost * ks)
 
 
@@ -75,6 +81,7 @@ class CostLength(RowLengths):
         self.verify_costs = None if verify_costs is None else tuple(float(c) for c in verify_costs)
         if self.verify_costs is not None and (len(self.verify_costs) < 2 or min(self.verify_costs) <= 0):
             raise ValueError(f"verify_costs needs c(1), c(2), ... > 0, got {verify_costs}")
+        self._verify = None  # the table's [k_max] tensor on the rows' device: one host-to-device copy per call
         self.counts = None
 
     def hazard(self):
@@ -92,7 +99,13 @@ class CostLength(RowLengths):
 
     def best_k(self, hazard):
         survival = (1 - hazard).cumprod(-1)
-        return expected_rate(survival, self.d, self.v, self.verify_costs).argmax(-1) + 1
+        table = self.verify_costs
+        if table is not None:
+            if self._verify is None or self._verify.device != survival.device:
+                self._verify = torch.tensor(verification_costs(self.k_max, self.v, table), dtype=survival.dtype,
+                                            device=survival.device)  # fmt: skip
+            table = self._verify
+        return expected_rate(survival, self.d, self.v, table).argmax(-1) + 1
 
     def first_k(self):
         """Every row's first K, from the prior's hazard alone (host arithmetic: no tensor is read)."""

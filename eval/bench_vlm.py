@@ -16,7 +16,11 @@ after a fully accepted round, -1 otherwise), ``draft-model-cost`` / ``eagle-cost
 ``draft-model-frspec-cost`` (the cost model on the FR-Spec draft LM; the ``-cost`` rows are priced by the
 verification costs measured on this host first, ``verify_costs``, unless ``--cost-model line``),
 ``draft-model-frspec-batch-cost`` /
-``eagle-batch-cost`` (one K for the whole batch, priced at the batch's cost: ``draft_length="batch-cost"``); the
+``eagle-batch-cost`` (one K for the whole batch, priced at the batch's cost: ``draft_length="batch-cost"``),
+``draft-model-frspec-confident`` (the FR-Spec draft LM with the confidence stop at ``draft_confidence``'s default
+0.4, transformers' assistant's stop), ``draft-model-calibrated`` / ``draft-model-frspec-calibrated`` /
+``eagle-calibrated`` (each row stops inside the round where its expected tokens per unit of cost peak, pricing every
+draft by its confidence calibrated online: ``draft_length="calibrated"``, priced by the same table); the
 vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
 ``specvlm`` (SpecVLM's gated elastic compressor) and ``msd`` (MSD's decoupled drafting), each from its zoo folder
 ``mnist-vlm-{vispec,specvlm,msd}``, and ``eagle3`` (the EAGLE-3 head of ``mnist-vlm-eagle3``: the target's low /
@@ -71,7 +75,7 @@ from mmspec.cli.args import (
 )
 from mmspec.cli.checks import check_device, check_zoo_folders
 from mmspec.data.canvases import MAX_DIGITS, held_out_canvases
-from mmspec.methods import EAGLE_HEADS, VLM_LIMITS
+from mmspec.methods import EAGLE_HEADS, TABLE_POLICIES, VLM_LIMITS
 
 
 logger = logging.getLogger(__name__)
@@ -92,6 +96,10 @@ METHODS = (
     "eagle-cost",
     "draft-model-frspec-batch-cost",
     "eagle-batch-cost",
+    "draft-model-frspec-confident",
+    "draft-model-calibrated",
+    "draft-model-frspec-calibrated",
+    "eagle-calibrated",
 )
 # the adaptive rows: (drafter, draft-length policy, FR-Spec vocabulary) -- chains of at most --adaptive-max-tokens
 ADAPTIVE = {
@@ -102,6 +110,10 @@ ADAPTIVE = {
     "eagle-cost": ("eagle", "cost", False),
     "draft-model-frspec-batch-cost": ("model", "batch-cost", True),
     "eagle-batch-cost": ("eagle", "batch-cost", False),
+    "draft-model-frspec-confident": ("model", "confidence", True),
+    "draft-model-calibrated": ("model", "calibrated", False),
+    "draft-model-frspec-calibrated": ("model", "calibrated", True),
+    "eagle-calibrated": ("eagle", "calibrated", False),
 }
 # the other EAGLE heads, each from its zoo folder and run with the `eagle` row's knobs: eagle3 (mmspec.models.hf.eagle3)
 # and the vision-aware ones (mmspec.drafters.vision_eagle: vispec, specvlm, msd)
@@ -112,15 +124,19 @@ SPECVLM_EXPERTS = ("prune", "pool", "conv", "resampler", "text-only")  # mmspec.
 
 MAX_PROMPTS = 10_000  # `--num-prompts`
 COST_MODELS = ("table", "line")  # `--cost-model`: how the "cost" rows price a verification (`measure_verify_costs`)
-COST_REPEATS = 5  # timed forwards per width (median) in `measure_verify_costs`
+COST_REPEATS = 15  # timed sweeps over the widths (median per width) in `measure_verify_costs`
 WORKLOADS = ("templated", "free-form")
 TEMPLATED_PROMPT = "Describe the image."
 DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128}  # free-form answers are long: cut at 128 tokens
 DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
                                        "draft-model-frspec", "draft-model-heuristic", "draft-model-cost",
-                                       "draft-model-frspec-cost", "draft-model-frspec-batch-cost"),
+                                       "draft-model-frspec-cost", "draft-model-frspec-batch-cost",
+                                       "draft-model-frspec-confident", "draft-model-calibrated",
+                                       "draft-model-frspec-calibrated"),
                    "mnist-vlm-eagle": ("eagle", "draft-model-frspec", "draft-model-frspec-cost", "eagle-heuristic",
-                                       "eagle-cost", "draft-model-frspec-batch-cost", "eagle-batch-cost"),
+                                       "eagle-cost", "draft-model-frspec-batch-cost", "eagle-batch-cost",
+                                       "draft-model-frspec-confident", "draft-model-frspec-calibrated",
+                                       "eagle-calibrated"),
                    **{f"mnist-vlm-{name}": (name,) for name in VISION_METHODS}}  # fmt: skip
 
 
@@ -165,10 +181,11 @@ def add_arguments(parser):
     parser.add_argument("--confident-draft-tokens", type=nodes, default=8, help="draft-model-confident K")
     parser.add_argument("--draft-confidence", type=_confidence, default=0.4, help="draft-model-confident stop")
     parser.add_argument("--adaptive-max-tokens", type=nodes, default=8,
-                        help="the adaptive rows' K_max (draft-model-heuristic / -cost, eagle-heuristic / -cost)")  # fmt: skip
+                        help="the adaptive rows' K_max (-heuristic / -cost / -confident / -calibrated)")  # fmt: skip
     parser.add_argument("--cost-model", choices=COST_MODELS, default="table",
-                        help="the -cost rows' verification price: table (measured here first, at widths 1 to "
-                             "--adaptive-max-tokens + 1: verify_costs) or line (the registry's verify_token_cost)")  # fmt: skip
+                        help="the -cost / -calibrated rows' verification price: table (measured here first, at "
+                             "widths 1 to --adaptive-max-tokens + 1: verify_costs) or line (the registry's "
+                             "verify_token_cost)")  # fmt: skip
     parser.add_argument("--model-tree-depth", type=depth, default=5, help="draft-model-tree depth")
     parser.add_argument("--model-tree-top-k", type=top_k, default=2, help="draft-model-tree children per node")
     parser.add_argument("--model-tree-nodes", type=nodes, default=10, help="draft-model-tree nodes")
@@ -325,25 +342,25 @@ def load_vision_heads(args, pipe):
 
 @torch.no_grad()
 def measure_verify_costs(pipe, prefix: torch.Tensor, widths: int, repeats: int = COST_REPEATS) -> tuple:
-    """`verify_costs` for the "cost" rows: the target's decoder and output head over `m` new tokens after the
-    `prefix` [1, L] token ids (a prompt's, placeholders included), for m = 1..`widths`, in one-token forwards
-    (median of `repeats` each, the new tokens dropped from the cache after every forward). A calibration of this
-    host, made before any timed row; it sets only how much each round drafts, never an answer."""
+    """`verify_costs` for the "-cost" / "-calibrated" rows: the target's decoder and output head over `m` new tokens
+    after the `prefix` [1, L] token ids (a prompt's, placeholders included), for m = 1..`widths`, in one-token
+    forwards: `repeats` sweeps over every width in turn (interleaved, so a drift of the host's speed hits every
+    width alike), the median per width (the new tokens dropped from the cache after every forward). A calibration
+    of this host, made before any timed row; it sets only how much each round drafts, never an answer."""
     from transformers import DynamicCache
 
     decoder, head = pipe.model.get_decoder(), pipe.model.get_output_embeddings()
     cache = DynamicCache()
     decoder(input_ids=prefix, past_key_values=cache, use_cache=True)
-    times = []
-    for m in range(1, widths + 1):
-        new = prefix[:, -1:].expand(1, m).contiguous()
-        samples = []
-        for _ in range(repeats):
+    samples = [[] for _ in range(widths)]
+    for _ in range(repeats + 1):  # the first sweep warms every width up and is not kept
+        for m in range(1, widths + 1):
+            new = prefix[:, -1:].expand(1, m).contiguous()
             start = time.perf_counter()
             head(decoder(input_ids=new, past_key_values=cache, use_cache=True).last_hidden_state)
-            samples.append(time.perf_counter() - start)
+            samples[m - 1].append(time.perf_counter() - start)
             cache.crop(-m)
-        times.append(sorted(samples)[len(samples) // 2])
+    times = [statistics.median(s[1:]) for s in samples]
     return tuple(round(t / times[0], 3) for t in times)
 
 
@@ -429,14 +446,14 @@ def run(args, pipe=None, canvases=None, heads=None):
     if "plain" not in methods:
         methods.insert(0, "plain")
     verify_costs = None
-    if getattr(args, "cost_model", "table") == "table" and any(ADAPTIVE.get(m, (None, None))[1] == "cost"
+    if getattr(args, "cost_model", "table") == "table" and any(ADAPTIVE.get(m, (None, None))[1] in TABLE_POLICIES
                                                                  for m in methods):  # fmt: skip
         prefix = pipe.encode(canvases[:1], *((prompts[:1], None) if key == "prompt" else (None, prompts[:1])),
                              device)[0]  # fmt: skip
         verify_costs = measure_verify_costs(pipe, prefix, k_max + 1)
         logger.info("verification cost by width (one-token forwards): %s", verify_costs)
         for name, (_, policy, _) in ADAPTIVE.items():
-            if policy == "cost":
+            if policy in TABLE_POLICIES:
                 ours[name]["verify_costs"] = verify_costs
 
     def draft_lm_image_tokens(ims, texts):

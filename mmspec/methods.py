@@ -273,9 +273,12 @@ CONTINUOUS_DEFAULTS = {
 # "fixed": K_max every round (the default); "heuristic": transformers' schedule (+2 after a fully accepted round, -1
 # otherwise); "confidence": a chain stops after a draft token below `draft_confidence`; "cost": the K maximising
 # expected tokens per unit of cost from a running acceptance estimate (`draft_step_cost`, `verify_token_cost`);
-# "batch-cost": one K for the batch, priced at the batch's cost (a padded chain costs every row the widest K).
-DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost", "batch-cost")
-COST_POLICIES = ("cost", "batch-cost")  # the policies that read the cost knobs
+# "batch-cost": one K for the batch, priced at the batch's cost (a padded chain costs every row the widest K);
+# "calibrated": each row stops inside the round where its expected tokens per unit of cost peak, pricing every draft
+# by its raw probability calibrated online against what the target accepted.
+DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost", "batch-cost", "calibrated")
+COST_POLICIES = ("cost", "batch-cost", "calibrated")  # the policies that read the cost knobs
+TABLE_POLICIES = ("cost", "calibrated")  # the policies that read `verify_costs`
 DRAFT_LENGTH_KNOBS = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost", "verify_costs")
 DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' `assistant_confidence_threshold` default
 # a draft forward's cost in one-token target forwards, per drafter, when `draft_step_cost` is unset (measured on the
@@ -449,7 +452,7 @@ def _knobs():
                 "draft_step_cost",
                 float,
                 None,
-                "draft_length='cost' / 'batch-cost': one draft forward's cost in one-token target forwards (default "
+                "draft_length='cost' / 'batch-cost' / 'calibrated': one draft forward's cost in one-token target forwards (default "
                 + ", ".join(f"{k} {v}" for k, v in DRAFT_STEP_COSTS.items())
                 + ")",
                 lambda v: 0 <= v <= MAX_COST,
@@ -461,7 +464,7 @@ def _knobs():
                 "verify_costs",
                 CostTable,
                 None,
-                "draft_length='cost': the measured cost of a verification forward by width, c(1)..c(n) in one-token "
+                "draft_length='cost' / 'calibrated': the measured cost of a verification forward by width, c(1)..c(n) in one-token "
                 "target forwards (c(1) = 1; a comma list on the command line), instead of verify_token_cost's line; "
                 "chains wider than the table extend its last step",
                 lambda v: 2 <= len(v) <= MAX_COST_WIDTHS and v[0] == 1 and all(0 < x <= MAX_COST for x in v),
@@ -473,7 +476,7 @@ def _knobs():
                 "verify_token_cost",
                 float,
                 None,
-                f"draft_length='cost' / 'batch-cost': each further token of a verification forward (one row), in "
+                f"draft_length='cost' / 'batch-cost' / 'calibrated': each further token of a verification forward (one row), in "
                 f"one-token target forwards "
                 f"(default {DEFAULT_VERIFY_TOKEN_COST})",
                 lambda v: 0 <= v <= MAX_COST,
@@ -508,6 +511,8 @@ PRESETS = {
     "exact-draft-cost": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="cost"),
     "exact-eagle-heuristic": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="heuristic"),
     "exact-eagle-cost": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="cost"),
+    "exact-draft-calibrated": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="calibrated"),
+    "exact-eagle-calibrated": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="calibrated"),
 }
 
 
@@ -703,11 +708,15 @@ def _resolve_draft_length(values, pipeline, drafter):
     if policy not in COST_POLICIES:
         given = [name for name in ("draft_step_cost", "verify_token_cost", "verify_costs") if values[name] is not None]
         if given:
-            raise ValueError(f"{', '.join(given)}: read by draft_length='cost' / 'batch-cost' only, got "
-                             f"draft_length={policy!r}")  # fmt: skip
+            raise ValueError(f"{', '.join(given)}: read by draft_length='cost' / 'batch-cost' / 'calibrated' only, "
+                             f"got draft_length={policy!r}")  # fmt: skip
+    if policy == "calibrated" and values["draft_confidence"] is not None:
+        raise ValueError("draft_confidence: draft_length='calibrated' sets its own stop from the calibrated "
+                         "confidence; drop draft_confidence or use draft_length='confidence' / 'cost'")  # fmt: skip
     if values["verify_costs"] is not None:
-        if policy != "cost":
-            raise ValueError(f"verify_costs: read by draft_length='cost' only, got draft_length={policy!r}")
+        if policy not in TABLE_POLICIES:
+            raise ValueError(f"verify_costs: read by draft_length='cost' / 'calibrated' only, got "
+                             f"draft_length={policy!r}")  # fmt: skip
         if values["verify_token_cost"] is not None:
             raise ValueError("verify_costs and verify_token_cost: give one verification cost model, not both")
     if policy == "fixed":

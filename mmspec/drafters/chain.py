@@ -30,7 +30,7 @@ def chain_lengths(policy, state):
     return torch.minimum(state.remaining(), k).clamp(min=1, max=length), length
 
 
-def sample_chain(step, feed, length, guidance, generator, num_draft=None, confidence=None):
+def sample_chain(step, feed, length, guidance, generator, num_draft=None, confidence=None, stop=None):
     """Draw a chain of `length` draft tokens.
 
     Args:
@@ -45,6 +45,9 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
         confidence: optional in (0, 1): an item stops drafting (`num_draft` capped) after a token the drafter gave
             a raw (unprocessed; under CFG the conditional stream's) probability below this; the loop ends when no
             item drafts further.
+        stop: optional `stop(d, prob [B], num_draft [B]) -> num_draft [B]`, a draft-length policy's in-round stop
+            (`"calibrated"`), called after draft `d` (0-based) with each item's raw probability of its draw; an item
+            whose returned `num_draft` is at most `d + 1` drafts no further (it may keep fewer than it drew).
 
     Returns:
         `(draft_tokens [B, K], q_draft [B, K, V], num_draft)`; `K <= length` (fewer only with `confidence`).
@@ -58,10 +61,13 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
         tokens.append(tok)
         probs.append(q)
         feed = tok[:, None]
-        if confidence is not None:  # rows stop after an unsure token (its raw draft probability)
+        if confidence is not None or stop is not None:  # rows stop by their raw draft probability
             raw = logits[: feed.shape[0]]  # CFG: the conditional stream's rows come first
-            sure = torch.softmax(raw.float(), dim=-1).gather(1, feed)[:, 0] >= confidence
-            num_draft = torch.where(sure, num_draft, num_draft.clamp(max=d + 1))
+            prob = torch.softmax(raw.float(), dim=-1).gather(1, feed)[:, 0]
+            if confidence is not None:  # after an unsure token
+                num_draft = torch.where(prob >= confidence, num_draft, num_draft.clamp(max=d + 1))
+            if stop is not None:
+                num_draft = stop(d, prob, num_draft)
             if not bool((num_draft > d + 1).any()):
                 break
     return torch.stack(tokens, 1), torch.stack(probs, 1), num_draft

@@ -79,7 +79,7 @@ def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None, vali
 
 @torch.no_grad()
 def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, guidance, generator, num_draft=None,
-                validate=True, confidence=None):  # fmt: skip
+                validate=True, confidence=None, stop=None):  # fmt: skip
     """EAGLE chain with *sampled* drafts: `length` tokens, each drawn from the head's processed distribution.
 
     Step 1 is `commit_accepted` (as in `draft_tree`). Each draft token is sampled from the head's `q_draft`, processed
@@ -99,6 +99,7 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
         validate: check `num_valid` (one host sync; see `commit_accepted`).
         confidence: optional in (0, 1): an item stops drafting after a token the head gave a raw probability below
             this (`mmspec.drafters.chain.sample_chain`; the chain may then be shorter than `length`).
+        stop: optional, a draft-length policy's in-round stop (`sample_chain`'s `stop`).
 
     Returns:
         `(draft_tokens [B, K], q_draft [B, K, V], num_draft [B] or None)`: `K <= length`, `num_draft` as given
@@ -114,7 +115,7 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
             cache.commit(1)
         return head.compute_logits(target, feat[0][:, 0])
 
-    tokens, q_draft, num_draft = sample_chain(step, None, length, guidance, generator, num_draft, confidence)
+    tokens, q_draft, num_draft = sample_chain(step, None, length, guidance, generator, num_draft, confidence, stop)
     cache.rollback(cache.lengths - (tokens.shape[1] - 1))
     return tokens, q_draft, num_draft
 
@@ -345,7 +346,8 @@ class EagleDrafter:
             drafts, q, num_draft = draft_chain(head, self.target, self.cache, hidden, ids, self.num_valid,
                                                length=length, guidance=g, generator=state.generator,
                                                num_draft=num_draft, validate=False,
-                                               confidence=self.length.confidence)  # fmt: skip
+                                               confidence=self.length.confidence,
+                                               stop=getattr(self.length, "stop", None))  # fmt: skip
             self.draft_forwards += drafts.shape[1]
             self._num_draft = num_draft
             return Proposal(drafts, num_draft, q_draft=q)

@@ -97,7 +97,8 @@ class ModelDrafter:
             return logits if self.live is None else logits[self._live_rows]
 
         tokens, q_draft, num_draft = sample_chain(step, refeed(state, self._first_round), length, g,
-                                                  state.generator, num_draft, confidence=self.length.confidence)  # fmt: skip
+                                                  state.generator, num_draft, confidence=self.length.confidence,
+                                                  stop=getattr(self.length, "stop", None))  # fmt: skip
         self.draft_forwards += tokens.shape[1]
         self._first_round = False
         self._num_draft = num_draft

@@ -100,7 +100,8 @@ class TextModelDrafter:
         num_draft, length = chain_lengths(self.length, state)
         tokens, q_draft, num_draft = sample_chain(self._last_logits, refeed(state, self._first_round), length,
                                                   self.draft.guidance, state.generator, num_draft,
-                                                  confidence=self.length.confidence)  # fmt: skip
+                                                  confidence=self.length.confidence,
+                                                  stop=getattr(self.length, "stop", None))  # fmt: skip
         self.draft_forwards += tokens.shape[1]
         self._first_round = False
         self._num_draft = num_draft

@@ -22,6 +22,7 @@ from mmspec.drafters.chain import chain_lengths, sample_chain
 from mmspec.drafters.lengths import (
     POLICIES,
     BatchCostLength,
+    CalibratedLength,
     ConfidenceStop,
     CostLength,
     FixedLength,
@@ -173,6 +174,9 @@ def test_registry_resolves_the_draft_length_knobs():
     policy = real_make_draft_length(fixed, 4)
     assert isinstance(policy, FixedLength) and policy.lengths() is None and policy.sync_value() is None
     assert isinstance(make_policy("confidence", 4), ConfidenceStop)
+    calibrated = make_policy("calibrated", 4, verify_costs=(1, 1.5, 1.8))
+    assert isinstance(calibrated, CalibratedLength) and calibrated.verify_costs == (1, 1.5, 1.8)
+    assert calibrated.d == DRAFT_STEP_COSTS["model"]
     bad = [
         (dict(draft_length="longest"), ValueError, "draft_length"),
         (dict(draft_length=1), TypeError, "draft_length"),
@@ -188,6 +192,8 @@ def test_registry_resolves_the_draft_length_knobs():
         (dict(verify_costs=(1, float("inf")), draft_length="cost"), ValueError, "verify_costs"),
         (dict(verify_costs="1,2", draft_length="cost"), TypeError, "verify_costs"),  # a string: the CLI's form only
         (dict(draft_length="heuristic", tree_top_k=2, num_draft_tokens=None), ValueError, "draft_length"),
+        (dict(draft_length="calibrated", draft_confidence=0.5), ValueError, "draft_confidence"),  # its own stop
+        (dict(verify_costs=(1, 2), draft_length="heuristic"), ValueError, "verify_costs"),
     ]
     for knobs, error, match in bad:
         with pytest.raises(error, match=match):
@@ -220,6 +226,41 @@ def test_cost_model_prices_verification_by_the_measured_table():
     assert int(measured_policy.best_k(steady)) == 1 + rate.index(max(rate)) == 8  # widths 7-9 cost about the same
     assert measured_policy.first_k() == 1 + max(range(8), key=lambda k: (1 + sum(0.8 ** (i + 1) for i in range(k + 1)))
                                                 / (measured[k + 1] + 0.17 * (k + 1)))  # fmt: skip
+
+
+def test_calibrated_stop_ends_a_chain_after_an_unsure_draft_and_learns_from_what_was_accepted():
+    """The in-round stop (`CalibratedLength.stop`), by hand on two rows: sure drafts (p 0.95) keep a row drafting
+    while a longer verification pays; an unsure one (p 0.15: the prior's acceptance 0.15) ends its row after it,
+    kept (a draft is never dropped for its own probability); a row already stopped stays stopped; the last allowed
+    draft ends every row. Then `update` folds only the verified drafts into the rows' bins."""
+    costs = (1, 1.5, 1.8, 2.4, 2.5, 2.6)
+    policy = CalibratedLength(5, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=costs)
+    policy.start(2, "cpu")
+    num = torch.tensor([5, 5])
+    for step in range(2):
+        num = policy.stop(step, torch.tensor([0.95, 0.95]), num)
+        assert num.tolist() == [5, 5]
+    num = policy.stop(2, torch.tensor([0.95, 0.15]), num)
+    # by hand: row 1 after its unsure third draft, E_3 = 1 + .95 + .95^2 + .95^2 * .15; drafting on (at .95 each)
+    # never beats stopping, while row 0 (E_3 = 1 + .95 + .95^2 + .95^3) gains from a fourth and fifth draft
+    e3 = 1 + 0.95 + 0.95**2 + 0.95**2 * 0.15
+    s3 = 0.95**2 * 0.15
+    go = [(e3 + s3 * sum(0.95**j for j in range(1, k - 2))) / (costs[k] + k * 0.17) for k in (4, 5)]
+    assert max(go) < e3 / (costs[3] + 3 * 0.17) and num.tolist() == [5, 3]
+    num = policy.stop(3, torch.tensor([0.95, 0.95]), num)
+    assert num.tolist() == [5, 3]  # a stopped row stays stopped
+    num = policy.stop(4, torch.tensor([0.95, 0.95]), num)
+    assert num.tolist() == [5, 3]  # the last draft: row 0 keeps all five
+    policy.update(num, torch.tensor([3, 2]), torch.tensor([False, False]))
+    verified, accepted = policy.counts.unbind(-1)
+    # row 0: drafts 0..3 verified (the 5th comes after its first rejection), 3 accepted, all in the top bin
+    assert verified[0].tolist() == [0] * 9 + [4] and accepted[0].tolist() == [0] * 9 + [3]
+    # row 1: two sure drafts accepted, the unsure one (bin 1) verified and rejected
+    assert verified[1].tolist() == [0, 1] + [0] * 7 + [2] and accepted[1].tolist() == [0] * 9 + [2]
+    assert policy.acceptance()[0, -1] == pytest.approx((3 + 2 * 0.95) / (4 + 2))
+    assert policy.acceptance()[1, 1] == pytest.approx((0 + 2 * 0.15) / (1 + 2))
+    policy.select_rows(torch.tensor([1]))
+    assert policy.counts.shape == (1, 10, 2)
 
 
 # ---------------------------------------------------------------------- the law, on the toy AR engine
@@ -297,7 +338,7 @@ class ToyChainDrafter:
             return _law(self.tables, *ctx).log()
 
         tokens, q, num_draft = sample_chain(step, None, length, Guidance(SamplingParams()), state.generator,
-                                            num_draft)  # fmt: skip
+                                            num_draft, stop=getattr(self.length, "stop", None))  # fmt: skip
         self._num_draft = num_draft
         self.seen.append(num_draft)
         return Proposal(tokens, num_draft, q_draft=q)
@@ -315,7 +356,7 @@ class ToyChainDrafter:
         self.length.sync_host(value)
 
 
-@pytest.mark.parametrize("name", ["heuristic", "cost", "batch-cost"])
+@pytest.mark.parametrize("name", ["heuristic", "cost", "batch-cost", "calibrated"])
 def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
     """The joint law of x_1 .. x_T under adaptive per-row K (per-row generators: each row draws only its own K
     drafts) equals the model's; the rows' K diverged (`"batch-cost"`: one K for every row, set by all rows' past
@@ -323,6 +364,8 @@ def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
     target_tables, draft_tables = _tables(0, 3.0), _tables(1, 3.0)
     # (batch-cost: a verified token priced for all ROWS rows at v = 0.3 would be ~1, so that K = 1 throughout)
     cost = dict(draft_step_cost=0.05, verify_token_cost=0.0 if name == "batch-cost" else 0.3, decay=0.5)
+    if name == "calibrated":  # (a flat cost: rows stop on their own draws, not all at once)
+        cost = dict(draft_step_cost=0.05, verify_token_cost=0.3, decay=0.5)
     policy = HeuristicLength(3) if name == "heuristic" else POLICIES[name](3, **cost)
     drafter = ToyChainDrafter(draft_tables, policy)
     gens = [torch.Generator().manual_seed(7_000 + i) for i in range(ROWS)]
@@ -363,14 +406,22 @@ class Recorded:
 
     def __call__(self, method, k_max):
         policy = self.make(method, k_max)
-        lengths = policy.lengths
+        lengths, stop = policy.lengths, getattr(policy, "stop", None)
 
         def recorded():
             k = lengths()
             self.rounds.append(None if k is None else k.clone())
             return k
 
+        def recorded_stop(step, prob, num_draft):  # an in-round stop: the rows' K once the round's chain ends
+            num_draft = stop(step, prob, num_draft)
+            if not bool((num_draft > step + 1).any()):
+                self.rounds.append(num_draft.clone())
+            return num_draft
+
         policy.lengths = recorded
+        if stop is not None:
+            policy.stop = recorded_stop
         return policy
 
     def diverged(self):
@@ -378,13 +429,13 @@ class Recorded:
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
-@pytest.mark.parametrize("policy", ["heuristic", "cost", "batch-cost"])
+@pytest.mark.parametrize("policy", ["heuristic", "cost", "batch-cost", "calibrated"])
 def test_vlm_greedy_equals_plain_while_rows_draft_different_lengths(lm_pipe, monkeypatch, drafter, policy):
     record = Recorded()
     monkeypatch.setattr("mmspec.pipelines.vlm.make_draft_length", record)
     size = dict(num_draft_tokens=6) if drafter == "model" else dict(tree_depth=6)
-    costs = dict(draft_step_cost=0.1, verify_token_cost=0.2) if "cost" in policy else {}
-    if policy == "cost" and drafter == "model":  # a measured table instead of the line (a jump at 3 tokens)
+    costs = dict(draft_step_cost=0.1, verify_token_cost=0.2) if "cost" in policy or policy == "calibrated" else {}
+    if policy in ("cost", "calibrated") and drafter == "model":  # a measured table (a jump at 3 tokens)
         costs = dict(draft_step_cost=0.1, verify_costs=(1, 1.2, 2.0, 1.6, 1.8, 2.0, 2.2))
     for n in (1, 4):  # batch 1, and a ragged batch of 4 (prompts of 2..8 words)
         texts = prompts(8)[4 - n : 4]  # prompts the tiny head was fitted on
@@ -438,7 +489,7 @@ def test_image_greedy_equals_plain_with_adaptive_lengths(monkeypatch, drafter):
     monkeypatch.setattr("mmspec.pipelines.ar_image.make_draft_length", record)
     kw = dict(class_labels=[0, 1, 2], guidance_scale=2.0, do_sample=False, output_type="tokens")
     plain = pipe(acceptance="none", **kw).images
-    for policy in ("heuristic", "cost", "confidence"):
+    for policy in ("heuristic", "cost", "confidence", "calibrated"):
         size = dict(num_draft_tokens=5) if drafter == "model" else dict(tree_depth=5)
         out = pipe(acceptance="exact", drafter=drafter, draft_length=policy, **size, **kw)
         assert torch.equal(out.images, plain), policy

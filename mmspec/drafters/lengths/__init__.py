@@ -6,6 +6,8 @@
   otherwise, per row.
 * `ConfidenceStop` (`confidence.py`, `"confidence"`): a row's chain stops after an unsure draft token.
 * `CostLength` (`cost.py`, `"cost"`): per row, the K maximising expected tokens per unit of cost.
+* `CalibratedLength` (`calibrated.py`, `"calibrated"`): per row, a stop inside the round where the expected tokens
+  per unit of cost peak, pricing each draft by its confidence calibrated online against what was accepted.
 * `BatchCostLength` (`batch_cost.py`, `"batch-cost"`): one K for the batch, maximising the batch's expected tokens
   per unit of the batch's cost (a padded chain costs every row the widest K).
 
@@ -13,6 +15,7 @@
 """
 
 from mmspec.drafters.lengths.batch_cost import BatchCostLength
+from mmspec.drafters.lengths.calibrated import CalibratedLength
 from mmspec.drafters.lengths.confidence import ConfidenceStop
 from mmspec.drafters.lengths.cost import CostLength
 from mmspec.drafters.lengths.fixed import FixedLength
@@ -22,6 +25,7 @@ from mmspec.drafters.lengths.heuristic import HeuristicLength
 __all__ = [
     "POLICIES",
     "BatchCostLength",
+    "CalibratedLength",
     "ConfidenceStop",
     "CostLength",
     "FixedLength",
@@ -29,7 +33,9 @@ __all__ = [
     "make_draft_length",
 ]
 
-POLICIES = {p.name: p for p in (FixedLength, HeuristicLength, ConfidenceStop, CostLength, BatchCostLength)}
+POLICIES = {
+    p.name: p for p in (FixedLength, HeuristicLength, ConfidenceStop, CostLength, BatchCostLength, CalibratedLength)
+}
 
 
 def make_draft_length(method, k_max: int):
@@ -41,6 +47,9 @@ def make_draft_length(method, k_max: int):
     confidence = method["draft_confidence"]
     if name == "cost":
         return POLICIES[name](k_max, method["draft_step_cost"], method["verify_token_cost"], confidence,
+                              verify_costs=method["verify_costs"])  # fmt: skip
+    if name == "calibrated":
+        return POLICIES[name](k_max, method["draft_step_cost"], method["verify_token_cost"],
                               verify_costs=method["verify_costs"])  # fmt: skip
     if name == "batch-cost":
         return POLICIES[name](k_max, method["draft_step_cost"], method["verify_token_cost"], confidence)

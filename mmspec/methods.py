@@ -434,7 +434,8 @@ def _knobs():
                 DRAFT_LENGTHS,
                 "fixed",
                 "draft-length policy of draft-model / EAGLE chains: fixed K, transformers' heuristic schedule, "
-                "a confidence stop, the per-row cost model, or one K per batch by the batch's cost",
+                "a confidence stop, the per-row cost model, one K per batch by the batch's cost, or a per-row stop "
+                "priced by the draft's calibrated confidence",
                 used_by=("model", "eagle"),
             ),
             Knob(

@@ -20,7 +20,10 @@ verification costs measured on this host first, ``verify_costs``, unless ``--cos
 ``draft-model-frspec-confident`` (the FR-Spec draft LM with the confidence stop at ``draft_confidence``'s default
 0.4, transformers' assistant's stop), ``draft-model-calibrated`` / ``draft-model-frspec-calibrated`` /
 ``eagle-calibrated`` (each row stops inside the round where its expected tokens per unit of cost peak, pricing every
-draft by its confidence calibrated online: ``draft_length="calibrated"``, priced by the same table); the
+draft by its confidence calibrated online: ``draft_length="calibrated"``, priced by the same table),
+``draft-model-frspec-batch-calibrated`` / ``eagle-batch-calibrated`` (that stop decided once for the whole batch:
+``draft_length="batch-calibrated"``); the table-priced rows use a table measured at the batch size they run at (in
+units of that batch's one-token forward: ``knobs.verify_costs_by_batch_size``); the
 vision-aware heads with the same knobs: ``vispec`` (ViSpec's learned-query adaptor),
 ``specvlm`` (SpecVLM's gated elastic compressor) and ``msd`` (MSD's decoupled drafting), each from its zoo folder
 ``mnist-vlm-{vispec,specvlm,msd}``, and ``eagle3`` (the EAGLE-3 head of ``mnist-vlm-eagle3``: the target's low /
@@ -100,6 +103,8 @@ METHODS = (
     "draft-model-calibrated",
     "draft-model-frspec-calibrated",
     "eagle-calibrated",
+    "draft-model-frspec-batch-calibrated",
+    "eagle-batch-calibrated",
 )
 # the adaptive rows: (drafter, draft-length policy, FR-Spec vocabulary) -- chains of at most --adaptive-max-tokens
 ADAPTIVE = {
@@ -114,6 +119,8 @@ ADAPTIVE = {
     "draft-model-calibrated": ("model", "calibrated", False),
     "draft-model-frspec-calibrated": ("model", "calibrated", True),
     "eagle-calibrated": ("eagle", "calibrated", False),
+    "draft-model-frspec-batch-calibrated": ("model", "batch-calibrated", True),
+    "eagle-batch-calibrated": ("eagle", "batch-calibrated", False),
 }
 # the other EAGLE heads, each from its zoo folder and run with the `eagle` row's knobs: eagle3 (mmspec.models.hf.eagle3)
 # and the vision-aware ones (mmspec.drafters.vision_eagle: vispec, specvlm, msd)
@@ -132,11 +139,12 @@ DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-mode
                                        "draft-model-frspec", "draft-model-heuristic", "draft-model-cost",
                                        "draft-model-frspec-cost", "draft-model-frspec-batch-cost",
                                        "draft-model-frspec-confident", "draft-model-calibrated",
-                                       "draft-model-frspec-calibrated"),
+                                       "draft-model-frspec-calibrated", "draft-model-frspec-batch-calibrated"),
                    "mnist-vlm-eagle": ("eagle", "draft-model-frspec", "draft-model-frspec-cost", "eagle-heuristic",
                                        "eagle-cost", "draft-model-frspec-batch-cost", "eagle-batch-cost",
                                        "draft-model-frspec-confident", "draft-model-frspec-calibrated",
-                                       "eagle-calibrated"),
+                                       "eagle-calibrated", "draft-model-frspec-batch-calibrated",
+                                       "eagle-batch-calibrated"),
                    **{f"mnist-vlm-{name}": (name,) for name in VISION_METHODS}}  # fmt: skip
 
 
@@ -355,7 +363,7 @@ def measure_verify_costs(pipe, prefix: torch.Tensor, widths: int, repeats: int =
     samples = [[] for _ in range(widths)]
     for _ in range(repeats + 1):  # the first sweep warms every width up and is not kept
         for m in range(1, widths + 1):
-            new = prefix[:, -1:].expand(1, m).contiguous()
+            new = prefix[:, -1:].expand(-1, m).contiguous()
             start = time.perf_counter()
             head(decoder(input_ids=new, past_key_values=cache, use_cache=True).last_hidden_state)
             samples[m - 1].append(time.perf_counter() - start)
@@ -445,16 +453,14 @@ def run(args, pipe=None, canvases=None, heads=None):
                and not (m in VISION_METHODS and m not in heads) and not (do_sample and m.startswith("hf-"))]  # fmt: skip
     if "plain" not in methods:
         methods.insert(0, "plain")
-    verify_costs = None
+    tables = {}  # batch size -> the verification table the table-priced rows run with at that batch size
     if getattr(args, "cost_model", "table") == "table" and any(ADAPTIVE.get(m, (None, None))[1] in TABLE_POLICIES
                                                                  for m in methods):  # fmt: skip
         prefix = pipe.encode(canvases[:1], *((prompts[:1], None) if key == "prompt" else (None, prompts[:1])),
                              device)[0]  # fmt: skip
-        verify_costs = measure_verify_costs(pipe, prefix, k_max + 1)
-        logger.info("verification cost by width (one-token forwards): %s", verify_costs)
-        for name, (_, policy, _) in ADAPTIVE.items():
-            if policy in TABLE_POLICIES:
-                ours[name]["verify_costs"] = verify_costs
+        for bs in args.batch_size:  # priced in units of a one-token forward of `bs` rows
+            tables[bs] = measure_verify_costs(pipe, prefix.expand(bs, -1).contiguous(), k_max + 1)
+            logger.info("b%d verification cost by width (one-token forwards): %s", bs, tables[bs])
 
     def draft_lm_image_tokens(ims, texts):
         """Image tokens transformers' assistant (the draft LM) reads per answer."""
@@ -511,6 +517,9 @@ def run(args, pipe=None, canvases=None, heads=None):
 
     report = {}
     for bs in args.batch_size:
+        for name, (_, policy, _) in ADAPTIVE.items():
+            if bs in tables and policy in TABLE_POLICIES:
+                ours[name]["verify_costs"] = tables[bs]
         names = [m for m in methods if bs == 1 or not m.startswith("hf-")]
         batches = [(canvases[i : i + bs], prompts[i : i + bs]) for i in range(0, len(canvases), bs)]
         for name in names:  # warm-up
@@ -599,6 +608,7 @@ def run(args, pipe=None, canvases=None, heads=None):
             },
             "hf-assisted": hf_assisted_knobs(pipe),
             "cost_model": getattr(args, "cost_model", "table"),
+            "verify_costs_by_batch_size": {str(bs): table for bs, table in tables.items()} or None,
         },
         "batch_sizes": args.batch_size,
         "num_prompts": len(canvases),

@@ -275,10 +275,11 @@ CONTINUOUS_DEFAULTS = {
 # expected tokens per unit of cost from a running acceptance estimate (`draft_step_cost`, `verify_token_cost`);
 # "batch-cost": one K for the batch, priced at the batch's cost (a padded chain costs every row the widest K);
 # "calibrated": each row stops inside the round where its expected tokens per unit of cost peak, pricing every draft
-# by its raw probability calibrated online against what the target accepted.
-DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost", "batch-cost", "calibrated")
-COST_POLICIES = ("cost", "batch-cost", "calibrated")  # the policies that read the cost knobs
-TABLE_POLICIES = ("cost", "calibrated")  # the policies that read `verify_costs`
+# by its raw probability calibrated online against what the target accepted; "batch-calibrated": that stop decided
+# once for the whole batch, priced at the batch's cost.
+DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "cost", "batch-cost", "calibrated", "batch-calibrated")
+COST_POLICIES = ("cost", "batch-cost", "calibrated", "batch-calibrated")  # the policies that read the cost knobs
+TABLE_POLICIES = ("cost", "calibrated", "batch-calibrated")  # the policies that read `verify_costs`
 DRAFT_LENGTH_KNOBS = ("draft_length", "draft_confidence", "draft_step_cost", "verify_token_cost", "verify_costs")
 DEFAULT_DRAFT_CONFIDENCE = 0.4  # transformers' `assistant_confidence_threshold` default
 # a draft forward's cost in one-token target forwards, per drafter, when `draft_step_cost` is unset (measured on the
@@ -435,7 +436,7 @@ def _knobs():
                 "fixed",
                 "draft-length policy of draft-model / EAGLE chains: fixed K, transformers' heuristic schedule, "
                 "a confidence stop, the per-row cost model, one K per batch by the batch's cost, or a per-row stop "
-                "priced by the draft's calibrated confidence",
+                "priced by the draft's calibrated confidence (per row, or once for the batch)",
                 used_by=("model", "eagle"),
             ),
             Knob(
@@ -453,7 +454,8 @@ def _knobs():
                 "draft_step_cost",
                 float,
                 None,
-                "draft_length='cost' / 'batch-cost' / 'calibrated': one draft forward's cost in one-token target forwards (default "
+                "the cost policies (cost, batch-cost, calibrated, batch-calibrated): one draft forward's cost in "
+                "one-token target forwards (default "
                 + ", ".join(f"{k} {v}" for k, v in DRAFT_STEP_COSTS.items())
                 + ")",
                 lambda v: 0 <= v <= MAX_COST,
@@ -465,8 +467,8 @@ def _knobs():
                 "verify_costs",
                 CostTable,
                 None,
-                "draft_length='cost' / 'calibrated': the measured cost of a verification forward by width, c(1)..c(n) in one-token "
-                "target forwards (c(1) = 1; a comma list on the command line), instead of verify_token_cost's line; "
+                "draft_length='cost' / 'calibrated' / 'batch-calibrated': the measured cost of a verification forward "
+                "by width, c(1)..c(n) in one-token target forwards (c(1) = 1; a comma list on the command line), instead of verify_token_cost's line; "
                 "chains wider than the table extend its last step",
                 lambda v: 2 <= len(v) <= MAX_COST_WIDTHS and v[0] == 1 and all(0 < x <= MAX_COST for x in v),
                 f"2 to {MAX_COST_WIDTHS} widths, c(1) = 1, each in (0, {MAX_COST:g}]",
@@ -477,7 +479,7 @@ def _knobs():
                 "verify_token_cost",
                 float,
                 None,
-                f"draft_length='cost' / 'batch-cost' / 'calibrated': each further token of a verification forward (one row), in "
+                f"the cost policies: each further token of a verification forward (one row), in "
                 f"one-token target forwards "
                 f"(default {DEFAULT_VERIFY_TOKEN_COST})",
                 lambda v: 0 <= v <= MAX_COST,
@@ -514,6 +516,12 @@ PRESETS = {
     "exact-eagle-cost": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="cost"),
     "exact-draft-calibrated": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="calibrated"),
     "exact-eagle-calibrated": dict(acceptance="exact", drafter="eagle", tree_depth=8, draft_length="calibrated"),
+    "exact-draft-batch-calibrated": dict(
+        acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="batch-calibrated"
+    ),
+    "exact-eagle-batch-calibrated": dict(
+        acceptance="exact", drafter="eagle", tree_depth=8, draft_length="batch-calibrated"
+    ),
 }
 
 
@@ -709,14 +717,14 @@ def _resolve_draft_length(values, pipeline, drafter):
     if policy not in COST_POLICIES:
         given = [name for name in ("draft_step_cost", "verify_token_cost", "verify_costs") if values[name] is not None]
         if given:
-            raise ValueError(f"{', '.join(given)}: read by draft_length='cost' / 'batch-cost' / 'calibrated' only, "
+            raise ValueError(f"{', '.join(given)}: read by the cost policies {COST_POLICIES} only, "
                              f"got draft_length={policy!r}")  # fmt: skip
-    if policy == "calibrated" and values["draft_confidence"] is not None:
-        raise ValueError("draft_confidence: draft_length='calibrated' sets its own stop from the calibrated "
+    if policy in ("calibrated", "batch-calibrated") and values["draft_confidence"] is not None:
+        raise ValueError(f"draft_confidence: draft_length={policy!r} sets its own stop from the calibrated "
                          "confidence; drop draft_confidence or use draft_length='confidence' / 'cost'")  # fmt: skip
     if values["verify_costs"] is not None:
         if policy not in TABLE_POLICIES:
-            raise ValueError(f"verify_costs: read by draft_length='cost' / 'calibrated' only, got "
+            raise ValueError(f"verify_costs: read by draft_length in {TABLE_POLICIES} only, got "
                              f"draft_length={policy!r}")  # fmt: skip
         if values["verify_token_cost"] is not None:
             raise ValueError("verify_costs and verify_token_cost: give one verification cost model, not both")

@@ -21,6 +21,7 @@ from mmspec.decoding.target import TargetOutput
 from mmspec.drafters.chain import chain_lengths, sample_chain
 from mmspec.drafters.lengths import (
     POLICIES,
+    BatchCalibratedLength,
     BatchCostLength,
     CalibratedLength,
     ConfidenceStop,
@@ -263,6 +264,31 @@ def test_calibrated_stop_ends_a_chain_after_an_unsure_draft_and_learns_from_what
     assert policy.counts.shape == (1, 10, 2)
 
 
+def test_batch_calibrated_stops_the_whole_chain_at_once_by_the_batch_rate():
+    """`"batch-calibrated"`: after the same unsure draft as above, row 1 keeps drafting while row 0 is sure (the
+    batch's rate still gains from a longer chain, which row 1 pays anyway), where `"calibrated"` would stop it;
+    once both rows are unsure the whole chain stops, every row at the same length; at batch 1 it is `"calibrated"`."""
+    costs = (1, 1.5, 1.8, 2.4, 2.5, 2.6)
+    policy = BatchCalibratedLength(5, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=costs)
+    policy.start(2, "cpu")
+    num = torch.tensor([5, 5])
+    for step in range(2):
+        num = policy.stop(step, torch.tensor([0.95, 0.95]), num)
+    num = policy.stop(2, torch.tensor([0.95, 0.15]), num)
+    assert num.tolist() == [5, 5]  # the per-row stop ends row 1 here ([5, 3] in the test above)
+    num = policy.stop(3, torch.tensor([0.15, 0.95]), num)
+    assert num.tolist() == [4, 4]  # both rows' runs are unlikely to go on: the batch stops
+    single, per_row = (P(5, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=costs)
+                       for P in (BatchCalibratedLength, CalibratedLength))  # fmt: skip
+    for p in (single, per_row):
+        p.start(1, "cpu")
+    for step, prob in enumerate((0.95, 0.95, 0.35, 0.95, 0.95)):
+        a, b = (p.stop(step, torch.tensor([prob]), torch.tensor([5])) for p in (single, per_row))
+        assert a.tolist() == b.tolist()
+        if a.item() <= step + 1:
+            break
+
+
 # ---------------------------------------------------------------------- the law, on the toy AR engine
 V, T, ROWS = 2, 6, 20_000
 
@@ -356,7 +382,7 @@ class ToyChainDrafter:
         self.length.sync_host(value)
 
 
-@pytest.mark.parametrize("name", ["heuristic", "cost", "batch-cost", "calibrated"])
+@pytest.mark.parametrize("name", ["heuristic", "cost", "batch-cost", "calibrated", "batch-calibrated"])
 def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
     """The joint law of x_1 .. x_T under adaptive per-row K (per-row generators: each row draws only its own K
     drafts) equals the model's; the rows' K diverged (`"batch-cost"`: one K for every row, set by all rows' past
@@ -364,7 +390,7 @@ def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
     target_tables, draft_tables = _tables(0, 3.0), _tables(1, 3.0)
     # (batch-cost: a verified token priced for all ROWS rows at v = 0.3 would be ~1, so that K = 1 throughout)
     cost = dict(draft_step_cost=0.05, verify_token_cost=0.0 if name == "batch-cost" else 0.3, decay=0.5)
-    if name == "calibrated":  # (a flat cost: rows stop on their own draws, not all at once)
+    if name in ("calibrated", "batch-calibrated"):
         cost = dict(draft_step_cost=0.05, verify_token_cost=0.3, decay=0.5)
     policy = HeuristicLength(3) if name == "heuristic" else POLICIES[name](3, **cost)
     drafter = ToyChainDrafter(draft_tables, policy)
@@ -375,7 +401,7 @@ def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
     decode(ToyTarget(target_tables, ROWS), drafter, Exact(), state, Guidance(SamplingParams()), stats)
     seqs = state.full()[:, 1:]
     assert (seqs >= 0).all()
-    if name == "batch-cost":  # (rows near their end draft fewer: what is left)
+    if name.startswith("batch-"):  # one K for the batch (rows near their end draft fewer: what is left)
         assert len({int(k.max()) for k in drafter.seen[1:]}) > 1, "K never moved"
     else:
         assert any(len(set(k.tolist())) > 1 for k in drafter.seen[1:]), "the rows' K never diverged"
@@ -429,13 +455,15 @@ class Recorded:
 
 
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
-@pytest.mark.parametrize("policy", ["heuristic", "cost", "batch-cost", "calibrated"])
+@pytest.mark.parametrize("policy", ["heuristic", "cost", "batch-cost", "calibrated", "batch-calibrated"])
 def test_vlm_greedy_equals_plain_while_rows_draft_different_lengths(lm_pipe, monkeypatch, drafter, policy):
     record = Recorded()
     monkeypatch.setattr("mmspec.pipelines.vlm.make_draft_length", record)
     size = dict(num_draft_tokens=6) if drafter == "model" else dict(tree_depth=6)
-    costs = dict(draft_step_cost=0.1, verify_token_cost=0.2) if "cost" in policy or policy == "calibrated" else {}
-    if policy in ("cost", "calibrated") and drafter == "model":  # a measured table (a jump at 3 tokens)
+    costs = dict(draft_step_cost=0.1, verify_token_cost=0.2) if "cost" in policy or "calibrated" in policy else {}
+    if (
+        policy in ("cost", "calibrated", "batch-calibrated") and drafter == "model"
+    ):  # a measured table (a jump at 3 tokens)
         costs = dict(draft_step_cost=0.1, verify_costs=(1, 1.2, 2.0, 1.6, 1.8, 2.0, 2.2))
     for n in (1, 4):  # batch 1, and a ragged batch of 4 (prompts of 2..8 words)
         texts = prompts(8)[4 - n : 4]  # prompts the tiny head was fitted on
@@ -446,6 +474,8 @@ def test_vlm_greedy_equals_plain_while_rows_draft_different_lengths(lm_pipe, mon
         assert out.stats.mean_accepted_drafts > 0.2
     if policy == "batch-cost":  # one K for the batch
         assert not record.diverged()
+    elif policy == "batch-calibrated":  # one stop for the batch: only a row at its last token drafts fewer
+        pass
     else:
         assert record.diverged(), "the rows' K never diverged"
     assert len({int(k.max()) for k in record.rounds if k is not None}) > 1, "K never moved"
@@ -489,7 +519,7 @@ def test_image_greedy_equals_plain_with_adaptive_lengths(monkeypatch, drafter):
     monkeypatch.setattr("mmspec.pipelines.ar_image.make_draft_length", record)
     kw = dict(class_labels=[0, 1, 2], guidance_scale=2.0, do_sample=False, output_type="tokens")
     plain = pipe(acceptance="none", **kw).images
-    for policy in ("heuristic", "cost", "confidence", "calibrated"):
+    for policy in ("heuristic", "cost", "confidence", "calibrated", "batch-calibrated"):
         size = dict(num_draft_tokens=5) if drafter == "model" else dict(tree_depth=5)
         out = pipe(acceptance="exact", drafter=drafter, draft_length=policy, **size, **kw)
         assert torch.equal(out.images, plain), policy

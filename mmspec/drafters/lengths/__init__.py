@@ -8,12 +8,15 @@
 * `CostLength` (`cost.py`, `"cost"`): per row, the K maximising expected tokens per unit of cost.
 * `CalibratedLength` (`calibrated.py`, `"calibrated"`): per row, a stop inside the round where the expected tokens
   per unit of cost peak, pricing each draft by its confidence calibrated online against what was accepted.
+* `BatchCalibratedLength` (`batch_calibrated.py`, `"batch-calibrated"`): the calibrated stop decided once for the
+  whole batch, priced at the batch's cost (a padded chain costs every row the widest K).
 * `BatchCostLength` (`batch_cost.py`, `"batch-cost"`): one K for the batch, maximising the batch's expected tokens
   per unit of the batch's cost (a padded chain costs every row the widest K).
 
 `make_draft_length(method, k_max)` builds the one a resolved `MethodSettings` names.
 """
 
+from mmspec.drafters.lengths.batch_calibrated import BatchCalibratedLength
 from mmspec.drafters.lengths.batch_cost import BatchCostLength
 from mmspec.drafters.lengths.calibrated import CalibratedLength
 from mmspec.drafters.lengths.confidence import ConfidenceStop
@@ -24,6 +27,7 @@ from mmspec.drafters.lengths.heuristic import HeuristicLength
 
 __all__ = [
     "POLICIES",
+    "BatchCalibratedLength",
     "BatchCostLength",
     "CalibratedLength",
     "ConfidenceStop",
@@ -34,7 +38,16 @@ __all__ = [
 ]
 
 POLICIES = {
-    p.name: p for p in (FixedLength, HeuristicLength, ConfidenceStop, CostLength, BatchCostLength, CalibratedLength)
+    p.name: p
+    for p in (
+        FixedLength,
+        HeuristicLength,
+        ConfidenceStop,
+        CostLength,
+        BatchCostLength,
+        CalibratedLength,
+        BatchCalibratedLength,
+    )
 }
 
 
@@ -48,7 +61,7 @@ def make_draft_length(method, k_max: int):
     if name == "cost":
         return POLICIES[name](k_max, method["draft_step_cost"], method["verify_token_cost"], confidence,
                               verify_costs=method["verify_costs"])  # fmt: skip
-    if name == "calibrated":
+    if name in ("calibrated", "batch-calibrated"):
         return POLICIES[name](k_max, method["draft_step_cost"], method["verify_token_cost"],
                               verify_costs=method["verify_costs"])  # fmt: skip
     if name == "batch-cost":

@@ -87,26 +87,38 @@ class CalibratedLength:
         verified, accepted = self.counts.unbind(-1)
         return (accepted + self.n0 * mid) / (verified + self.n0)
 
-    def stop(self, step: int, prob, num_draft):
-        """After draft `step` (0-based) of the round with raw probabilities `prob [B]`: the rows' new `num_draft [B]`,
-        `step + 1` for a row that drafts no further (module docstring); rows already stopped are kept."""
-        rows = prob.shape[0]
+    def advance(self, step: int, prob, num_draft):
+        """Fold draft `step` (0-based, raw probabilities `prob [B]`) into the round's per-row survival `S_i` and
+        expected tokens `E_i` (rows still drafting only: `num_draft > step`). Returns `(i, round, drafting)`: the
+        drafts made, the round's state (`survival`, `tokens` [B]) and the drafting rows."""
         if step == 0:
-            self._round = dict(per_bin=self.acceptance(), survival=torch.ones(rows, device=prob.device),
-                               tokens=torch.ones(rows, device=prob.device), bins=[])  # fmt: skip
+            ones = torch.ones(prob.shape[0], device=prob.device)
+            self._round = dict(per_bin=self.acceptance(), survival=ones, tokens=ones, bins=[])
         r = self._round
         b = (prob.float() * BINS).long().clamp(0, BINS - 1)
         r["bins"].append(b)
-        r["survival"] = r["survival"] * r["per_bin"].gather(1, b[:, None])[:, 0]
-        r["tokens"] = r["tokens"] + r["survival"]  # E_i
-        i = step + 1  # drafts made
+        drafting = num_draft > step
+        r["survival"] = torch.where(drafting, r["survival"] * r["per_bin"].gather(1, b[:, None])[:, 0], r["survival"])
+        r["tokens"] = torch.where(drafting, r["tokens"] + r["survival"], r["tokens"])
+        return step + 1, r, drafting
+
+    def look_ahead(self, i: int):
+        """For K = i + 1 .. k_max: `([B, k_max - i] a_top + ... + a_top^(K - i), [k_max - i] c(K + 1) + K d)`, the
+        further tokens a surviving run would add at each row's most confident acceptance, and the round's cost."""
+        ahead = torch.arange(1, self.k_max - i + 1, device=self._verify.device, dtype=torch.float32)  # K - i
+        a = self._round["per_bin"][:, -1:]  # the most confident bin's acceptance
+        gain = torch.where(a < 1, a * (1 - a**ahead) / (1 - a).clamp_min(1e-6), ahead)
+        return gain, self._verify[i:] + (i + ahead) * self.d
+
+    def stop(self, step: int, prob, num_draft):
+        """After draft `step` (0-based) of the round with raw probabilities `prob [B]`: the rows' new `num_draft [B]`,
+        `step + 1` for a row that drafts no further (module docstring); rows already stopped are kept."""
+        i, r, _ = self.advance(step, prob, num_draft)
         if i >= self.k_max:
             return num_draft.clamp(max=i)
+        gain, cost = self.look_ahead(i)
         stop_rate = r["tokens"] / (self._verify[i - 1] + i * self.d)
-        ahead = torch.arange(1, self.k_max - i + 1, device=prob.device, dtype=torch.float32)  # K - i
-        a = r["per_bin"][:, -1:]  # the most confident bin's acceptance
-        gain = torch.where(a < 1, a * (1 - a**ahead) / (1 - a).clamp_min(1e-6), ahead)  # a + ... + a^(K - i)
-        go = (r["tokens"][:, None] + r["survival"][:, None] * gain) / (self._verify[i:] + (i + ahead) * self.d)
+        go = (r["tokens"][:, None] + r["survival"][:, None] * gain) / cost
         return torch.where(go.max(1).values > stop_rate, num_draft, num_draft.clamp(max=i))
 
     def update(self, num_draft, num_accepted, finished):

@@ -468,8 +468,8 @@ def _knobs():
                 CostTable,
                 None,
                 "draft_length='cost' / 'calibrated' / 'batch-calibrated': the measured cost of a verification forward "
-                "by width, c(1)..c(n) in one-token target forwards (c(1) = 1; a comma list on the command line), instead of verify_token_cost's line; "
-                "chains wider than the table extend its last step",
+                "by width, c(1)..c(n) in one-token target forwards (c(1) = 1; a comma list on the command line), "
+                "instead of verify_token_cost's line; chains wider than the table extend its last step",
                 lambda v: 2 <= len(v) <= MAX_COST_WIDTHS and v[0] == 1 and all(0 < x <= MAX_COST for x in v),
                 f"2 to {MAX_COST_WIDTHS} widths, c(1) = 1, each in (0, {MAX_COST:g}]",
                 optional=True,

@@ -47,10 +47,10 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
             item drafts further.
         stop: optional `stop(d, prob [B], num_draft [B]) -> num_draft [B]`, a draft-length policy's in-round stop
             (`"calibrated"`), called after draft `d` (0-based) with each item's raw probability of its draw; an item
-            whose returned `num_draft` is at most `d + 1` drafts no further (it may keep fewer than it drew).
+            whose returned `num_draft` is at most `d + 1` drafts no further (it keeps every draft it drew).
 
     Returns:
-        `(draft_tokens [B, K], q_draft [B, K, V], num_draft)`; `K <= length` (fewer only with `confidence`).
+        `(draft_tokens [B, K], q_draft [B, K, V], num_draft)`; `K <= length` (fewer only with `confidence` or `stop`).
     """
     counted = num_draft is not None and num_rows(generator) is not None  # per-row generators: draw only what's used
     tokens, probs = [], []

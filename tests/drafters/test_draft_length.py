@@ -229,18 +229,28 @@ def test_cost_model_prices_verification_by_the_measured_table():
                                                 / (measured[k + 1] + 0.17 * (k + 1)))  # fmt: skip
 
 
-def test_calibrated_stop_ends_a_chain_after_an_unsure_draft_and_learns_from_what_was_accepted():
-    """The in-round stop (`CalibratedLength.stop`), by hand on two rows: sure drafts (p 0.95) keep a row drafting
-    while a longer verification pays; an unsure one (p 0.15: the prior's acceptance 0.15) ends its row after it,
-    kept (a draft is never dropped for its own probability); a row already stopped stays stopped; the last allowed
-    draft ends every row. Then `update` folds only the verified drafts into the rows' bins."""
-    costs = (1, 1.5, 1.8, 2.4, 2.5, 2.6)
-    policy = CalibratedLength(5, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=costs)
+CALIBRATION_COSTS = (1, 1.5, 1.8, 2.4, 2.5, 2.6)  # c(1)..c(6) of the calibrated stops' by-hand tests
+
+
+def _two_sure_drafts(policy_class):
+    """A calibrated policy (K_max 5, d 0.17, `CALIBRATION_COSTS`) on two rows after two sure drafts (p 0.95) each,
+    which keep both rows drafting; returns `(policy, num_draft)`."""
+    policy = policy_class(5, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=CALIBRATION_COSTS)
     policy.start(2, "cpu")
     num = torch.tensor([5, 5])
     for step in range(2):
         num = policy.stop(step, torch.tensor([0.95, 0.95]), num)
         assert num.tolist() == [5, 5]
+    return policy, num
+
+
+def test_calibrated_stop_ends_a_chain_after_an_unsure_draft_and_learns_from_what_was_accepted():
+    """The in-round stop (`CalibratedLength.stop`), by hand on two rows: sure drafts (p 0.95) keep a row drafting
+    while a longer verification pays; an unsure one (p 0.15: the prior's acceptance 0.15) ends its row after it,
+    kept (a draft is never dropped for its own probability); a row already stopped stays stopped; the last allowed
+    draft ends every row. Then `update` folds only the verified drafts into the rows' bins."""
+    costs = CALIBRATION_COSTS
+    policy, num = _two_sure_drafts(CalibratedLength)
     num = policy.stop(2, torch.tensor([0.95, 0.15]), num)
     # by hand: row 1 after its unsure third draft, E_3 = 1 + .95 + .95^2 + .95^2 * .15; drafting on (at .95 each)
     # never beats stopping, while row 0 (E_3 = 1 + .95 + .95^2 + .95^3) gains from a fourth and fifth draft
@@ -268,17 +278,12 @@ def test_batch_calibrated_stops_the_whole_chain_at_once_by_the_batch_rate():
     """`"batch-calibrated"`: after the same unsure draft as above, row 1 keeps drafting while row 0 is sure (the
     batch's rate still gains from a longer chain, which row 1 pays anyway), where `"calibrated"` would stop it;
     once both rows are unsure the whole chain stops, every row at the same length; at batch 1 it is `"calibrated"`."""
-    costs = (1, 1.5, 1.8, 2.4, 2.5, 2.6)
-    policy = BatchCalibratedLength(5, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=costs)
-    policy.start(2, "cpu")
-    num = torch.tensor([5, 5])
-    for step in range(2):
-        num = policy.stop(step, torch.tensor([0.95, 0.95]), num)
+    policy, num = _two_sure_drafts(BatchCalibratedLength)
     num = policy.stop(2, torch.tensor([0.95, 0.15]), num)
     assert num.tolist() == [5, 5]  # the per-row stop ends row 1 here ([5, 3] in the test above)
     num = policy.stop(3, torch.tensor([0.15, 0.95]), num)
     assert num.tolist() == [4, 4]  # both rows' runs are unlikely to go on: the batch stops
-    single, per_row = (P(5, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=costs)
+    single, per_row = (P(5, draft_step_cost=0.17, verify_token_cost=0.3, verify_costs=CALIBRATION_COSTS)
                        for P in (BatchCalibratedLength, CalibratedLength))  # fmt: skip
     for p in (single, per_row):
         p.start(1, "cpu")

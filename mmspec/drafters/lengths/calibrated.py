@@ -33,7 +33,8 @@ draft step, as the confidence stop and transformers' assistant do; between round
 
 import torch
 
-from mmspec.drafters.lengths.cost import verification_costs
+from mmspec.drafters.lengths.cost import check_verify_costs, verification_costs
+from mmspec.drafters.lengths.fixed import FixedLength
 
 
 __all__ = ["CalibratedLength"]
@@ -41,7 +42,7 @@ __all__ = ["CalibratedLength"]
 BINS = 10  # raw draft probability bins of the calibration
 
 
-class CalibratedLength:
+class CalibratedLength(FixedLength):
     """Per-row in-round stop from the draft's calibrated confidence and the cost of a round (module docstring).
 
     Args:
@@ -54,20 +55,15 @@ class CalibratedLength:
     """
 
     name = "calibrated"
-    confidence = None
 
     def __init__(self, k_max, draft_step_cost, verify_token_cost, verify_costs=None, decay=0.9, prior_tokens=2.0):
-        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
-            raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
+        super().__init__(k_max)  # every row may draft k_max (`lengths()` None); the stop decides within the round
         if not (0 <= draft_step_cost and 0 <= verify_token_cost and 0 < decay <= 1 and prior_tokens > 0):
             raise ValueError(f"need costs >= 0, decay in (0, 1] and prior_tokens > 0, got {draft_step_cost}, "
                              f"{verify_token_cost}, {decay}, {prior_tokens}")  # fmt: skip
-        self.k_max = self.host_max = k_max
         self.d, self.v = float(draft_step_cost), float(verify_token_cost)
         self.decay, self.n0 = float(decay), float(prior_tokens)
-        self.verify_costs = None if verify_costs is None else tuple(float(c) for c in verify_costs)
-        if self.verify_costs is not None and (len(self.verify_costs) < 2 or min(self.verify_costs) <= 0):
-            raise ValueError(f"verify_costs needs c(1), c(2), ... > 0, got {verify_costs}")
+        self.verify_costs = check_verify_costs(verify_costs)
         self.counts = None  # [B, BINS, 2] discounted (verified, accepted) drafted tokens per probability bin
         self._verify = None  # [k_max] c(K + 1) for K = 1..k_max on the rows' device
         self._round = None  # the round's per-row state between `stop` calls and `update`
@@ -77,9 +73,6 @@ class CalibratedLength:
         self._verify = torch.tensor(verification_costs(self.k_max, self.v, self.verify_costs), dtype=torch.float32,
                                     device=device)  # fmt: skip
         self._round = None
-
-    def lengths(self):
-        return None  # every row may draft k_max; the stop decides within the round
 
     def acceptance(self):
         """`[B, BINS]` each row's calibrated acceptance per bin of raw draft probability (module docstring)."""
@@ -135,9 +128,3 @@ class CalibratedLength:
 
     def select_rows(self, index):
         self.counts = self.counts[index]
-
-    def sync_value(self):
-        return None
-
-    def sync_host(self, value):
-        pass

@@ -21,7 +21,7 @@ import torch
 from mmspec.decoding.draft_length import RowLengths
 
 
-__all__ = ["CostLength", "expected_rate", "verification_costs"]
+__all__ = ["CostLength", "check_verify_costs", "expected_rate", "verification_costs"]
 
 
 def verification_costs(k_max: int, verify_token_cost: float, verify_costs=None) -> list[float]:
@@ -33,6 +33,16 @@ def verification_costs(k_max: int, verify_token_cost: float, verify_costs=None) 
     while len(table) < k_max + 1:
         table.append(table[-1] + (table[-1] - table[-2]))
     return table[1 : k_max + 1]
+
+
+def check_verify_costs(verify_costs) -> tuple | None:
+    """A policy's `verify_costs` as a tuple of floats (None stays None); at least `c(1), c(2)`, every one > 0."""
+    if verify_costs is None:
+        return None
+    table = tuple(float(c) for c in verify_costs)
+    if len(table) < 2 or min(table) <= 0:
+        raise ValueError(f"verify_costs needs c(1), c(2), ... > 0, got {verify_costs}")
+    return table
 
 
 def expected_rate(survival, draft_step_cost: float, verify_token_cost: float, verify_costs=None):
@@ -78,9 +88,7 @@ class CostLength(RowLengths):
         self.d, self.v, self.decay, self.prior = float(draft_step_cost), float(verify_token_cost), float(decay), prior
         self.confidence = confidence
         self.chained_prior = bool(chained_prior)
-        self.verify_costs = None if verify_costs is None else tuple(float(c) for c in verify_costs)
-        if self.verify_costs is not None and (len(self.verify_costs) < 2 or min(self.verify_costs) <= 0):
-            raise ValueError(f"verify_costs needs c(1), c(2), ... > 0, got {verify_costs}")
+        self.verify_costs = check_verify_costs(verify_costs)
         self._verify = None  # the table's [k_max] tensor on the rows' device: one host-to-device copy per call
         self.counts = None
 

@@ -49,6 +49,9 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
             (`"calibrated"`), called after draft `d` (0-based) with each item's raw probability of its draw; an item
             whose returned `num_draft` is at most `d + 1` drafts no further (it keeps every draft it drew).
 
+    Host reads: none without a stop; with `confidence` or `stop`, one after each draft but the last (whether any item
+    drafts on), so a chain of `n` drafts reads `n - 1` times if it ran to `length`, `n` if it stopped early.
+
     Returns:
         `(draft_tokens [B, K], q_draft [B, K, V], num_draft)`; `K <= length` (fewer only with `confidence` or `stop`).
     """
@@ -68,6 +71,6 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
                 num_draft = torch.where(prob >= confidence, num_draft, num_draft.clamp(max=d + 1))
             if stop is not None:
                 num_draft = stop(d, prob, num_draft)
-            if not bool((num_draft > d + 1).any()):
+            if d + 1 < length and not bool((num_draft > d + 1).any()):  # one read per draft but the last
                 break
     return torch.stack(tokens, 1), torch.stack(probs, 1), num_draft

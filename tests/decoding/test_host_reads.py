@@ -52,6 +52,11 @@ BUDGETS = {
     # adaptive draft lengths: the next round's widest chain rides on the loop's read (no read of its own)
     "vlm/draft-chain+heuristic": (1, 8),
     "vlm/eagle-chain+cost": (1, 6),
+    # the in-round stops (confidence, calibrated) read once after each draft but the last, to end the chain early
+    # (`sample_chain`; exact counts in `test_in_round_stops_read_once_per_draft_but_the_last`): with K_max 3, two
+    "vlm/draft-chain+confidence": (3, 8),
+    "vlm/draft-chain+calibrated": (3, 8),
+    "vlm/eagle-chain+batch-calibrated": (3, 6),
     "ar/draft-chain+cost": (1, 7),
     "ar/eagle-chain+heuristic": (1, 7),
     # a list of per-row generators (batch 3, ragged), plain decoding: the compaction reindexes the list with the
@@ -168,6 +173,9 @@ VLM_METHODS = {
     "vlm/msd": ("eagle", dict(tree_depth=4)),
     "vlm/draft-chain+heuristic": ("model", dict(num_draft_tokens=3, draft_length="heuristic")),
     "vlm/eagle-chain+cost": ("eagle", dict(tree_depth=4, draft_length="cost")),
+    "vlm/draft-chain+confidence": ("model", dict(num_draft_tokens=3, draft_length="confidence")),
+    "vlm/draft-chain+calibrated": ("model", dict(num_draft_tokens=3, draft_length="calibrated")),
+    "vlm/eagle-chain+batch-calibrated": ("eagle", dict(tree_depth=3, draft_length="batch-calibrated")),
 }
 
 
@@ -276,3 +284,46 @@ def test_plain_with_per_row_generators_reads_at_most_one_per_round(ar_pipe, vlm_
     with torch.no_grad(), HostReads():
         forced = pipe(generator=gens(), **vlm).sequences
     assert torch.equal(out.sequences, forced)
+
+
+# ---------------------------------------------------------------------- the in-round stops, counted exactly
+SURE, UNSURE = 0.97, 0.05  # the drawn token's raw draft probability
+
+
+def _chain_reads(policy, probs):
+    """Run `sample_chain` (greedy, 2 rows, K_max 5) under `HostReads` with a draft whose drawn token has the raw
+    probability `probs[d]` at draft `d` in both rows; returns (drafts drawn, host reads)."""
+    from mmspec.decoding import Guidance
+    from mmspec.drafters.chain import sample_chain
+    from mmspec.drafters.lengths import make_draft_length
+    from mmspec.sampling import SamplingParams
+
+    vocab, rows = 32, 2
+    knobs = dict(draft_length=policy, draft_confidence=None, draft_step_cost=0.1, verify_token_cost=0.1,
+                 verify_costs=None)  # fmt: skip
+    length = make_draft_length(knobs, 5)
+    length.start(rows, "cpu")
+    steps = iter(probs)
+
+    def step(feed):  # logits whose argmax (token 0) has raw probability p
+        p = next(steps)
+        rest = torch.full((rows, vocab - 1), (1 - p) / (vocab - 1))
+        return torch.cat([torch.full((rows, 1), p), rest], 1).log()
+
+    with torch.no_grad(), HostReads() as reads:
+        tokens, _, _ = sample_chain(step, None, 5, Guidance(SamplingParams()), torch.Generator(),
+                                    torch.full((rows,), 5), confidence=length.confidence,
+                                    stop=getattr(length, "stop", None))  # fmt: skip
+    return tokens.shape[1], reads.count
+
+
+@pytest.mark.parametrize("policy", ["confidence", "calibrated", "batch-calibrated"])
+def test_in_round_stops_read_once_per_draft_but_the_last(policy):
+    """A stop inside the round needs the host to know whether any row drafts on: exactly one read after each draft
+    but the last. A chain of sure drafts runs to its length (5 drafts, 4 reads); an unsure second draft ends it
+    there (2 drafts, 2 reads: the second read saw that no row drafts on). The fixed and per-round policies read
+    nothing in the chain."""
+    assert _chain_reads(policy, [SURE] * 5) == (5, 4)
+    assert _chain_reads(policy, [SURE, UNSURE] + [SURE] * 3) == (2, 2)
+    for per_round in ("fixed", "heuristic", "cost"):
+        assert _chain_reads(per_round, [SURE, UNSURE] + [SURE] * 3) == (5, 0)

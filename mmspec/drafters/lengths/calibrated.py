@@ -28,8 +28,8 @@ token stands at that position would then depend on its own value, and the chi-sq
 measurable on the zoo's templated answers either.) Only how much is proposed changes, from the draft's own
 probabilities and past acceptance, never how the target accepts, so the policy is lossless like every other
 (`tests/drafters/test_draft_length.py`). Every row decides on its own (per-row tensors; the batched forwards run
-while any row drafts). The in-round stop reads one flag per
-draft step, as the confidence stop and transformers' assistant do; between rounds it reads nothing."""
+while any row drafts). The in-round stop reads one flag after
+each draft but the last, as the confidence stop and transformers' assistant do; between rounds it reads nothing."""
 
 import torch
 

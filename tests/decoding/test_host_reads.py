@@ -53,7 +53,8 @@ BUDGETS = {
     "vlm/draft-chain+heuristic": (1, 8),
     "vlm/eagle-chain+cost": (1, 6),
     # the in-round stops (confidence, calibrated) read once after each draft but the last, to end the chain early
-    # (`sample_chain`; exact counts in `test_in_round_stops_read_once_per_draft_but_the_last`): with K_max 3, two
+    # (`sample_chain`; exact counts in `test_in_round_stops_read_once_per_draft_but_the_last`): with K_max 3, up to
+    # two stop reads a round beside the loop's one
     "vlm/draft-chain+confidence": (3, 8),
     "vlm/draft-chain+calibrated": (3, 8),
     "vlm/eagle-chain+batch-calibrated": (3, 6),

@@ -16,11 +16,12 @@ its slowest row); `row_step_compression` = the same per row, averaged (each row'
 `syncs_per_round` (CUDA only, else null): host-device synchronisations of one call per round (prefill included),
 counted with `torch.cuda.set_sync_debug_mode`.
 
-`--dataset textures` runs the high-entropy texture zoo (`texture-c2i`, `texture-vq`, `texture-c2i-eagle`,
-`texture-c2i-draft`: 64x64 textile crops, 256 tokens, `mmspec.data.textures`) instead of MNIST: `accuracy` is null
-and each method gets `fid` against the 1,800 held-out crops (`mmspec.eval.texture_quality`), and
-`config.target_next_token` holds the target's next-token entropy, top-1 probability and k90 on 200 held-out crops,
-which say which regime the zoo is in.
+`--dataset natural` runs the natural-image zoo (`natural-c2i`, `natural-vq`, `natural-c2i-eagle`: 32x32 crops of
+scikit-image's photographs at two scales, 256 tokens, `mmspec.data.natural`), the regime SJD-PAC and SCD were made
+for; `--dataset textures` the texture zoo (`texture-*`: 64x64 textile crops, high-entropy but nearly context-free).
+For both `accuracy` is null, each method gets `fid` against the dataset's held-out crops
+(`mmspec.eval.image_quality`), and `config.target_next_token` holds the target's next-token entropy, top-1
+probability, k90 and stale-draft acceptance on 200 held-out crops, which say which regime the zoo is in.
 """
 
 import inspect
@@ -59,14 +60,15 @@ DIGIT_PROMPTS = [f"a handwritten {w}" for w in
 MAX_IMAGES = 10_000  # `--num-images` per method per repeat
 
 MAX_REPEATS = 1000
-ZOO_PREFIX = {"mnist": "mnist", "textures": "texture"}  # `--dataset` -> the zoo folders' prefix
+ZOO_PREFIX = {"mnist": "mnist", "textures": "texture", "natural": "natural"}  # `--dataset` -> the zoo folders' prefix
 
 
 def add_arguments(parser):
     parser.add_argument("--zoo", default=DEFAULT_ZOO,
                         help="folder with mnist-c2i (or mnist-t2i), mnist-vq, mnist-classifier and the drafters")  # fmt: skip
-    parser.add_argument("--dataset", default="mnist", choices=("mnist", "textures"),
-                        help="the MNIST zoo (mnist-*) or the high-entropy texture zoo (texture-*, c2i only)")  # fmt: skip
+    parser.add_argument("--dataset", default="mnist", choices=tuple(ZOO_PREFIX),
+                        help="the MNIST zoo (mnist-*), the natural-image zoo (natural-*, c2i only) or the texture "
+                             "zoo (texture-*, c2i only)")  # fmt: skip
     parser.add_argument("--model", default="c2i", choices=("c2i", "t2i"),
                         help="the zoo's class-conditional (mnist-c2i) or text-to-image (mnist-t2i, prompts "
                              "'a handwritten <digit>') target")  # fmt: skip
@@ -90,13 +92,13 @@ def add_arguments(parser):
 def check_args(parser, args):
     """Before any model loads: the zoo has the target, VQ, classifier and every drafter the methods need; the
     methods accept the sampling settings; the batch size divides the images; the device exists."""
-    from mmspec.cli.checks import check_sampling_only, check_textures, check_top_k_vocab
+    from mmspec.cli.checks import check_dataset, check_sampling_only, check_top_k_vocab
     from mmspec.eval.cli_checks import check_inception
     from mmspec.methods import resolve_drafter
     from mmspec.models import read_config, zoo_folders
 
-    if args.dataset == "textures" and args.model != "c2i":
-        parser.error("argument --model: the texture zoo is class-conditional only: use --model c2i")
+    if args.dataset != "mnist" and args.model != "c2i":
+        parser.error(f"argument --model: the {args.dataset} zoo is class-conditional only: use --model c2i")
     try:
         folders = zoo_folders(args.zoo, prefix=ZOO_PREFIX[args.dataset], kind=args.model)
         configs = {name: read_config(folder) for name, folder in folders.items()}
@@ -106,7 +108,7 @@ def check_args(parser, args):
     if args.dataset == "mnist":
         check_zoo_folders(parser, args.zoo, ["mnist-classifier"])
     else:
-        check_textures(parser, "--dataset", "the FID reference and the regime statistics")
+        check_dataset(parser, "--dataset", args.dataset, "the FID reference and the regime statistics")
         check_inception(parser, "--dataset")
     for name in args.methods:
         preset = PRESETS[name]
@@ -232,8 +234,8 @@ def run(args):
     pipe = pipe.to(args.device)
     pipe.set_progress_bar_config(disable=True)  # one bar over all calls instead (below)
     device = pipe._execution_device  # generators and the classifier live where the pipeline runs
-    textures = args.dataset == "textures"
-    classifier = None if textures else load(Path(args.zoo) / "mnist-classifier", device=device)
+    by_fid = args.dataset != "mnist"  # no digit classifier: FID against held-out crops
+    classifier = None if by_fid else load(Path(args.zoo) / "mnist-classifier", device=device)
     n_classes = pipe.transformer.config.num_classes if args.model == "c2i" else len(DIGIT_PROMPTS)
     knobs = _knobs(args)
     bs = args.batch_size
@@ -258,19 +260,19 @@ def run(args):
         return int((pred == torch.tensor(labels[c], device=pred.device)).sum())
 
     from mmspec.eval.entropy import held_out_next_token_stats
-    from mmspec.eval.texture_quality import method_fids, texture_reference
+    from mmspec.eval.image_quality import held_out_reference, method_fids
 
     # the FID reference first (made once, ~9 min of Inception when missing): a broken one fails before any generation
-    reference, path = texture_reference(progress=not args.quiet) if textures else (None, None)
+    reference, path = held_out_reference(args.dataset, progress=not args.quiet) if by_fid else (None, None)
     images = {name: [] for name in names}
 
     def collect(name, out):
         images[name].append(out.images.float().cpu())
 
-    methods = measure(names, call, calls, bs, n_tok, args, device, None if textures else judge,
-                      collect if textures else None)  # fmt: skip
+    methods = measure(names, call, calls, bs, n_tok, args, device, None if by_fid else judge,
+                      collect if by_fid else None)  # fmt: skip
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json"} | {"methods": names}
-    if textures:
+    if by_fid:
         config["target_next_token"] = held_out_next_token_stats(pipe.vqvae, pipe.transformer, args.dataset)
         fids = method_fids(images, reference, path.name)
         for name in names:

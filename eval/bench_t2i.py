@@ -60,7 +60,6 @@ def _training_free(presets):
 # training-free presets of the registry, plus the variants a self-drafting target adds: SJD without SCD coupling,
 # LANTERN on Jacobi drafts ("LANTERN-on-Jacobi"), exact speculative sampling of Jacobi drafts
 T2I_PRESETS = _training_free(PRESETS) | {
-    "sjd": dict(acceptance="jacobi", coupling=False),
     "relaxed-jacobi": dict(acceptance="relaxed", drafter="jacobi"),
     "exact-jacobi": dict(acceptance="exact", drafter="jacobi"),
 }

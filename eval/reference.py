@@ -1,5 +1,5 @@
-"""`mmspec eval reference`: reference statistics of real images for FID (MNIST, or the texture crops of the
-high-entropy zoo with `--dataset textures`), written in the ADM `.npz` layout.
+"""`mmspec eval reference`: reference statistics of real images for FID (MNIST, or the held-out crops of the
+natural-image and texture zoos with `--dataset natural|textures`), written in the ADM `.npz` layout.
 
 The shipped files in `assets/reference-stats/` were made by
 
@@ -14,9 +14,10 @@ standard FID Inception-v3 pool3 (2048-d, `FIDInceptionV3`, tf1-bilinear resize t
 10,000 images takes about half an hour on 2 CPU cores, so features are computed in chunks kept in `--work-dir`: a
 killed run resumes from the last finished chunk. Every chunk carries its fingerprint (the feature net's protocol and
 weights hash, its image range, a hash of its input images) and a checksum: a chunk of another feature net, other
-images or a truncated / edited one is recomputed with a warning naming the file. The texture zoo's statistics
-(`--dataset textures --features inception`, 1,800 held-out crops) are not shipped (the asset budget); `mmspec bench
-ar-image --dataset textures` makes them once under `runs/reference-stats/`. `--dtype float32` (the default) halves the file size (`float16` quarters it); readers
+images or a truncated / edited one is recomputed with a warning naming the file. The natural-image and
+texture zoos' statistics (`--dataset natural|textures --features inception`: 364 / 1,800 held-out crops) are not
+shipped (the asset budget); `mmspec bench ar-image --dataset natural|textures` makes them once under
+`runs/reference-stats/`. `--dtype float32` (the default) halves the file size (`float16` quarters it); readers
 convert to float64 (ADM's evaluator does the same), and the FID it gives differs from a float64 file by < 1e-4.
 """
 
@@ -132,10 +133,10 @@ def make_reference(features: str, split: str, out: Path, zoo: Path, work_dir: Pa
 def main(argv=None):
     from mmspec.cli.args import DEFAULT_ZOO, names_of
     from mmspec.cli.checks import (
+        check_dataset,
         check_mnist,
         check_output_file,
         check_output_folder,
-        check_textures,
         check_zoo_folders,
     )
     from mmspec.eval import cli_checks as checks
@@ -169,7 +170,7 @@ def main(argv=None):
     if args.dataset == "mnist":
         check_mnist(parser, "--split", f"MNIST {args.split}")
     else:
-        check_textures(parser, "--dataset", f"textures {args.split}")
+        check_dataset(parser, "--dataset", args.dataset, f"{args.dataset} {args.split}")
     check_output_folder(parser, "--out", args.out)
     for name in names:
         check_output_file(

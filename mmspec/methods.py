@@ -508,7 +508,12 @@ PRESETS = {
     "relaxed": dict(acceptance="relaxed", drafter="eagle"),
     "grouped": dict(acceptance="grouped", drafter="jacobi"),
     "jacobi": dict(acceptance="jacobi"),
+    "sjd": dict(acceptance="jacobi", coupling=False),  # plain SJD (Teng et al. 2024): drafts re-drawn independently
     "sjd-pac": dict(acceptance="jacobi", coupling=True, jacobi_tree_width=3, jacobi_tree_depth=2, jacobi_window=16),
+    # SJD-PAC with its paper's defaults (Kang et al. 2026: branching K = 4, depth D = 3, window L = 64)
+    "sjd-pac-wide": dict(
+        acceptance="jacobi", coupling=True, jacobi_tree_width=4, jacobi_tree_depth=3, jacobi_window=64
+    ),
     # adaptive draft lengths (`draft_length`): chains of at most 8, each row's K set per round
     "exact-draft-heuristic": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="heuristic"),
     "exact-draft-cost": dict(acceptance="exact", drafter="model", num_draft_tokens=8, draft_length="cost"),

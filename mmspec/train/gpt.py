@@ -207,7 +207,8 @@ def run(args):
     metrics = evaluate_nll(saved, eval_codes, eval_labels)
     metrics.update({f"next_token_{k}": v for k, v in next_token_stats(saved, eval_codes, eval_labels).items()})
     logger.info("%s metrics: %s", args.eval_split, metrics)
-    name = {"mnist": "MNIST", "textures": "texture"}.get(meta.get("dataset", "mnist"), meta.get("dataset"))
+    names = {"mnist": "MNIST", "textures": "texture", "natural": "natural-image"}
+    name = names.get(meta.get("dataset", "mnist"), meta.get("dataset"))
     write_model_card(
         args.out,
         title=f"{name} class-conditional LlamaGen GPT ({args.n_layer}L/{args.dim}, {codes.shape[1]} tokens)",

@@ -1,5 +1,6 @@
 """Train a VQ tokenizer: `python -m mmspec.train vq --out assets/mnist-vq` (MNIST), or on texture crops with
-`--dataset textures` (64x64 crops -> 16x16 = 256 tokens; the high-entropy zoo's `assets/texture-vq`).
+`--dataset textures` (64x64 crops -> 16x16 = 256 tokens; `assets/texture-vq`) or `--dataset natural --ch-mult 1 1`
+(32x32 crops, downsample 2 -> 16x16 = 256 tokens; the natural-image zoo's `assets/natural-vq`).
 
 LlamaGen VQ architecture (mmspec.models.llamagen.vq.LlamaGenVQ) at MNIST scale: 32x32 images, downsample 4 -> 8x8 = 64 tokens,
 256 l2-normalised codes of dimension 8. Loss = L1 + L2 reconstruction + codebook + beta * commitment (+ optional
@@ -231,10 +232,14 @@ def run(args):
         )
         where = "on the original 28x28 pixels (padding excluded)"
     else:
+        what = {
+            "textures": "64x64 greyscale textile crops (`mmspec.data.textures`)",
+            "natural": "32x32 greyscale crops of natural images at two scales (`mmspec.data.natural`)",
+        }
         name, content = (
-            "Texture",
+            {"textures": "Texture", "natural": "Natural-image"}[args.dataset],
             (
-                f"on 64x64 greyscale textile crops (`mmspec.data.textures`), values in [-1, 1]. Downsample "
+                f"on {what[args.dataset]}, values in [-1, 1]. Downsample "
                 f"{model.downsample_factor} gives a {side}x{side} grid = {side * side} tokens per crop, raster order; "
                 f"{codes}."
             ),

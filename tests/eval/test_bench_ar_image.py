@@ -103,3 +103,31 @@ def test_texture_dataset_flags_are_checked_before_loading(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["ar-image", "--dataset", "textures", "--zoo", str(tmp_path), "--methods", "plain"])
     assert "texture-c2i" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("mmspec.data.natural").data.natural.is_natural_available(),
+                    reason="scikit-image missing")  # fmt: skip
+def test_natural_dataset_reports_fid_against_held_out_crops_and_the_regime(tmp_path, monkeypatch):
+    """`--dataset natural` on the shipped natural-image zoo: no accuracy, every method's FID against the held-out
+    crops (the reference made once under ./runs), and the target's next-token statistics on held-out token grids.
+    The held-out split is cut to 8 crops so the Inception passes stay short."""
+    import math
+
+    from mmspec.data import natural
+
+    full = natural.load_natural
+    monkeypatch.setattr(natural, "load_natural", lambda split="train": tuple(t[:8] for t in full(split)))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "bench.json"
+    rc = main(["ar-image", "--dataset", "natural", "--json", str(out), "--num-images", "2", "--repeats", "1",
+               "--threads", "1", "--methods", "sjd,jacobi", "--quiet"])  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    config, methods = report["config"], report["methods"]
+    assert list(methods) == ["plain", "sjd", "jacobi"] and config["image_tokens"] == 256
+    for m in methods.values():
+        assert m["accuracy"] is None and math.isfinite(m["fid"]) and m["fid"] > 0
+    stats = config["target_next_token"]
+    assert stats["images"] == 8 and stats["vocab"] == 512 and 0 < stats["stale_acceptance"] < 1
+    assert "natural-test-inception.npz" in config["fid_reference"]
+    assert (tmp_path / "runs" / "reference-stats" / "natural-test-inception.npz").is_file()

@@ -1,5 +1,6 @@
 """Natural greyscale images from scikit-image's bundled samples, offline: the data of the natural-image zoo, the one
-image zoo in the regime SJD-PAC and SCD were made for (plain SJD stalls near 2x: `docs/zoo.md`).
+image zoo in the regime SJD-PAC and SCD were made for (plain SJD stalls at 2.7x step compression where SJD + SCD
+reaches 3.8x: `docs/benchmarks.md`).
 
 scikit-image ships a few photographs and micrographs inside its wheel (`skimage.data`, no download). Each of
 `IMAGES` is turned grey, then seen at two scales: full resolution (class 0) and halved by box filtering (class 1, a

@@ -34,7 +34,12 @@ Workloads (``--workload``): ``templated`` (the default): ``--num-prompts`` held-
 ``--min-digits`` 4 per canvas by default so the descriptions are long), all asked ``--prompt`` ("Describe the image.",
 whose answer the target learned as a fixed template); ``free-form``: ``--num-prompts`` held-out canvases, each with
 one held-out free-form prompt (`mmspec.data.vlm_prompts`: detail, story, layout, compare two digits, a two-turn
-follow-up; kinds in turn), none of whose templates or canvas digits the drafters were trained on. For each batch size of ``--batch-size`` (a comma list), the prompts are
+follow-up; kinds in turn), none of whose templates or canvas digits the drafters were trained on; ``readout``:
+``--num-prompts`` held-out 4x4 digit grids (`mmspec.data.grids`: 128x128, 256 image tokens), each with one held-out
+readout prompt (rows / columns / list / find, in turn), run on the ``mnist-vlm-readout`` target and its heads
+(``mnist-vlm-readout-eagle``, ``-vispec``, ...); every row also reports how well its answers read their grids
+(``digit_accuracy``: cells right of the rows / columns / list answers, ``find_accuracy``, ``follows_form``,
+``exact``). For each batch size of ``--batch-size`` (a comma list), the prompts are
 cut into batches and every method runs on each batch in turn (interleaved, so load drift hits all alike), after one
 warm-up call per method.
 Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (plain's latency / the method's; with
@@ -46,7 +51,9 @@ verification round, bonus included) and ``tau_without_bonus`` (accepted drafts p
 (tokens per target forward, prefill included; counted with a forward hook for transformers' methods too),
 ``matches_plain`` (every greedy answer identical to plain's; null under ``--do-sample``, where speculative answers
 follow the target's law but are not token-identical to plain's -- the sampled law is proven by the tests' chi-square),
-``mean_new_tokens``, ``draft_image_tokens`` (image tokens the drafter reads per answer, mean: the draft LM and EAGLE
+``mean_new_tokens``, ``accept_histogram`` (rounds by accepted drafts, 0..K) and ``acceptance_by_depth`` (the share
+of rounds that accepted at least d drafts, d = 1..K; they sum to ``tau_without_bonus`` at one answer),
+``draft_image_tokens`` (image tokens the drafter reads per answer, mean: the draft LM and EAGLE
 read every image token, a vision-aware head its policy's tokens; null without a drafter) and ``gate_choice`` (SpecVLM:
 answers per chosen compressor). ``--do-sample --temperature T``: sampled decoding (acceptance ``exact``; answer ``i``
 of the workload draws from its own generator seeded ``--seed + i`` in every method); transformers' rows are greedy
@@ -132,20 +139,28 @@ SPECVLM_EXPERTS = ("prune", "pool", "conv", "resampler", "text-only")  # mmspec.
 MAX_PROMPTS = 10_000  # `--num-prompts`
 COST_MODELS = ("table", "line")  # `--cost-model`: how the "cost" rows price a verification (`measure_verify_costs`)
 COST_REPEATS = 15  # timed sweeps over the widths (median per width) in `measure_verify_costs`
-WORKLOADS = ("templated", "free-form")
+WORKLOADS = ("templated", "free-form", "readout")
 TEMPLATED_PROMPT = "Describe the image."
-DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128}  # free-form answers are long: cut at 128 tokens
-DRAFTER_FOLDERS = {"mnist-vlm-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
+# free-form answers are long: cut at 128 tokens; a readout "list" answer is 176 tokens and its end of turn
+DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128, "readout": 192}
+ZOO_NAMES = {"templated": "mnist-vlm", "free-form": "mnist-vlm", "readout": "mnist-vlm-readout"}  # the target folder
+# the drafter folders (`<target folder><suffix>`) and the rows each serves
+DRAFTER_FOLDERS = {"-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
                                        "draft-model-frspec", "draft-model-heuristic", "draft-model-cost",
                                        "draft-model-frspec-cost", "draft-model-frspec-batch-cost",
                                        "draft-model-frspec-confident", "draft-model-calibrated",
                                        "draft-model-frspec-calibrated", "draft-model-frspec-batch-calibrated"),
-                   "mnist-vlm-eagle": ("eagle", "draft-model-frspec", "draft-model-frspec-cost", "eagle-heuristic",
+                   "-eagle": ("eagle", "draft-model-frspec", "draft-model-frspec-cost", "eagle-heuristic",
                                        "eagle-cost", "draft-model-frspec-batch-cost", "eagle-batch-cost",
                                        "draft-model-frspec-confident", "draft-model-frspec-calibrated",
                                        "eagle-calibrated", "draft-model-frspec-batch-calibrated",
                                        "eagle-batch-calibrated"),
-                   **{f"mnist-vlm-{name}": (name,) for name in VISION_METHODS}}  # fmt: skip
+                   **{f"-{name}": (name,) for name in VISION_METHODS}}  # fmt: skip
+
+
+def zoo_name(args) -> str:
+    """The target's zoo folder name of `args.workload` (`mnist-vlm`, or `mnist-vlm-readout` for the readout grids)."""
+    return ZOO_NAMES[getattr(args, "workload", "templated")]
 
 
 def _confidence(text):
@@ -171,14 +186,17 @@ def phase_fields(runs):
 
 def add_arguments(parser):
     nodes, depth, top_k = (int_in_range(1, VLM_LIMITS[k]) for k in ("num_draft_tokens", "tree_depth", "tree_top_k"))
-    parser.add_argument("--zoo", default=DEFAULT_ZOO, help="folder with mnist-vlm, mnist-vlm-draft, mnist-vlm-eagle")
+    parser.add_argument("--zoo", default=DEFAULT_ZOO,
+                        help="folder with mnist-vlm, mnist-vlm-draft, mnist-vlm-eagle, ... (readout: mnist-vlm-readout, "
+                             "mnist-vlm-readout-eagle, ...)")  # fmt: skip
     parser.add_argument("--batch-size", type=int_list_in_range(1, MAX_BATCH), default=[1],
                         help="answers per timed call (comma list; each at most --num-prompts)")  # fmt: skip
     parser.add_argument("--num-prompts", type=int_in_range(1, MAX_PROMPTS), default=8,
                         help="canvases (one answer each)")  # fmt: skip
     parser.add_argument("--workload", choices=WORKLOADS, default="templated",
                         help="templated: every canvas asked --prompt; free-form: held-out free-form prompts "
-                             "(mmspec.data.vlm_prompts)")  # fmt: skip
+                             "(mmspec.data.vlm_prompts); readout: held-out 4x4 digit grids read out "
+                             "(mmspec.data.grids; the mnist-vlm-readout target and its heads)")  # fmt: skip
     parser.add_argument("--prompt", default=None, help=f"templated workload only (default {TEMPLATED_PROMPT!r})")
     parser.add_argument("--methods", type=names_of(ALL_METHODS), default=None,
                         help=f"comma list of {','.join(ALL_METHODS)} (default: every one the zoo has drafters for; "
@@ -226,17 +244,19 @@ def check_args(parser, args):
     model's context, and the device exists."""
     from mmspec.models import read_config
 
-    check_zoo_folders(parser, args.zoo, ["mnist-vlm"])
-    if args.workload == "free-form" and args.prompt is not None:
-        parser.error("argument --prompt: not allowed with --workload free-form (its prompts are the held-out "
-                     "free-form templates); drop --prompt or use --workload templated")  # fmt: skip
+    name = zoo_name(args)
+    if args.workload != "templated" and args.prompt is not None:
+        parser.error(f"argument --prompt: not allowed with --workload {args.workload} (its prompts are the "
+                     "workload's held-out templates); drop --prompt or use --workload templated")  # fmt: skip
+    check_zoo_folders(parser, args.zoo, [name])
     if args.workload == "free-form" and args.min_digits < 2:
         parser.error(f"argument --min-digits: {args.min_digits} is below 2, which --workload free-form needs (its "
                      "compare prompts name two digits of the canvas)")  # fmt: skip
     resolve_workload_defaults(args)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("argument --prompt: is empty")
-    missing = {m for folder, names in DRAFTER_FOLDERS.items() if not (Path(args.zoo) / folder).is_dir() for m in names}
+    missing = {m for suffix, names in DRAFTER_FOLDERS.items() if not (Path(args.zoo) / (name + suffix)).is_dir()
+               for m in names}  # fmt: skip
     explicit = args.methods is not None
     if args.temperature != 1.0 and not args.do_sample:
         parser.error("argument --temperature: only used with --do-sample (greedy decoding has no temperature)")
@@ -248,10 +268,10 @@ def check_args(parser, args):
     if args.methods is None:
         args.methods = [m for m in ALL_METHODS if m not in missing and not (args.do_sample and m.startswith("hf-"))]
     elif missing & set(args.methods):
-        folders = sorted(f for f, names in DRAFTER_FOLDERS.items() if missing & set(names) & set(args.methods))
+        folders = sorted(name + f for f, names in DRAFTER_FOLDERS.items() if missing & set(names) & set(args.methods))
         parser.error(f"argument --methods: {','.join(sorted(missing & set(args.methods)))} need(s) the zoo folder(s) "
                      f"{', '.join(str(Path(args.zoo) / f) for f in folders)}, which do not exist")  # fmt: skip
-    eagle_config = Path(args.zoo) / "mnist-vlm-eagle" / "config.json"
+    eagle_config = Path(args.zoo) / f"{name}-eagle" / "config.json"
     frspec_rows = [m for m in args.methods if "frspec" in m]
     if frspec_rows and eagle_config.is_file():
         try:
@@ -268,7 +288,7 @@ def check_args(parser, args):
     if big:
         parser.error(f"argument --batch-size: {big[0]} is more than --num-prompts {args.num_prompts}")
     try:
-        config = read_config(Path(args.zoo) / "mnist-vlm")
+        config = read_config(Path(args.zoo) / name)
     except ValueError as err:
         parser.error(f"argument --zoo: {err}")
     context = config.get("text_config", {}).get("max_position_embeddings")
@@ -290,6 +310,31 @@ def resolve_workload_defaults(args):
         args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[workload]
 
 
+def readout_inputs(num, seed):
+    """The readout workload: (`num` held-out PIL grids, their held-out readout `FreeFormPrompt`s, their layouts)."""
+    from mmspec.data import grids
+    from mmspec.data.canvases import to_pil
+
+    layouts, canvases, prompts = grids.sample_prompts(num, "held-out", seed)
+    return [to_pil(c) for c in canvases], prompts, layouts
+
+
+def readout_accuracy(tokenizer, answers, prompts, layouts) -> dict:
+    """How well answers read their grids (`grids.score`): `digit_accuracy` (cells right / cells, rows / columns / list
+    prompts, in whatever form the answer states them), `find_accuracy` (cells classified right by the find answers),
+    `follows_form` (rows / columns / list answers in the form asked), `exact` (whole answers right)."""
+    from mmspec.data import grids
+
+    scores = [grids.score(lay, p, tokenizer.decode(a, skip_special_tokens=True))
+              for a, p, lay in zip(answers, prompts, layouts)]  # fmt: skip
+    read = [s for s, p in zip(scores, prompts) if p.kind != "find"]
+    find = [s for s, p in zip(scores, prompts) if p.kind == "find"]
+    ratio = lambda rows: sum(s["correct"] for s in rows) / sum(s["digits"] for s in rows) if rows else None  # noqa: E731
+    return {"digit_accuracy": ratio(read), "find_accuracy": ratio(find),
+            "follows_form": sum(s["follows"] for s in read) / len(read) if read else None,
+            "exact": sum(s["exact"] for s in scores) / len(scores)}  # fmt: skip
+
+
 def free_form_inputs(num, seed, min_digits=4):
     """The free-form workload: (`num` held-out PIL canvases, their held-out `FreeFormPrompt`s)."""
     from mmspec.data.canvases import to_pil
@@ -308,6 +353,20 @@ def image_token_fields(runs):
         "draft_image_tokens": statistics.mean(tokens) if tokens else None,
         "gate_choice": {c: choices.count(c) for c in sorted(set(choices))} if choices else None,
     }
+
+
+def depth_fields(runs):
+    """`accept_histogram` (verification rounds by accepted drafts 0..K, summed over the calls) and
+    `acceptance_by_depth` (d = 1..K: the share of rounds that accepted at least d drafts; their sum is tau without
+    the bonus); None for transformers' rows and plain (no drafts)."""
+    hists = [x["accept_histogram"] for x in runs if x["accept_histogram"] is not None]
+    width = max((len(h) for h in hists), default=0)
+    hist = [sum(h[j] for h in hists if j < len(h)) for j in range(width)]
+    if width < 2 or not sum(hist):
+        return {"accept_histogram": None, "acceptance_by_depth": None}
+    total = sum(hist)
+    return {"accept_histogram": hist,
+            "acceptance_by_depth": [round(sum(hist[d:]) / total, 4) for d in range(1, width)]}  # fmt: skip
 
 
 class _Counter:
@@ -337,15 +396,15 @@ def hf_assisted_knobs(pipe):
 def build_pipeline(args):
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
-    return SpeculativeVLMPipeline.from_zoo(args.zoo)
+    return SpeculativeVLMPipeline.from_zoo(args.zoo, name=zoo_name(args))
 
 
 def load_vision_heads(args, pipe):
-    """The vision-aware heads of the rows asked for (`<zoo>/mnist-vlm-<row>`), in the target's dtype."""
+    """The other heads of the rows asked for (`<zoo>/<target folder>-<row>`), in the target's dtype."""
     from mmspec.models import load
 
     names = [m for m in args.methods if m in VISION_METHODS]
-    return {name: load(Path(args.zoo) / f"mnist-vlm-{name}", dtype=pipe.model.dtype) for name in names}
+    return {name: load(Path(args.zoo) / f"{zoo_name(args)}-{name}", dtype=pipe.model.dtype) for name in names}
 
 
 @torch.no_grad()
@@ -383,8 +442,9 @@ def run(args, pipe=None, canvases=None, heads=None):
     `--zoo` when the pipeline is, else none; rows without a head are skipped)."""
     workload = getattr(args, "workload", "templated")
     resolve_workload_defaults(args)
-    if workload == "free-form" and canvases is not None:
-        raise ValueError("canvases: the free-form workload draws its own held-out canvases (they go with its prompts)")
+    if workload != "templated" and canvases is not None:
+        raise ValueError(f"canvases: the {workload} workload draws its own held-out canvases (they go with its "
+                         "prompts)")  # fmt: skip
     do_sample = bool(getattr(args, "do_sample", False))
     time_phases = bool(getattr(args, "time_phases", False))
     temperature = float(getattr(args, "temperature", 1.0))
@@ -410,9 +470,12 @@ def run(args, pipe=None, canvases=None, heads=None):
     for name, head in heads.items():
         pipes[name] = type(pipe)(pipe.model, pipe.processor, draft_model=pipe.draft_model, eagle_head=head.to(device))
         pipes[name].set_progress_bar_config(disable=True)
-    free_form = None
+    free_form = layouts = None
     if workload == "free-form":
         canvases, free_form = free_form_inputs(args.num_prompts, args.seed, args.min_digits)
+        prompts, key = [p.messages for p in free_form], "messages"
+    elif workload == "readout":
+        canvases, free_form, layouts = readout_inputs(args.num_prompts, args.seed)
         prompts, key = [p.messages for p in free_form], "messages"
     else:
         canvases = canvases or held_out_canvases(args.num_prompts, args.seed, args.min_digits)
@@ -489,6 +552,7 @@ def run(args, pipe=None, canvases=None, heads=None):
                         tau_without_bonus=s.mean_accepted_drafts, step_compression=s.step_compression,
                         target_calls=s.target_forwards, draft_calls=s.draft_forwards,
                         draft_image_tokens=s.extra.get("draft_image_tokens_per_answer"),
+                        accept_histogram=list(s.accept_histogram),
                         gate_choice=s.extra.get("gate_choice"), draft_s=s.time_draft_s,
                         verify_s=s.time_verify_s)  # fmt: skip
         else:
@@ -512,6 +576,7 @@ def run(args, pipe=None, canvases=None, heads=None):
                         step_compression=len(answer) / calls if calls else None, target_calls=calls,
                         draft_calls=counters["draft"].calls if "draft" in counters else 0,
                         draft_image_tokens=draft_lm_image_tokens(ims, texts) if name == "hf-assisted" else None,
+                        accept_histogram=None,
                         gate_choice=None, draft_s=None, verify_s=None)  # fmt: skip
         return answers, dict(latency_s=dt, new_tokens=sum(len(a) for a in answers), **info)
 
@@ -554,6 +619,8 @@ def run(args, pipe=None, canvases=None, heads=None):
                 "matches_plain": None if do_sample else answers[name] == answers["plain"],
                 **image_token_fields(r),
                 **phase_fields(r),
+                **depth_fields(r),
+                **({} if layouts is None else readout_accuracy(pipe.tokenizer, answers[name], free_form, layouts)),
             }
         base = table["plain"]
         for entry in table.values():

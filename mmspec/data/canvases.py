@@ -129,12 +129,17 @@ def _draw_layout(labels, generator, max_digits, count_weights) -> Layout:
         if k not in chosen:
             cells.append(None)
             continue
-        index = int(torch.randint(len(labels), (), generator=generator))
-        size = int(torch.randint(MIN_SIZE, MAX_SIZE + 1, (), generator=generator))
-        thickness = int(torch.randint(len(THICKNESSES), (), generator=generator))
-        y, x = torch.randint(CELL - size + 1, (2,), generator=generator).tolist()
-        cells.append(Digit(int(labels[index]), index, size, thickness, (y, x)))
+        cells.append(random_digit(labels, generator))
     return Layout(tuple(cells))
+
+
+def random_digit(labels: torch.Tensor, generator: torch.Generator) -> Digit:
+    """One digit for a cell: a random MNIST image of `labels` (its split), side, stroke and offset in the cell."""
+    index = int(torch.randint(len(labels), (), generator=generator))
+    size = int(torch.randint(MIN_SIZE, MAX_SIZE + 1, (), generator=generator))
+    thickness = int(torch.randint(len(THICKNESSES), (), generator=generator))
+    y, x = torch.randint(CELL - size + 1, (2,), generator=generator).tolist()
+    return Digit(int(labels[index]), index, size, thickness, (y, x))
 
 
 def draw_digit(image: torch.Tensor, size: int, thickness: int) -> torch.Tensor:

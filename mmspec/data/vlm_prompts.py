@@ -165,6 +165,14 @@ def make_prompt(layout: Layout, template_id: str, generator: torch.Generator) ->
                           text)  # fmt: skip
 
 
+def check_request(split: str, num) -> None:
+    """ValueError naming the argument: `split` not in `SPLITS`, or `num` not a positive int (canvases)."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: use one of {SPLITS}")
+    if isinstance(num, bool) or not isinstance(num, numbers.Integral) or num < 1:
+        raise ValueError(f"num={num!r}: must be a positive int (canvases)")
+
+
 def sample_prompts(num: int, split: str, seed: int, min_digits: int = 1):
     """`num` canvases of `split` with one prompt each: (layouts, canvases float32 [num, 64, 64] in [0, 1],
     list[FreeFormPrompt]). Canvas i asks a template of kind `KINDS[i % 5]` (the next kind the canvas can answer),
@@ -175,10 +183,7 @@ def sample_prompts(num: int, split: str, seed: int, min_digits: int = 1):
     """
     from mmspec.data.canvases import mnist_digits, sample_batch
 
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r}: use one of {SPLITS}")
-    if isinstance(num, bool) or not isinstance(num, numbers.Integral) or num < 1:
-        raise ValueError(f"num={num!r}: must be a positive int (canvases)")
+    check_request(split, num)
     generator = torch.Generator().manual_seed(seed)
     images, labels = mnist_digits(MNIST_SPLIT[split])
     layouts, canvases = sample_batch(num, images, labels, generator, min_digits=min_digits)

@@ -22,6 +22,10 @@ TASKS = {
     "eagle": ("mmspec.train.eagle", "EAGLE-style feature head on the target's hidden states"),
     "mar": ("mmspec.train.mar", "class-conditional MAR (target or --preset draft) on KL tokens (mnist-mar)"),
     "vlm": ("mmspec.train.vlm", "offline VLM target: LLaVA = frozen SmolLM2-135M + small CLIP tower (mnist-vlm)"),
+    "vlm-readout": (
+        "mmspec.train.vlm_readout",
+        "dense-readout VLM target: 4x4 digit grids, 256 image tokens (mnist-vlm-readout)",
+    ),
     "t2i": ("mmspec.train.t2i", "text-to-image LlamaGen GPT on VQ tokens + MiniLM caption features (mnist-t2i)"),
     "janus-t2i": (
         "mmspec.train.janus_t2i",

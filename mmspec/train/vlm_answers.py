@@ -7,7 +7,10 @@ with greedy decoding (mmspec's plain loop). `--workload free-form`: training can
 the free-form prompts (`mmspec.data.vlm_prompts`: detail, story, layout, compare, two-turn follow-ups; canvases drawn
 with seed `--seed` + 1), each answered greedily or, with probability `--sampled-fraction`, sampled at
 `--temperature` (a generator per row, seeded from `--seed` and the row: resumes and batch sizes give the same rows).
-`--workload both`: the `--num` templated rows, then `--num` free-form rows. `--merge A.pt B.pt ...` generates nothing:
+`--workload both`: the `--num` templated rows, then `--num` free-form rows. `--workload readout`: the dense-readout
+grids (`mmspec.data.grids`: 4x4 digits on 128x128 canvases, the train templates of rows / columns / list / find at
+`grids.KIND_WEIGHTS` odds, greedy), answered by a readout target (`--target assets/mnist-vlm-readout`; a target that
+reads other image sizes is a usage error). `--merge A.pt B.pt ...` generates nothing:
 it concatenates finished answer files (e.g. a templated and a free-form run) into `--out`. Held-out canvases and templates
 (`mmspec bench vlm --workload free-form`) never appear here.
 Drafters distilled on the target's own answers learn what they will be asked to draft (Medusa-2 / EAGLE-3 style
@@ -15,7 +18,7 @@ self-distillation). Written chunk by chunk: re-running the command resumes after
 records the flags that define its rows (`run_flags`: target weights, seed, number, batch size, answer length) and a
 resume with other ones is refused.
 
-Saved (`torch.save`, loads with `weights_only=True`): `canvases uint8 [N, 64, 64]`, `input_ids [N, T]`
+Saved (`torch.save`, loads with `weights_only=True`): `canvases uint8 [N, 64, 64]` (readout: [N, 128, 128]), `input_ids [N, T]`
 (prompt + answer, right-padded with the pad id; the prompt of a follow-up holds both turns and the first answer),
 `prompt_lengths [N]`, `lengths [N]`, `questions` (list of str: the last user turn), `messages` (the conversations),
 `kinds` / `templates` (templated rows: "templated"), `sampled` (bool [N]), and the generation settings.
@@ -43,7 +46,7 @@ from mmspec.train.common import (
 logger = logging.getLogger(__name__)
 
 KIND_WEIGHTS = {"describe": 0.6, "what": 0.15, "which": 0.15, "count": 0.1}
-WORKLOADS = ("templated", "free-form", "both")
+WORKLOADS = ("templated", "free-form", "both", "readout")
 SAMPLE_SEED_STRIDE = 1_000_003  # row r of a run with --seed s samples with a generator seeded s * stride + r
 
 
@@ -53,7 +56,8 @@ def add_arguments(parser):
     parser.add_argument("--num", type=int_in_range(1, 1_000_000), default=512,
                         help="canvases (one question each) per workload")  # fmt: skip
     parser.add_argument("--workload", choices=WORKLOADS, default="templated",
-                        help="templated questions, free-form train prompts (mmspec.data.vlm_prompts), or both")  # fmt: skip
+                        help="templated questions, free-form train prompts (mmspec.data.vlm_prompts), both, or the "
+                             "dense-readout grids (mmspec.data.grids; needs a readout --target)")  # fmt: skip
     parser.add_argument("--sampled-fraction", type=probability, default=0.5,
                         help="free-form rows answered by sampling (the rest greedy)")  # fmt: skip
     parser.add_argument("--temperature", type=positive_float, default=1.0, help="of the sampled answers")
@@ -103,6 +107,17 @@ def workload_rows(workload, num, seed, sampled_fraction):
         rows["kinds"] += ["templated"] * num
         rows["templates"] += ["templated"] * num
         rows["sampled"] += [False] * num
+    if workload == "readout":
+        from mmspec.data import grids
+        from mmspec.data.canvases import mnist_digits
+
+        _, grid, prompts = grids.sample_training(num, *mnist_digits("train"), generator)
+        canvases.append(grid)
+        rows["messages"] += [p.messages for p in prompts]
+        rows["questions"] += [p.text for p in prompts]
+        rows["kinds"] += [p.kind for p in prompts]
+        rows["templates"] += [p.template for p in prompts]
+        rows["sampled"] += [False] * num
     if workload in ("free-form", "both"):
         _, free, prompts = sample_prompts(num, "train", seed + 1)
         canvases.append(free)
@@ -120,9 +135,27 @@ def pad_cat(rows, pad):
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
+def target_image_size(folder) -> int:
+    """The image side the VLM folder's vision tower reads (its config.json)."""
+    import json
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return int(config.get("vision_config", {}).get("image_size", 0))
+
+
 def check_args(parser, args):
     """Usage error (before any model loads) when `--out` holds answers made with other flags, or is broken; with
-    `--merge`, when an input is missing, unfinished or not an answers file, or is `--out` itself."""
+    `--merge`, when an input is missing, unfinished or not an answers file, or is `--out` itself; when the target
+    reads another image size than the workload's canvases (the processor would resize them silently)."""
+    from mmspec.data import canvases, grids
+
+    if args.merge is None:
+        side = grids.CANVAS if args.workload == "readout" else canvases.CANVAS
+        size = target_image_size(args.target)
+        if size != side:
+            hint = "assets/mnist-vlm-readout" if args.workload == "readout" else "assets/mnist-vlm"
+            parser.error(f"argument --target: {str(args.target)!r} reads {size}x{size} images, but --workload "
+                         f"{args.workload} draws {side}x{side} canvases; use a target such as {hint}")  # fmt: skip
     if args.merge is not None:
         for path in args.merge:
             if Path(path).resolve() == Path(args.out).resolve():

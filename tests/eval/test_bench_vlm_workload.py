@@ -1,5 +1,6 @@
-"""`mmspec bench vlm --workload templated|free-form`: free-form runs held-out canvases x held-out prompts (multi-turn
-included) and records them; templated keeps today's defaults; bad combinations are usage errors before loading."""
+"""`mmspec bench vlm --workload templated|free-form|readout`: free-form runs held-out canvases x held-out prompts
+(multi-turn included) and records them; readout runs held-out 4x4 grids, scores every answer against its grid and
+reports acceptance by depth; templated keeps today's defaults; bad combinations are usage errors before loading."""
 
 import argparse
 
@@ -56,6 +57,46 @@ def test_free_form_answers_differ_from_templated_ones_and_templated_keeps_its_de
         bench_vlm.run(_args("--workload", "free-form", "--num-prompts", "2"), pipe=pipe, canvases=[None, None])
 
 
+def test_readout_runs_held_out_grids_and_reports_accuracy_and_acceptance_by_depth():
+    from mmspec.data import grids
+
+    report = bench_vlm.run(_args("--workload", "readout", "--num-prompts", "4", "--batch-size", "1,2"), pipe=_pipe())
+    assert report["workload"] == "readout" and report["knobs"]["max_new_tokens"] == 6
+    held = set(grids.split_templates()["held-out"])
+    assert [p["kind"] for p in report["prompts"]] == list(grids.KINDS)
+    assert all(p["template"] in held for p in report["prompts"])
+    for table in report["by_batch_size"].values():
+        row = table["draft-model"]
+        assert row["matches_plain"] and 0 <= row["digit_accuracy"] <= 1 and 0 <= row["find_accuracy"] <= 1
+        hist, depth = row["accept_histogram"], row["acceptance_by_depth"]
+        assert len(hist) == 5 and len(depth) == 4 and sum(hist) > 0
+        assert all(a >= b for a, b in zip(depth, depth[1:]))  # at least d accepted: falls with d
+        assert table["plain"]["acceptance_by_depth"] is None
+
+
+def test_acceptance_by_depth_sums_to_the_pipeline_s_own_tau():
+    """One answer at batch 1: the histogram's tail shares sum to the drafts accepted per round the stats count."""
+    report = bench_vlm.run(_args("--workload", "readout", "--num-prompts", "1"), pipe=_pipe())
+    row = report["by_batch_size"]["1"]["draft-model"]
+    assert sum(row["acceptance_by_depth"]) == pytest.approx(row["tau_without_bonus"], abs=1e-3)
+
+
+def test_readout_accuracy_reads_true_answers_as_right_and_counts_wrong_cells():
+    from mmspec.data import grids
+    from mmspec.models.hf.smollm2 import load_smollm2
+
+    tokenizer = load_smollm2()[1]
+    _, prompts, layouts = bench_vlm.readout_inputs(8, seed=0)
+    answers = [tokenizer.encode(grids.answer(lay, p), add_special_tokens=False) for lay, p in zip(layouts, prompts)]
+    assert bench_vlm.readout_accuracy(tokenizer, answers, prompts, layouts) == {
+        "digit_accuracy": 1.0, "find_accuracy": 1.0, "follows_form": 1.0, "exact": 1.0}  # fmt: skip
+    rows = [i for i, p in enumerate(prompts) if p.kind == "rows"]
+    answers[rows[0]] = tokenizer.encode("Row 1: 0 0 0 0.", add_special_tokens=False)  # 4 cells stated, 12 missing
+    right = sum(layouts[rows[0]].label(1, c) == 0 for c in range(1, 5))
+    got = bench_vlm.readout_accuracy(tokenizer, answers, prompts, layouts)
+    assert got["digit_accuracy"] == pytest.approx((16 * 5 + right) / (16 * 6)) and got["exact"] == 7 / 8
+
+
 def _refuse(*args, **kwargs):
     raise AssertionError("reached the bench run although the arguments were invalid")
 
@@ -66,6 +107,7 @@ def _refuse(*args, **kwargs):
         (["--workload", "free-form", "--prompt", "Tell a story."], "--prompt", "free-form"),
         (["--workload", "free-form", "--min-digits", "1"], "--min-digits", "free-form"),
         (["--workload", "story"], "--workload", "invalid choice"),
+        (["--workload", "readout", "--prompt", "Read it."], "--prompt", "readout"),
     ],
 )
 def test_bad_workload_combinations_are_usage_errors_before_loading(argv, flag, words, capsys, monkeypatch):

@@ -142,6 +142,35 @@ def test_load_vlm_round_trip(tiny_vlm, test_digits, tmp_path, dtype):
             part.load_state_dict(state)
 
 
+@pytest.mark.parametrize("image_size", [64, 128])
+def test_a_folder_without_tokenizer_files_loads_smollm2_s_own_processor(tiny_vlm, smollm2, tmp_path, image_size):
+    """`save_vlm_parts(tokenizer=False)` (the zoo VLMs: the tokenizer comes with the frozen LM) loads a processor
+    that tokenizes and preprocesses exactly as the one saved with its tokenizer; a processor config the zoo's
+    processor does not match is refused naming the file."""
+    import json
+
+    model, _ = tiny_vlm
+    language_model, tokenizer = smollm2
+    model = build_vlm(vlm_config(language_model.config, 32, 1, 2, image_size=image_size), language_model).eval()
+    processor = build_processor(tokenizer, image_size=image_size)
+    with_tok, without = tmp_path / "with", tmp_path / "without"
+    save_vlm_parts(model, processor, with_tok, storage="float32")
+    save_vlm_parts(model, processor, without, storage="float32", tokenizer=False)
+    assert (with_tok / "tokenizer.json").is_file() and not (without / "tokenizer.json").exists()
+    a, b = load_vlm(with_tok)[1], load_vlm(without)[1]
+    canvas = to_pil(torch.rand(image_size, image_size))
+    prompt = user_prompt(a, "Describe the image.", expand=False)
+    x, y = (p(images=[canvas], text=[prompt], return_tensors="pt") for p in (a, b))
+    assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["pixel_values"], y["pixel_values"])
+    assert int((y["input_ids"] == IMAGE_TOKEN_ID).sum()) == (image_size // 8) ** 2
+    assert (a.tokenizer.pad_token_id, a.tokenizer.eos_token_id) == (b.tokenizer.pad_token_id, b.tokenizer.eos_token_id)
+    config = json.loads((without / "processor_config.json").read_text())
+    config["image_processor"]["image_mean"] = [0.4, 0.4, 0.4]
+    (without / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="processor_config.json.*image_mean"):
+        load_vlm(without)
+
+
 def test_corrupt_or_mismatched_weights_raise(tiny_vlm, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -165,7 +194,7 @@ def test_corrupt_or_mismatched_weights_raise(tiny_vlm, tmp_path):
 @pytest.mark.zoo
 def test_shipped_folder_is_small_and_documented():
     files = {p.name: p.stat().st_size for p in ASSET.iterdir()}
-    assert {"config.json", WEIGHTS_NAME, "README.md", "training.json", "tokenizer.json"} <= set(files)
+    assert {"config.json", WEIGHTS_NAME, "README.md", "training.json", "processor_config.json"} <= set(files)
     assert "checkpoint.pt" not in files and sum(files.values()) < 20e6
     card = (ASSET / "README.md").read_text().lower()
     for field in ("seed", "command", "wall", "heldout_which_digit_accuracy"):

@@ -59,3 +59,32 @@ def test_both_workloads_greedy_and_sampled_deterministic_and_resume_refuses_anot
     with pytest.raises(ValueError, match="--workload free-form differs from the checkpoint's --workload both"):
         vlm_answers.run(_args(tmp_path / "a.pt", *hot, "--batch-size", "5", "--workload", "free-form"))
     assert load_checkpoint(tmp_path / "a.pt")["workload"] == "both"
+
+
+def test_readout_rows_are_training_grids_with_train_templates():
+    from mmspec.data import grids
+
+    rows = vlm_answers.workload_rows("readout", 12, seed=5, sampled_fraction=0.5)
+    assert rows["canvases"].shape == (12, 128, 128) and rows["sampled"] == [False] * 12
+    held = set(grids.split_templates()["held-out"])
+    assert set(rows["kinds"]) <= set(grids.KINDS) and len(set(rows["kinds"])) > 1
+    assert all(t not in held for t in rows["templates"])
+    assert all(m[0]["content"][0] == {"type": "image"} for m in rows["messages"])
+    again = vlm_answers.workload_rows("readout", 12, seed=5, sampled_fraction=0.5)
+    assert torch.equal(again["canvases"], rows["canvases"]) and again["questions"] == rows["questions"]
+
+
+@pytest.mark.parametrize("workload", ["readout", "templated"])
+def test_a_target_of_another_image_size_is_a_usage_error_before_loading(workload, tmp_path, capsys):
+    import json
+
+    from mmspec.train.__main__ import main
+
+    folder = tmp_path / "target"
+    folder.mkdir()
+    size = 64 if workload == "readout" else 128  # the other workload's canvases
+    (folder / "config.json").write_text(json.dumps({"vision_config": {"image_size": size}}))
+    with pytest.raises(SystemExit) as info:
+        main(["vlm-answers", "--workload", workload, "--target", str(folder), "--out", str(tmp_path / "a.pt")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "argument --target" in err and f"{size}x{size}" in err

@@ -28,6 +28,7 @@ __all__ = ["IMAGE_TOKEN", "IMAGE_TOKEN_ID", "WEIGHTS_NAME", "build_vlm", "load_v
 IMAGE_TOKEN = "<empty_output>"
 IMAGE_TOKEN_ID = 16
 WEIGHTS_NAME = "vision_projector.safetensors"
+PATCH = 8  # the vision tower's patch side (a 32x32 canvas cell is 4x4 patches)
 PARTS = ("vision_tower", "multi_modal_projector")
 ZOO_ROOT = Path(__file__).resolve().parents[3] / "assets"
 
@@ -50,13 +51,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def vlm_config(text_config, hidden_size: int = 192, layers: int = 4, heads: int = 6):
-    """`LlavaConfig`: CLIP vision tower (64x64, patch 8, 3 channels) + gelu projector into `text_config` (SmolLM2)."""
+def vlm_config(text_config, hidden_size: int = 192, layers: int = 4, heads: int = 6, image_size: int = 64):
+    """`LlavaConfig`: CLIP vision tower (`image_size` square, patch 8, 3 channels) + gelu projector into `text_config`
+    (SmolLM2): (image_size / 8)^2 image tokens (64 for the 2x2 canvases, 256 for the 128x128 readout grids)."""
+    if image_size % PATCH:
+        raise ValueError(f"image_size={image_size}: must be a multiple of the patch size {PATCH}")
     from transformers import CLIPVisionConfig, LlavaConfig
 
     vision = CLIPVisionConfig(
-        image_size=64,
-        patch_size=8,
+        image_size=image_size,
+        patch_size=PATCH,
         num_channels=3,
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -71,19 +75,20 @@ def vlm_config(text_config, hidden_size: int = 192, layers: int = 4, heads: int 
         projector_hidden_act="gelu",
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
-        image_seq_length=64,
+        image_seq_length=(image_size // PATCH) ** 2,
         tie_word_embeddings=text_config.tie_word_embeddings,
     )
 
 
-def build_processor(tokenizer):
-    """`LlavaProcessor`: 64x64 CLIP preprocessing (grayscale -> RGB, [0, 1] -> [-1, 1], no crop effect) + tokenizer."""
+def build_processor(tokenizer, image_size: int = 64):
+    """`LlavaProcessor`: `image_size` square CLIP preprocessing (grayscale -> RGB, [0, 1] -> [-1, 1], no crop effect)
+    + tokenizer."""
     from transformers import LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": 64},
-        crop_size={"height": 64, "width": 64},
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
         do_convert_rgb=True,
@@ -91,7 +96,7 @@ def build_processor(tokenizer):
     return LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        patch_size=8,
+        patch_size=PATCH,
         vision_feature_select_strategy="default",
         image_token=IMAGE_TOKEN,
         num_additional_image_tokens=1,
@@ -126,9 +131,13 @@ def parts_state_dict(model) -> dict[str, torch.Tensor]:
     return {f"{part}.{k}": v for part in PARTS for k, v in getattr(model.model, part).state_dict().items()}
 
 
-def save_vlm_parts(model, processor, folder, storage: str = "float16") -> Path:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def save_vlm_parts(model, processor, folder, storage: str = "float16", tokenizer: bool = True) -> Path:
     """Write `config.json`, `WEIGHTS_NAME` (vision tower + projector, stored as `storage`: float32, float16, int8
-    or int4, see `mmspec.models.storage`) and the processor files."""
+    or int4, see `mmspec.models.storage`) and the processor files; `tokenizer=False` leaves out the tokenizer files
+    (1.6 MB): `load_vlm` then uses SmolLM2's own tokenizer, which the frozen LM comes with."""
     from mmspec.models.storage import write_weights
 
     folder = Path(folder)
@@ -136,7 +145,37 @@ def save_vlm_parts(model, processor, folder, storage: str = "float16") -> Path:
     model.config.save_pretrained(folder)
     write_weights({k: v.detach() for k, v in parts_state_dict(model).items()}, folder / WEIGHTS_NAME, storage)
     processor.save_pretrained(folder)
+    if not tokenizer:
+        for name in TOKENIZER_FILES:
+            (folder / name).unlink(missing_ok=True)
     return folder
+
+
+def processor_without_tokenizer(folder: Path, tokenizer):
+    """The `LlavaProcessor` of a folder saved with `tokenizer=False`: `build_processor(tokenizer)` at the folder's
+    image size, checked against the folder's own `processor_config.json` and chat template (a ValueError naming the
+    file where they differ: the folder was not made by `save_vlm_parts`)."""
+    import json
+
+    path = folder / "processor_config.json"
+    try:
+        saved = json.loads(path.read_text())
+        size = int(saved["image_processor"]["crop_size"]["height"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{str(path)!r}: not a zoo VLM processor config ({err})") from err
+    processor = build_processor(tokenizer, image_size=size)
+    built = json.loads(processor.to_json_string())
+    for key, value in saved.items():
+        if key != "image_processor" and built.get(key) != value:
+            raise ValueError(f"{str(path)!r}: {key}={value!r}, but the zoo processor has {built.get(key)!r}")
+    for key, value in saved["image_processor"].items():
+        if built["image_processor"].get(key) != value:
+            raise ValueError(f"{str(path)!r}: image_processor.{key}={value!r}, but the zoo processor has "
+                             f"{built['image_processor'].get(key)!r}")  # fmt: skip
+    template = folder / "chat_template.jinja"
+    if template.is_file() and template.read_text() != CHAT_TEMPLATE:
+        raise ValueError(f"{str(template)!r} differs from the zoo's chat template")
+    return processor
 
 
 def resolve_folder(folder) -> Path:
@@ -182,7 +221,7 @@ def load_vlm(folder="mnist-vlm", dtype: torch.dtype = torch.float32, device=None
 
     folder = resolve_folder(folder)
     config = LlavaConfig.from_pretrained(folder)
-    language_model, _ = load_smollm2()
+    language_model, tokenizer = load_smollm2()
     model = build_vlm(config, language_model, init=False)
     state = read_parts(folder / WEIGHTS_NAME, model)
     for part in PARTS:
@@ -196,5 +235,8 @@ def load_vlm(folder="mnist-vlm", dtype: torch.dtype = torch.float32, device=None
         from mmspec.models.layout import input_major_linears
 
         input_major_linears(model)  # the tied embedding / output head stays one tensor
-    processor = LlavaProcessor.from_pretrained(folder)
+    if (folder / "tokenizer.json").is_file():
+        processor = LlavaProcessor.from_pretrained(folder)
+    else:  # saved with tokenizer=False: SmolLM2's own
+        processor = processor_without_tokenizer(folder, tokenizer)
     return model, processor

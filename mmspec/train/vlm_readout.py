@@ -296,7 +296,9 @@ def generate_answers(model, processor, canvases, prompts, max_new_tokens, batch_
     return answers
 
 
-MAX_NEW_TOKENS = {"rows": 64, "columns": 64, "list": 192, "find": 64}
+# every kind gets room for a full cell-by-cell answer (176 tokens + end of turn): `grids.score` reads an answer in
+# whichever form it comes, and a frozen LM may answer a held-out rows template cell by cell
+MAX_NEW_TOKENS = {"rows": 192, "columns": 192, "list": 192, "find": 192}
 
 
 @torch.no_grad()

@@ -267,13 +267,17 @@ def answer_loss(logits, labels, digit_ids, digit_weight=1.0):
     return (ce * weight.flatten()).sum() / weight.sum()
 
 
-def stage2_optimizer(args, model):
+def stage2_optimizer(args, model, low_rank=None):
     """Stage 2's `(module, optimizer, rescale)`: the projector at lr, the vision tower at `--tower-lr-scale` x lr
-    (frozen at 0); `rescale()`, called at the start of every step, re-applies each group's factor (a resumed
-    checkpoint may carry other scales; train_loop's set_lr then applies them)."""
+    (frozen at 0), `low_rank` (the LM's low-rank deltas, `mmspec.models.hf.low_rank.add_low_rank`) at lr;
+    `rescale()`, called at the start of every step, re-applies each group's factor (a resumed checkpoint may carry
+    other scales; train_loop's set_lr then applies them)."""
     tower, projector = model.model.vision_tower, model.model.multi_modal_projector
     module = torch.nn.ModuleDict({"vision_tower": tower, "projector": projector})
     groups = [{"params": list(projector.parameters()), "lr_scale": 1.0}]
+    if low_rank is not None:
+        module["lm_low_rank"] = low_rank
+        groups.append({"params": list(low_rank.parameters()), "lr_scale": 1.0})
     if args.tower_lr_scale > 0:
         groups.append({"params": list(tower.parameters()), "lr_scale": args.tower_lr_scale})
     else:

@@ -112,8 +112,32 @@ def test_a_tiny_run_trains_both_stages_and_saves_a_256_token_target(tiny_lm, tmp
     card = (out / "README.md").read_text()
     assert "load_vlm('mnist-vlm-readout')" in card and "256 image tokens" in card
     assert (tmp_path / "work" / "stage2" / "checkpoint.pt").is_file()
+    # the default adapts the LM (rank 8 on q / v): the folder ships the factors, load_vlm merges them
+    assert model.config.lm_low_rank == {"rank": 8, "alpha": 16.0, "modules": ["q_proj", "v_proj"]}
+    base = tiny_lm.model.state_dict()
+    for name, value in model.model.language_model.state_dict().items():
+        assert torch.equal(value, base[name]) != name.endswith(("q_proj.weight", "v_proj.weight")), name
     with pytest.raises(ValueError, match="--digit-weight"):  # a resume with another run-defining flag
         vlm_readout.run(_args("--out", str(out), "--work", str(tmp_path / "work"), *TINY, "--digit-weight", "2"))
+    with pytest.raises(ValueError, match="--lm-rank"):  # stage 2 depends on the LM's update
+        vlm_readout.run(_args("--out", str(out), "--work", str(tmp_path / "work"), *TINY, "--lm-rank", "4"))
+
+
+def test_stage1_checkpoints_do_not_depend_on_the_lm_s_update(tiny_lm, tmp_path):
+    """Stage 1 never runs the LM: a run with a frozen LM (`--lm-rank 0`) resumes another's stage 1, and saves a
+    folder without factors."""
+    from mmspec.models.hf.zoo import load_vlm
+
+    work = tmp_path / "work"
+    one = _args("--out", str(tmp_path / "a"), "--work", str(work), *TINY)
+    vlm_readout.run_stage1(one, *vlm_readout.build(one)[::2], *mnist_digits("train"), torch.Generator())
+    stage1 = (work / "stage1" / "checkpoint.pt").read_bytes()
+    vlm_readout.run(_args("--out", str(tmp_path / "b"), "--work", str(work), *TINY, "--lm-rank", "0"))
+    assert (work / "stage1" / "checkpoint.pt").read_bytes() == stage1  # resumed as finished, not retrained
+    model, _ = load_vlm(tmp_path / "b")
+    assert getattr(model.config, "lm_low_rank", None) is None
+    base = tiny_lm.model.state_dict()
+    assert all(torch.equal(v, base[k]) for k, v in model.model.language_model.state_dict().items())
 
 
 def test_stage2_loss_is_the_weighted_answer_cross_entropy(tiny_lm):
@@ -144,6 +168,9 @@ def test_bad_init_from_is_a_usage_error_before_anything_loads(tmp_path, capsys):
         main(["vlm-readout", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"), "--init-from",
               str(tmp_path)])  # fmt: skip
     assert info.value.code == 2 and "--init-from" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["vlm-readout", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"), "--lm-modules", "q_proj,"])
+    assert info.value.code == 2 and "--lm-modules" in capsys.readouterr().err
 
 
 def test_the_2x2_target_trainer_runs_through_the_shared_stage_code(tiny_lm, tmp_path):

@@ -136,14 +136,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def save_vlm_parts(model, processor, folder, storage: str = "float16", tokenizer: bool = True) -> Path:
     """Write `config.json`, `WEIGHTS_NAME` (vision tower + projector, stored as `storage`: float32, float16, int8
-    or int4, see `mmspec.models.storage`) and the processor files; `tokenizer=False` leaves out the tokenizer files
-    (1.6 MB): `load_vlm` then uses SmolLM2's own tokenizer, which the frozen LM comes with."""
+    or int4, see `mmspec.models.storage`; the LM's low-rank factors, if it has them (`mmspec.models.hf.low_rank`),
+    int8 in an int4 file) and the processor files; `tokenizer=False` leaves out the tokenizer files (1.6 MB):
+    `load_vlm` then uses SmolLM2's own tokenizer, which the frozen LM comes with."""
+    from mmspec.models.hf.low_rank import CONFIG_KEY, low_rank_state
     from mmspec.models.storage import write_weights
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach() for k, v in parts_state_dict(model).items()}
+    factors = low_rank_state(model.model.language_model)
+    if bool(factors) != (getattr(model.config, CONFIG_KEY, None) is not None):
+        raise ValueError(f"the model's config.{CONFIG_KEY} and its language model's low-rank factors disagree "
+                         f"({len(factors)} factors): set it to the settings `add_low_rank` was given")  # fmt: skip
     model.config.save_pretrained(folder)
-    write_weights({k: v.detach() for k, v in parts_state_dict(model).items()}, folder / WEIGHTS_NAME, storage)
+    write_weights(state | factors, folder / WEIGHTS_NAME, storage, int8_prefixes=("language_model.",))
     processor.save_pretrained(folder)
     if not tokenizer:
         for name in TOKENIZER_FILES:
@@ -189,21 +196,27 @@ def resolve_folder(folder) -> Path:
 
 
 def read_parts(path: Path, model) -> dict[str, torch.Tensor]:
-    """Read and check `path` against the model's vision tower + projector; ValueError naming the file if it does not fit."""
+    """Read and check `path` against the model's vision tower + projector (+ the LM's low-rank factors its config
+    names); ValueError naming the file if it does not fit."""
+    from mmspec.models.hf.low_rank import CONFIG_KEY, low_rank_shapes
     from mmspec.models.storage import read_weights
 
     state = read_weights(path)  # ValueError naming the file if it is damaged; int8 / int4 storage dequantised
-    expected = parts_state_dict(model)
+    expected = {k: tuple(v.shape) for k, v in parts_state_dict(model).items()}
+    settings = getattr(model.config, CONFIG_KEY, None)
+    if settings is not None:
+        try:
+            expected |= low_rank_shapes(model.model.language_model, settings)
+        except ValueError as err:
+            raise ValueError(f"{str(path.parent / 'config.json')!r}: {err}") from None
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(
             f"{str(path)!r} does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    for key, value in expected.items():
-        if state[key].shape != value.shape:
-            raise ValueError(
-                f"{str(path)!r}: {key} has shape {tuple(state[key].shape)}, expected {tuple(value.shape)}"
-            )
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise ValueError(f"{str(path)!r}: {key} has shape {tuple(state[key].shape)}, expected {shape}")
         if not state[key].is_floating_point() or not torch.isfinite(state[key]).all():
             raise ValueError(f"{str(path)!r}: {key} is not a finite floating-point tensor")
     return state
@@ -213,10 +226,12 @@ def load_vlm(folder="mnist-vlm", dtype: torch.dtype = torch.float32, device=None
     """`(LlavaForConditionalGeneration in eval mode, LlavaProcessor)` from a model folder or zoo name.
 
     SmolLM2-135M-Instruct (`load_smollm2`) fills the language model and lm_head; `WEIGHTS_NAME` fills the vision
-    tower and projector (strict: every key present, shapes checked; ValueError naming the file otherwise).
+    tower and projector (strict: every key present, shapes checked; ValueError naming the file otherwise) and, for a
+    config with `lm_low_rank`, the LM's low-rank factors, merged into its weights (`mmspec.models.hf.low_rank`).
     """
     from transformers import LlavaConfig, LlavaProcessor
 
+    from mmspec.models.hf import low_rank
     from mmspec.models.hf.smollm2 import load_smollm2
 
     folder = resolve_folder(folder)
@@ -228,6 +243,9 @@ def load_vlm(folder="mnist-vlm", dtype: torch.dtype = torch.float32, device=None
         prefix = part + "."
         sub = {k[len(prefix) :]: v.float() for k, v in state.items() if k.startswith(prefix)}
         getattr(model.model, part).load_state_dict(sub, strict=True)
+    if getattr(config, low_rank.CONFIG_KEY, None) is not None:  # an adapted LM: its factors merged once
+        low_rank.merge_low_rank(model.model.language_model, getattr(config, low_rank.CONFIG_KEY), state,
+                                str(folder / WEIGHTS_NAME))  # fmt: skip
     model.to(dtype).eval()
     if device is not None:
         model.to(device)

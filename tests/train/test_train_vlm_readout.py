@@ -100,7 +100,7 @@ def test_a_tiny_run_trains_both_stages_and_saves_a_256_token_target(tiny_lm, tmp
     from mmspec.train.common import read_training_record
 
     out = tmp_path / "out"
-    vlm_readout.run(_args("--out", str(out), "--work", str(tmp_path / "work"), *TINY))
+    vlm_readout.run(_args("--out", str(out), "--work", str(tmp_path / "work"), *TINY, "--lm-rank", "8"))
     model, processor = load_vlm(out)
     assert model.config.image_seq_length == 256 and model.config.vision_config.image_size == 128
     record = read_training_record(out)
@@ -112,24 +112,25 @@ def test_a_tiny_run_trains_both_stages_and_saves_a_256_token_target(tiny_lm, tmp
     card = (out / "README.md").read_text()
     assert "load_vlm('mnist-vlm-readout')" in card and "256 image tokens" in card
     assert (tmp_path / "work" / "stage2" / "checkpoint.pt").is_file()
-    # the default adapts the LM (rank 8 on q / v): the folder ships the factors, load_vlm merges them
+    # a rank-8 update of the LM (q / v by default): the folder ships the factors, load_vlm merges them
     assert model.config.lm_low_rank == {"rank": 8, "alpha": 16.0, "modules": ["q_proj", "v_proj"]}
     base = tiny_lm.model.state_dict()
     for name, value in model.model.language_model.state_dict().items():
         assert torch.equal(value, base[name]) != name.endswith(("q_proj.weight", "v_proj.weight")), name
     with pytest.raises(ValueError, match="--digit-weight"):  # a resume with another run-defining flag
-        vlm_readout.run(_args("--out", str(out), "--work", str(tmp_path / "work"), *TINY, "--digit-weight", "2"))
+        vlm_readout.run(_args("--out", str(out), "--work", str(tmp_path / "work"), *TINY, "--lm-rank", "8",
+                              "--digit-weight", "2"))  # fmt: skip
     with pytest.raises(ValueError, match="--lm-rank"):  # stage 2 depends on the LM's update
         vlm_readout.run(_args("--out", str(out), "--work", str(tmp_path / "work"), *TINY, "--lm-rank", "4"))
 
 
 def test_stage1_checkpoints_do_not_depend_on_the_lm_s_update(tiny_lm, tmp_path):
-    """Stage 1 never runs the LM: a run with a frozen LM (`--lm-rank 0`) resumes another's stage 1, and saves a
-    folder without factors."""
+    """Stage 1 never runs the LM: a run with a frozen LM (`--lm-rank 0`, the default) resumes the stage 1 of a run
+    with an update, and saves a folder without factors."""
     from mmspec.models.hf.zoo import load_vlm
 
     work = tmp_path / "work"
-    one = _args("--out", str(tmp_path / "a"), "--work", str(work), *TINY)
+    one = _args("--out", str(tmp_path / "a"), "--work", str(work), *TINY, "--lm-rank", "8")
     vlm_readout.run_stage1(one, *vlm_readout.build(one)[::2], *mnist_digits("train"), torch.Generator())
     stage1 = (work / "stage1" / "checkpoint.pt").read_bytes()
     vlm_readout.run(_args("--out", str(tmp_path / "b"), "--work", str(work), *TINY, "--lm-rank", "0"))

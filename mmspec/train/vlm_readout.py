@@ -17,8 +17,8 @@ that read every digit out. The tower and projector start from `--init-from` (def
    `--lm-modules` projections, `mmspec.models.hf.low_rank`; 0 keeps the LM frozen) trained with next-token
    cross-entropy on the answer tokens (digit tokens weighted `--digit-weight` x) of the training prompts
    (`grids.sample_training`: the train templates of rows / columns / list / find at `grids.KIND_WEIGHTS` odds; one
-   kind per step, so a batch's rows have equal lengths and nothing is padded). Logits only at the answer positions (the 49k-row head is the step's
-   largest matrix product otherwise). The folder ships the update's factors (0.5 MB at rank 8 on q / v), never
+   kind per step, so a batch's rows have equal lengths and nothing is padded). Logits only at the answer positions
+   (the 49k-row head is the step's largest matrix product otherwise). The folder ships the update's factors (0.5 MB at rank 8 on q / v), never
    SmolLM2's weights. Measured (docs/zoo.md): the frozen LM answers held-out phrasings in forms `grids.score` reads
    but misreads cells (85 % after 600 steps); a rank-8 update reads the cells of the forms it was trained on far
    better (94 % of a held-out list template's cells after 300 steps) but answers held-out rows / columns phrasings in

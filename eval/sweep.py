@@ -24,6 +24,11 @@ The README's MNIST-zoo table and plot come from:
 
     mmspec eval sweep --table assets/sweep/mnist-sweep.jsonl --markdown assets/sweep/mnist-sweep.md \\
         --plot assets/sweep/mnist-sweep.png
+
+`--dataset natural` sweeps the natural-image zoo (`natural-c2i`, `natural-vq`, `natural-c2i-eagle`; issue 30: the
+high-entropy regime SJD-PAC and SCD were made for) on the same axes, with quality as Inception FID against the
+dataset's held-out crops (`fid_heldout`, `mmspec.eval.image_quality`: no digit classifier applies); its default grid
+has no draft model (the zoo has none) and adds plain SJD and SJD-PAC at its default and its paper settings.
 """
 
 import argparse
@@ -49,7 +54,10 @@ QUALITY = {
     "is_in_domain": ("in-domain IS", False),
     "accuracy": ("classifier accuracy", False),
     "fid_inception": ("Inception FID", True),
+    "fid_heldout": ("held-out FID (Inception)", True),  # --dataset natural
 }
+DATASETS = ("mnist", "natural")  # `--dataset` -> the zoo folders' prefix is the same name
+PANELS = {"mnist": ("fid_in_domain", "accuracy"), "natural": ("fid_heldout",)}  # the plot's quality axes
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,15 @@ class SweepPoint:
         return PRESETS[self.preset] | check_knobs(**self.knobs)
 
 
-def default_grid() -> list[SweepPoint]:
+def default_grid(dataset: str = "mnist") -> list[SweepPoint]:
     """Exact (draft model, EAGLE chain), SJD without / with SCD coupling, LANTERN delta / k / lambda, GSD group
-    sizes. (The EAGLE-2 tree and other Jacobi windows are in `mmspec bench ar-image`; add them with `--grid`.)"""
+    sizes. (The EAGLE-2 tree and other Jacobi windows are in `mmspec bench ar-image`; add them with `--grid`.)
+    `dataset="natural"`: no draft model (the natural zoo has none), and SJD-PAC at its default and paper settings."""
+    if dataset == "natural":
+        extra = [SweepPoint("sjd-pac", "sjd-pac"), SweepPoint("sjd-pac-wide", "sjd-pac-wide")]
+        return [p for p in default_grid() if p.preset != "exact-draft"] + extra
+    if dataset != "mnist":
+        raise ValueError(f"dataset={dataset!r}: use one of {DATASETS}")
     return [
         SweepPoint("exact-draft", "exact-draft"),
         SweepPoint("exact-eagle", "exact-eagle"),
@@ -181,14 +195,11 @@ def add_missing_metrics(pipe, row: dict, point: SweepPoint, seed: int, args, ref
 
 def run_point(pipe, point: SweepPoint, seed: int, args, references: dict, weights: str | None = None) -> dict:
     """Sample, score and time one grid point; returns its table row."""
-    from mmspec.eval.metrics import mnist_metrics
     from mmspec.methods import ACCEPTANCES
 
     common = dict(guidance_scale=args.guidance_scale, temperature=args.temperature)
     kwargs = point.call_kwargs()
     x, labels = _samples(pipe, point, seed, args, weights)
-    ref, real_feats, classifier = references["in_domain"]
-    m = mnist_metrics(x, labels, ref, classifier, reference_name="MNIST test", real_features=real_feats)
     row = {
         "name": point.name,
         "preset": point.preset,
@@ -197,11 +208,19 @@ def run_point(pipe, point: SweepPoint, seed: int, args, references: dict, weight
         "lossless": ACCEPTANCES[kwargs["acceptance"]].lossless,
         "seed": seed,
         "num_images": args.num_images,
-        "fid_in_domain": m["fid"],
-        "kid_in_domain": m["kid"],
-        "is_in_domain": m["inception_score"],
-        "accuracy": m["accuracy"],
     }
+    if "in_domain" in references:
+        from mmspec.eval.metrics import mnist_metrics
+
+        ref, real_feats, classifier = references["in_domain"]
+        m = mnist_metrics(x, labels, ref, classifier, reference_name="MNIST test", real_features=real_feats)
+        row |= {"fid_in_domain": m["fid"], "kid_in_domain": m["kid"], "is_in_domain": m["inception_score"],
+                "accuracy": m["accuracy"]}  # fmt: skip
+    if "heldout" in references:  # --dataset natural: Inception FID against the held-out crops
+        from mmspec.eval.image_quality import method_fids
+
+        reference, path = references["heldout"]
+        row["fid_heldout"] = method_fids({"x": [x.float() / 255]}, reference, path.name)["x"]
     if "inception" in references:
         from mmspec.eval.fid import inception_metrics
 
@@ -278,7 +297,8 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """Pareto plot: speedup and step compression against in-domain FID and accuracy (one panel each)."""
+    """Pareto plot: speedup and step compression against each quality axis the rows have (`PANELS`: in-domain FID
+    and accuracy for MNIST, held-out FID for the natural zoo), one panel each."""
     try:
         import matplotlib
     except ImportError as err:
@@ -288,9 +308,11 @@ def plot(rows: list[dict], path: Path) -> Path:
 
     noise = plain_noise(rows)
     runs = [r for r in rows if r.get("speedup") is not None]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
+    y_keys = [k for keys in PANELS.values() for k in keys if any(r.get(k) is not None for r in runs)]
+    fig, axes = plt.subplots(len(y_keys), 2, figsize=(11, 4.25 * len(y_keys)), squeeze=False)
     for col, x_key in enumerate(("speedup", "step_compression")):
-        for row_i, (y_key, lower) in enumerate((("fid_in_domain", True), ("accuracy", False))):
+        for row_i, y_key in enumerate(y_keys):
+            lower = QUALITY[y_key][1]
             ax = axes[row_i, col]
             xs = [r[x_key] for r in runs]
             ys = [r[y_key] for r in runs]
@@ -349,6 +371,9 @@ def add_arguments(parser):
     parser.add_argument(
         "--zoo", type=Path, default=Path(DEFAULT_ZOO), help="zoo folder (mnist-c2i, drafters, classifier)"
     )
+    parser.add_argument("--dataset", choices=DATASETS, default="mnist",
+                        help="the MNIST zoo (mnist-*: in-domain metrics) or the natural-image zoo (natural-*: "
+                             "Inception FID against held-out crops)")  # fmt: skip
     parser.add_argument("--grid", default="default", help="'default' or a JSON file [{name, preset, knobs}, ...]")
     parser.add_argument("--num-images", type=int_in_range(2, checks.MAX_IMAGES), default=1000,
                         help="images per grid point (quality; >= 2: FID needs a covariance)")  # fmt: skip
@@ -364,7 +389,8 @@ def add_arguments(parser):
     parser.add_argument("--guidance-scale", type=sampling_type("guidance_scale", float), default=2.0)
     parser.add_argument("--temperature", type=sampling_type("temperature", float), default=1.0)
     parser.add_argument("--metrics", default="in-domain", choices=("in-domain", "in-domain,inception"),
-                        help="add Inception FID (slow on CPU: ~3 min per 1,000 images)")  # fmt: skip
+                        help="add Inception FID (slow on CPU: ~3 min per 1,000 images; MNIST only, the natural zoo "
+                             "is always scored by Inception FID)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("runs") / "sweep", help="folder of the sample shards")
     parser.add_argument("--table", type=Path, default=None, help="JSONL, a row per point (default <out>/sweep.jsonl)")
     parser.add_argument("--markdown", type=Path, default=None, help="Markdown table (default <out>/sweep.md)")
@@ -390,7 +416,7 @@ def check_arguments(args, parser):
     from mmspec.eval import cli_checks as checks
 
     try:
-        args.points = default_grid() if args.grid == "default" else load_grid(args.grid)
+        args.points = default_grid(args.dataset) if args.grid == "default" else load_grid(args.grid)
     except (ValueError, TypeError) as err:
         parser.error(f"argument --grid: {' '.join(str(err).split())}")
     names = [p.name for p in args.points]
@@ -399,11 +425,26 @@ def check_arguments(args, parser):
     for point in args.points:  # GSD is undefined under greedy decoding
         check_sampling_only(parser, point.call_kwargs()["acceptance"], args.temperature, f"{point.name!r} (--grid)")
     drafters = {p.call_kwargs().get("drafter") for p in args.points}
-    check_zoo_folders(parser, args.zoo, ["mnist-c2i", "mnist-vq", "mnist-classifier"]
-                      + sorted(checks.DRAFTER_FOLDERS[d] for d in drafters if d in checks.DRAFTER_FOLDERS))  # fmt: skip
-    check_mnist(parser, "--metrics", "in-domain")
-    if "inception" in args.metrics:
-        checks.check_inception(parser, "--metrics")
+    folders = sorted(checks.DRAFTER_FOLDERS[d] for d in drafters if d in checks.DRAFTER_FOLDERS)
+    if args.dataset == "mnist":
+        check_zoo_folders(parser, args.zoo, ["mnist-c2i", "mnist-vq", "mnist-classifier"] + folders)
+        check_mnist(parser, "--metrics", "in-domain")
+        if "inception" in args.metrics:
+            checks.check_inception(parser, "--metrics")
+    else:
+        from mmspec.data.natural import is_natural_available
+
+        if "model" in drafters:
+            parser.error(f"argument --grid: the {args.dataset} zoo has no draft model (exact-draft); use exact-eagle")
+        if args.metrics != "in-domain":
+            parser.error(f"argument --metrics: the {args.dataset} zoo is always scored by Inception FID against its "
+                         "held-out crops; leave --metrics at its default")  # fmt: skip
+        check_zoo_folders(parser, args.zoo, [f"{args.dataset}-c2i", f"{args.dataset}-vq"]
+                          + [f.replace("mnist-", f"{args.dataset}-") for f in folders])  # fmt: skip
+        if not is_natural_available():
+            parser.error("argument --dataset: the natural zoo's held-out crops need scikit-image "
+                         "(pip install -c constraints.txt scikit-image)")  # fmt: skip
+        checks.check_inception(parser, "--dataset")
     check_output_folder(parser, "--out", args.out)
     args.table = args.table or args.out / "sweep.jsonl"
     args.markdown = args.markdown or args.out / "sweep.md"
@@ -484,10 +525,12 @@ def run(args) -> list[dict]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo).to(args.device)
+    pipe = SpeculativeARImagePipeline.from_zoo(args.zoo, prefix=args.dataset).to(args.device)
     pipe.set_progress_bar_config(disable=True)
-    classifier = load(args.zoo / "mnist-classifier", device=pipe._execution_device)
-    weights, classifier_weights = pipeline_weights_hash(pipe), weights_hash(classifier)  # once per sweep
+    mnist = args.dataset == "mnist"
+    classifier = load(args.zoo / "mnist-classifier", device=pipe._execution_device) if mnist else None
+    weights = pipeline_weights_hash(pipe)  # once per sweep
+    classifier_weights = weights_hash(classifier) if mnist else None
     todo = _todo(args)
     fingerprints = [row_fingerprint(p, s, args, weights, classifier_weights) for p, s in todo]
     args.table.parent.mkdir(parents=True, exist_ok=True)
@@ -498,8 +541,13 @@ def run(args) -> list[dict]:
         _write_rows(args.table, rows)
     references = {}
     if not all(any(_matches(r, f) for r in rows) for f in fingerprints):  # some point to run: its metrics' reference
-        ref, real_feats = mnist_reference(classifier)  # 10,000 MNIST test images: seconds
-        references["in_domain"] = (ref, real_feats, classifier)
+        if mnist:
+            ref, real_feats = mnist_reference(classifier)  # 10,000 MNIST test images: seconds
+            references["in_domain"] = (ref, real_feats, classifier)
+        else:
+            from mmspec.eval.image_quality import held_out_reference
+
+            references["heldout"] = held_out_reference(args.dataset, progress=not args.quiet)  # made once, kept
     if "inception" in args.metrics:
         references["inception"] = None  # the shipped MNIST test statistics (see `inception_metrics`)
     bar = tqdm(list(zip(todo, fingerprints)), desc="sweep", unit="point", disable=args.quiet)
@@ -520,8 +568,8 @@ def run(args) -> list[dict]:
         result.append(row)
         with args.table.open("a") as f:  # one line per finished point: a killed sweep loses at most the current one
             f.write(json.dumps(row) + "\n")
-        logger.info("%s seed %d: FID %.3f acc %.4f speedup %s", point.name, seed, row["fid_in_domain"],
-                    row["accuracy"], row.get("speedup"))  # fmt: skip
+        logger.info("%s seed %d: %s speedup %s", point.name, seed,
+                    ", ".join(f"{k} {row[k]:.4g}" for k in PANELS[args.dataset]), row.get("speedup"))  # fmt: skip
     rows = annotate(result)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     args.markdown.write_text(markdown_table(rows))

@@ -5,7 +5,7 @@ A canvas is a 4x4 grid of 32x32 cells, every cell holding one MNIST digit drawn 
 random offset inside its cell, thin / normal / thick strokes): 16 digits per image. With the zoo VLM's 8x8 patches that
 is 16x16 = 256 image tokens, 4x the 64 of the 2x2 canvases, and each cell is 4x4 patches as there.
 
-Four kinds of prompt (`KINDS`), four templates each (`TEMPLATES`), every answer generated from the `GridLayout`:
+Four kinds of prompt (`KINDS`), twelve templates each (`TEMPLATES`), every answer generated from the `GridLayout`:
 - ``rows``: "Row 1: 7 3 0 5. Row 2: ..." (every second token a digit the text so far does not predict);
 - ``columns``: the same, column by column;
 - ``list``: "Row 1, column 1: 7. Row 1, column 2: 3. ..." (all 16 cells with their positions);
@@ -13,8 +13,11 @@ Four kinds of prompt (`KINDS`), four templates each (`TEMPLATES`), every answer 
   the grid."); the digit asked is one on the canvas three times in four.
 
 Split, as the free-form workload's (`mmspec.data.vlm_prompts`): train canvases draw MNIST *train* digits, held-out ones
-MNIST *test* digits, and one template of every kind is held out (`split_templates`, a fixed seed), so no held-out
-template or digit is seen in training. `score` reads an answer back into digits and compares it with the layout.
+MNIST *test* digits, and one template of every kind is held out (`split_templates`, a fixed seed, drawn among the
+kind's first `SPLIT_POOL` templates, the workload's first four), so no held-out template or digit is seen in training.
+The other eight of each kind are training paraphrases only (none shares a held-out template's wording): with three
+phrasings a kind, a stage 2 that adapts the LM learned each phrasing's form by rote and answered held-out phrasings in
+another kind's form (docs/zoo.md). `score` reads an answer back into digits and compares it with the layout.
 
 Examples:
     >>> layouts, canvases, prompts = sample_prompts(4, "held-out", seed=0)  # canvases [4, 128, 128] in [0, 1]
@@ -40,6 +43,7 @@ CANVAS = GRID * CELL  # 128
 CELLS = GRID * GRID
 KINDS = ("rows", "columns", "list", "find")
 SPLIT_SEED = 23  # the template split; fixed so that the trainers and the bench agree whatever their canvas seeds
+SPLIT_POOL = 4  # the held-out template of a kind is one of its first SPLIT_POOL; the rest are training paraphrases
 KIND_WEIGHTS = {"rows": 0.35, "columns": 0.2, "list": 0.2, "find": 0.25}  # the training mix
 FIND_PRESENT = 0.75  # odds that a find prompt asks for a digit the canvas holds
 
@@ -49,24 +53,57 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "Read out every row of the grid, from top to bottom.",
         "What digits are in each row of the grid?",
         "Transcribe the digits of the grid, one row at a time.",
+        # training paraphrases (never held out)
+        "Read each row of the grid aloud.",
+        "Tell me the digits in every row.",
+        "Go row by row and say the digits.",
+        "Starting at the top, what are the digits of each row?",
+        "Write down the rows of the grid.",
+        "Spell out the grid, row after row.",
+        "Which digits does each row contain?",
+        "Say the four digits of every row, top row first.",
     ),
     "columns": (
         "Read the grid column by column.",
         "Read out every column of the grid, from left to right.",
         "What digits are in each column of the grid?",
         "Transcribe the digits of the grid, one column at a time.",
+        "Read each column of the grid aloud.",
+        "Tell me the digits in every column.",
+        "Go column by column and say the digits.",
+        "Starting at the left, what are the digits of each column?",
+        "Write down the columns of the grid.",
+        "Spell out the grid, column after column.",
+        "Which digits does each column contain?",
+        "Say the four digits of every column, leftmost column first.",
     ),
     "list": (
         "List every digit and its position.",
         "Name each digit in the grid with its row and column.",
         "Go through every cell of the grid and say which digit it holds.",
         "Give the position of every digit in the grid.",
+        "For every cell, say its row, its column and its digit.",
+        "Tell me the digit in each cell, with its row and column.",
+        "Say which digit sits at each place in the grid.",
+        "Describe the grid cell by cell.",
+        "What digit is in each cell? Name the cells by row and column.",
+        "Walk through the cells and name the digit of each.",
+        "Map every cell of the grid to its digit.",
+        "Report each cell's digit together with where it is.",
     ),
     "find": (
         "Which cells hold a {d}?",
         "Where are the {d}s in the grid?",
         "Find every {d} in the grid.",
         "List the positions of the digit {d}.",
+        "In which cells is there a {d}?",
+        "Show me where every {d} is.",
+        "Locate the digit {d} in the grid.",
+        "Which places in the grid contain a {d}?",
+        "Point out each {d} in the grid.",
+        "Name the cells where a {d} appears.",
+        "Where does the digit {d} occur?",
+        "Are there any {d}s? Say where.",
     ),
 }
 
@@ -122,14 +159,15 @@ def template_ids(kind: str | None = None) -> list[str]:
 
 
 def split_templates(seed: int = SPLIT_SEED) -> dict[str, list[str]]:
-    """{"train": ids, "held-out": ids}: one template of every kind held out, by a seeded permutation."""
+    """{"train": ids, "held-out": ids}: one template of every kind held out, by a seeded permutation of the kind's
+    first `SPLIT_POOL` templates; every other template of the kind is a training one."""
     generator = torch.Generator().manual_seed(seed)
     out = {"train": [], "held-out": []}
     for kind in KINDS:
         ids = template_ids(kind)
-        order = torch.randperm(len(ids), generator=generator).tolist()
-        out["held-out"].append(ids[order[0]])
-        out["train"] += sorted(ids[i] for i in order[1:])
+        held = ids[torch.randperm(SPLIT_POOL, generator=generator).tolist()[0]]
+        out["held-out"].append(held)
+        out["train"] += sorted((i for i in ids if i != held), key=lambda i: int(i.partition("/")[2]))
     return out
 
 

@@ -22,7 +22,8 @@ that read every digit out. The tower and projector start from `--init-from` (def
    SmolLM2's weights. Measured (docs/zoo.md): the frozen LM answers held-out phrasings in forms `grids.score` reads
    but misreads cells (85 % after 600 steps); a rank-8 update reads the cells of the forms it was trained on far
    better (94 % of a held-out list template's cells after 300 steps) but answers held-out rows / columns phrasings in
-   those forms instead (72 % overall). Default: the frozen LM.
+   those forms instead (72 % overall); on twelve phrasings a kind it follows held-out rows phrasings (92 % of cells)
+   but takes the held-out list phrasing for a find question (62 % overall). Default: the frozen LM.
 
 The card reports, on held-out canvases (MNIST test digits) and held-out templates, the digit accuracy of greedy
 `generate` answers (`grids.score`: each of the 16 cells read right) per kind, and example answers.

@@ -15,6 +15,21 @@ def test_template_split_is_disjoint_covers_every_kind_and_is_fixed():
     assert sorted(t.split("/")[0] for t in held) == sorted(grids.KINDS)  # one held out of every kind
     assert grids.split_templates() == split
     assert any(grids.split_templates(seed) != split for seed in range(5))
+    pool = {f"{k}/{i}" for k in grids.KINDS for i in range(grids.SPLIT_POOL)}
+    assert held <= pool  # drawn among the workload's first four of each kind; the paraphrases only ever train
+    assert all(len(grids.template_ids(k)) - 1 >= 8 for k in grids.KINDS)  # many phrasings of each kind to train on
+
+
+def test_training_paraphrases_are_distinct_from_the_held_out_templates():
+    texts = {t: grids.TEMPLATES[t.split("/")[0]][int(t.split("/")[1])] for t in grids.template_ids()}
+    assert len(set(texts.values())) == len(texts)
+    held = grids.split_templates()["held-out"]
+    paraphrases = [t for t in grids.template_ids() if int(t.split("/")[1]) >= grids.SPLIT_POOL]
+    for h in held:  # no paraphrase is a held-out template in other words' clothing: no shared 4-word run
+        words = texts[h].lower().rstrip(".?").split()
+        runs = {" ".join(words[i : i + 4]) for i in range(len(words) - 3)}
+        for t in paraphrases:
+            assert not any(r in texts[t].lower() for r in runs), (h, t)
 
 
 def test_render_puts_every_digit_in_its_own_cell():

@@ -78,6 +78,9 @@ def test_grid_files_are_validated(tmp_path):
         (["--grid", "/nonexistent.json"], "--grid"),
         (["--table", "/"], "--table"),
         (["--metrics", "fid"], "--metrics"),
+        (["--dataset", "textures"], "--dataset"),
+        (["--dataset", "natural", "--metrics", "in-domain,inception"], "--metrics"),
+        (["--dataset", "natural", "--zoo", str(ROOT / "tests")], "--zoo"),
     ],
 )
 def test_usage_errors_before_loading(argv, flag, capsys, monkeypatch):
@@ -112,6 +115,60 @@ def test_tiny_sweep_end_to_end_and_resume(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "run_point", lambda *a, **k: pytest.fail("a finished point was redone"))
     assert sweep.main(argv) == 0
     assert len((tmp_path / "out" / "sweep.jsonl").read_text().splitlines()) == 3
+
+
+def test_natural_sweep_refuses_a_draft_model_point_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sweep, "run", lambda args: pytest.fail("loaded models despite a usage error"))
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps([{"name": "d", "preset": "exact-draft"}]))
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["--dataset", "natural", "--grid", str(grid), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--grid" in err and "no draft model" in err
+
+
+def test_natural_default_grid_has_no_draft_model_and_adds_sjd_pac():
+    mnist, natural = sweep.default_grid("mnist"), sweep.default_grid("natural")
+    assert mnist == sweep.default_grid() and "exact-draft" in [p.preset for p in mnist]
+    assert "exact-draft" not in [p.preset for p in natural]
+    assert {"sjd", "sjd+scd", "sjd-pac", "sjd-pac-wide", "exact-eagle"} <= {p.name for p in natural}
+    with pytest.raises(ValueError, match="dataset"):
+        sweep.default_grid("textures")
+
+
+@pytest.mark.zoo
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("mmspec.data.natural").data.natural.is_natural_available(),
+                    reason="scikit-image missing")  # fmt: skip
+def test_tiny_natural_sweep_scores_held_out_fid_and_resumes(tmp_path, monkeypatch):
+    """`--dataset natural`: the natural zoo's pipeline, quality as Inception FID against its held-out crops (the
+    reference made once under ./runs; the split cut to 8 crops so the Inception passes stay short), no classifier
+    metrics, a one-panel-row plot, and a rerun that redoes nothing."""
+    import math
+
+    from mmspec.data import natural
+
+    full = natural.load_natural
+    monkeypatch.setattr(natural, "load_natural", lambda split="train": tuple(t[:8] for t in full(split)))
+    monkeypatch.chdir(tmp_path)
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps([{"name": "sjd-pac", "preset": "sjd-pac"}]))
+    argv = ["--dataset", "natural", "--grid", str(grid), "--num-images", "4", "--plain-seeds", "2",
+            "--speed-images", "1", "--batch-size", "4", "--shard-size", "4", "--out", str(tmp_path / "out"),
+            "--threads", "1", "--quiet"]  # fmt: skip
+    assert sweep.main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "sweep.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["seed"]) for r in rows] == [("plain", 0), ("plain", 1), ("sjd-pac", 0)]
+    for r in rows:
+        assert math.isfinite(r["fid_heldout"]) and r["fid_heldout"] > 0 and "accuracy" not in r
+    assert rows[0]["fid_heldout"] != rows[1]["fid_heldout"]  # two plain seeds: two samples
+    pac = rows[2]
+    assert pac["call_kwargs"]["jacobi_tree_width"] == 3 and pac["step_compression"] > 1.0
+    assert (tmp_path / "runs" / "reference-stats" / "natural-test-inception.npz").is_file()
+    assert "held-out FID" in (tmp_path / "out" / "sweep.md").read_text()
+    assert (tmp_path / "out" / "sweep.png").stat().st_size > 10_000
+    monkeypatch.setattr(sweep, "run_point", lambda *a, **k: pytest.fail("a finished point was redone"))
+    assert sweep.main(argv) == 0
 
 
 @pytest.mark.zoo

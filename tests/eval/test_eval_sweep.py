@@ -153,16 +153,16 @@ def test_tiny_natural_sweep_scores_held_out_fid_and_resumes(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps([{"name": "sjd-pac", "preset": "sjd-pac"}]))
-    argv = ["--dataset", "natural", "--grid", str(grid), "--num-images", "4", "--plain-seeds", "2",
+    argv = ["--dataset", "natural", "--grid", str(grid), "--num-images", "4", "--plain-seeds", "1",
             "--speed-images", "1", "--batch-size", "4", "--shard-size", "4", "--out", str(tmp_path / "out"),
             "--threads", "1", "--quiet"]  # fmt: skip
     assert sweep.main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "sweep.jsonl").read_text().splitlines()]
-    assert [(r["name"], r["seed"]) for r in rows] == [("plain", 0), ("plain", 1), ("sjd-pac", 0)]
+    assert [(r["name"], r["seed"]) for r in rows] == [("plain", 0), ("sjd-pac", 0)]  # one FID (~30 s of sqrtm) each
     for r in rows:
         assert math.isfinite(r["fid_heldout"]) and r["fid_heldout"] > 0 and "accuracy" not in r
-    assert rows[0]["fid_heldout"] != rows[1]["fid_heldout"]  # two plain seeds: two samples
-    pac = rows[2]
+    assert rows[0]["fid_heldout"] != rows[1]["fid_heldout"]  # each row scores its own images
+    pac = rows[1]
     assert pac["call_kwargs"]["jacobi_tree_width"] == 3 and pac["step_compression"] > 1.0
     assert (tmp_path / "runs" / "reference-stats" / "natural-test-inception.npz").is_file()
     assert "held-out FID" in (tmp_path / "out" / "sweep.md").read_text()

@@ -28,7 +28,7 @@ The README's MNIST-zoo table and plot come from:
 `--dataset natural` sweeps the natural-image zoo (`natural-c2i`, `natural-vq`, `natural-c2i-eagle`; issue 30: the
 high-entropy regime SJD-PAC and SCD were made for) on the same axes, with quality as Inception FID against the
 dataset's held-out crops (`fid_heldout`, `mmspec.eval.image_quality`: no digit classifier applies); its default grid
-has no draft model (the zoo has none) and adds plain SJD and SJD-PAC at its default and its paper settings.
+has no draft model (the zoo has none) and adds SJD-PAC at its default and its paper settings.
 """
 
 import argparse
@@ -425,25 +425,30 @@ def check_arguments(args, parser):
     for point in args.points:  # GSD is undefined under greedy decoding
         check_sampling_only(parser, point.call_kwargs()["acceptance"], args.temperature, f"{point.name!r} (--grid)")
     drafters = {p.call_kwargs().get("drafter") for p in args.points}
-    folders = sorted(checks.DRAFTER_FOLDERS[d] for d in drafters if d in checks.DRAFTER_FOLDERS)
     if args.dataset == "mnist":
+        folders = sorted(checks.DRAFTER_FOLDERS[d] for d in drafters if d in checks.DRAFTER_FOLDERS)
         check_zoo_folders(parser, args.zoo, ["mnist-c2i", "mnist-vq", "mnist-classifier"] + folders)
         check_mnist(parser, "--metrics", "in-domain")
         if "inception" in args.metrics:
             checks.check_inception(parser, "--metrics")
     else:
-        from mmspec.data.natural import is_natural_available
+        from mmspec.cli.checks import check_dataset
+        from mmspec.models import zoo_folders
 
         if "model" in drafters:
             parser.error(f"argument --grid: the {args.dataset} zoo has no draft model (exact-draft); use exact-eagle")
         if args.metrics != "in-domain":
             parser.error(f"argument --metrics: the {args.dataset} zoo is always scored by Inception FID against its "
                          "held-out crops; leave --metrics at its default")  # fmt: skip
-        check_zoo_folders(parser, args.zoo, [f"{args.dataset}-c2i", f"{args.dataset}-vq"]
-                          + [f.replace("mnist-", f"{args.dataset}-") for f in folders])  # fmt: skip
-        if not is_natural_available():
-            parser.error("argument --dataset: the natural zoo's held-out crops need scikit-image "
-                         "(pip install -c constraints.txt scikit-image)")  # fmt: skip
+        try:
+            components = zoo_folders(args.zoo, prefix=args.dataset)
+        except ValueError as err:
+            parser.error(f"argument --zoo: {err}")
+        for drafter in sorted(drafters & set(checks.DRAFTER_COMPONENTS)):
+            if checks.DRAFTER_COMPONENTS[drafter] not in components:
+                parser.error(f"argument --zoo: {str(args.zoo)!r} has no {args.dataset} {drafter} drafter folder, "
+                             "which the grid's points use")  # fmt: skip
+        check_dataset(parser, "--dataset", args.dataset, "the held-out FID reference")
         checks.check_inception(parser, "--dataset")
     check_output_folder(parser, "--out", args.out)
     args.table = args.table or args.out / "sweep.jsonl"

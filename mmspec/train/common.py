@@ -302,7 +302,7 @@ NOT_RUN_DEFINING = frozenset(
 )
 #: Flags naming an input file or folder: recorded by the sha256 of their content (a moved copy is the same input, a
 #: retrained model behind the same path is not).
-INPUT_FLAGS = ("target", "data", "kl", "cache", "classifier", "init", "init_from", "vq", "captions")
+INPUT_FLAGS = ("target", "data", "prompts", "kl", "cache", "classifier", "init", "init_from", "vq", "captions")
 _NOT_HASHED = {"README.md", "training.json", "sample_eval.json", CHECKPOINT_NAME, CHECKPOINT_NAME + ".tmp"}
 
 

@@ -10,7 +10,11 @@ with seed `--seed` + 1), each answered greedily or, with probability `--sampled-
 `--workload both`: the `--num` templated rows, then `--num` free-form rows. `--workload readout`: the dense-readout
 grids (`mmspec.data.grids`: 4x4 digits on 128x128 canvases, the train templates of rows / columns / list / find at
 `grids.KIND_WEIGHTS` odds, greedy), answered by a readout target (`--target assets/mnist-vlm-readout`; a target that
-reads other image sizes is a usage error). `--merge A.pt B.pt ...` generates nothing:
+reads other image sizes is a usage error). `--prompts FILE` (your own VLM): the conversations and images of a JSON
+Lines file (`mmspec.data.prompt_file`: one `{"image": ..., "prompt": ...}` or `{"images": [...], "messages": [...]}` a
+line, checked line by line before any model loads), answered greedily by any VLM `--target`: the zoo's or a
+transformers folder (`mmspec.models.hf.vlm_folder`: Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision, ...); `--num` then caps the
+lines used (default: all). `--merge A.pt B.pt ...` generates nothing:
 it concatenates finished answer files (e.g. a templated and a free-form run) into `--out`. Held-out canvases and templates
 (`mmspec bench vlm --workload free-form`) never appear here.
 Drafters distilled on the target's own answers learn what they will be asked to draft (Medusa-2 / EAGLE-3 style
@@ -18,7 +22,8 @@ self-distillation). Written chunk by chunk: re-running the command resumes after
 records the flags that define its rows (`run_flags`: target weights, seed, number, batch size, answer length) and a
 resume with other ones is refused.
 
-Saved (`torch.save`, loads with `weights_only=True`): `canvases uint8 [N, 64, 64]` (readout: [N, 128, 128]), `input_ids [N, T]`
+Saved (`torch.save`, loads with `weights_only=True`): `canvases uint8 [N, 64, 64]` (readout: [N, 128, 128]; a
+`--prompts` run instead records each row's `image_files` and their `image_sha256`, reopened by the trainers), `input_ids [N, T]`
 (prompt + answer, right-padded with the pad id; the prompt of a follow-up holds both turns and the first answer),
 `prompt_lengths [N]`, `lengths [N]`, `questions` (list of str: the last user turn), `messages` (the conversations),
 `kinds` / `templates` (templated rows: "templated"), `sampled` (bool [N]), and the generation settings.
@@ -47,17 +52,25 @@ logger = logging.getLogger(__name__)
 
 KIND_WEIGHTS = {"describe": 0.6, "what": 0.15, "which": 0.15, "count": 0.1}
 WORKLOADS = ("templated", "free-form", "both", "readout")
+FILE_WORKLOAD = "file"  # the workload of a --prompts run
+DEFAULT_NUM = 512
 SAMPLE_SEED_STRIDE = 1_000_003  # row r of a run with --seed s samples with a generator seeded s * stride + r
 
 
 def add_arguments(parser):
-    parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
+    parser.add_argument("--target", default=zoo_folder("mnist-vlm"),
+                        help="the VLM: a zoo folder (default: the shipped) or, with --prompts, your own transformers "
+                             "VLM folder (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision, ...)")  # fmt: skip
     parser.add_argument("--out", required=True, help="output file (.pt); resumes if it exists")
-    parser.add_argument("--num", type=int_in_range(1, 1_000_000), default=512,
-                        help="canvases (one question each) per workload")  # fmt: skip
-    parser.add_argument("--workload", choices=WORKLOADS, default="templated",
-                        help="templated questions, free-form train prompts (mmspec.data.vlm_prompts), both, or the "
-                             "dense-readout grids (mmspec.data.grids; needs a readout --target)")  # fmt: skip
+    parser.add_argument("--num", type=int_in_range(1, 1_000_000), default=None,
+                        help=f"canvases (one question each) per workload (default {DEFAULT_NUM}); with --prompts, the "
+                             "first lines used (default: all)")  # fmt: skip
+    parser.add_argument("--workload", choices=WORKLOADS, default=None,
+                        help="templated questions (the default), free-form train prompts (mmspec.data.vlm_prompts), "
+                             "both, or the dense-readout grids (mmspec.data.grids; needs a readout --target)")  # fmt: skip
+    parser.add_argument("--prompts", default=None, metavar="FILE",
+                        help="your own prompts and images, a JSON Lines file (mmspec.data.prompt_file), answered "
+                             "greedily instead of a --workload")  # fmt: skip
     parser.add_argument("--sampled-fraction", type=probability, default=0.5,
                         help="free-form rows answered by sampling (the rest greedy)")  # fmt: skip
     parser.add_argument("--temperature", type=positive_float, default=1.0, help="of the sampled answers")
@@ -67,7 +80,7 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=non_negative_int, default=1234, help="canvas / question seed")
     parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=2,
                         help="torch CPU threads (0: torch's default)")  # fmt: skip
-    declare_paths(parser, model_folders=("target",), output_files=("out",))
+    declare_paths(parser, model_folders=("target",), input_files=("prompts",), output_files=("out",))
     parser.add_argument("--merge", nargs="+", default=None, metavar="FILE",
                         help="concatenate these finished answer files into --out instead of generating")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -90,6 +103,23 @@ def user_turn(question):
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
+def file_rows(prompts, num=None):
+    """The rows of a `--prompts` file (its first `num` lines; all by default): `workload_rows`' fields with
+    `image_files` / `image_sha256` (per row) in place of `canvases`, answered greedily."""
+    from mmspec.data.prompt_file import read_prompt_file
+
+    lines = read_prompt_file(prompts)[:num]
+    return {
+        "messages": [r.messages for r in lines],
+        "questions": [r.question for r in lines],
+        "kinds": [FILE_WORKLOAD] * len(lines),
+        "templates": [FILE_WORKLOAD] * len(lines),
+        "sampled": [False] * len(lines),
+        "image_files": [list(r.image_files) for r in lines],
+        "image_sha256": [list(r.image_sha256) for r in lines],
+    }
+
+
 def workload_rows(workload, num, seed, sampled_fraction):
     """The rows to answer: dict of `canvases` float [N, 64, 64], `messages`, `questions`, `kinds`, `templates`,
     `sampled` (list of bool); templated rows (as `sample_questions` with `--seed`) first, then free-form ones."""
@@ -97,6 +127,7 @@ def workload_rows(workload, num, seed, sampled_fraction):
 
     if workload not in WORKLOADS:
         raise ValueError(f"workload={workload!r}: use one of {WORKLOADS}")
+    num = DEFAULT_NUM if num is None else num
     canvases, rows = [], {"messages": [], "questions": [], "kinds": [], "templates": [], "sampled": []}
     generator = torch.Generator().manual_seed(seed)
     if workload in ("templated", "both"):
@@ -143,13 +174,61 @@ def target_image_size(folder) -> int:
     return int(config.get("vision_config", {}).get("image_size", 0))
 
 
+def resolve_defaults(args):
+    """Fill the defaults that depend on other flags (idempotent): `--workload` "file" with `--prompts`, else
+    "templated"; `--num` `DEFAULT_NUM` for a drawn workload (a `--prompts` run keeps None: every line)."""
+    if getattr(args, "prompts", None) is not None:
+        args.workload = args.workload or FILE_WORKLOAD
+    else:
+        args.workload = args.workload or "templated"
+        args.num = DEFAULT_NUM if args.num is None else args.num
+    return args
+
+
+def answers_flags(args) -> dict:
+    """`run_flags(args)`, where a `--prompts` file's sha256 covers its images too (each image's sha256, in order): a
+    resume after an image changed is refused like one after the file changed."""
+    flags = run_flags(args)
+    if getattr(args, "prompts", None) is not None:
+        import hashlib
+
+        from mmspec.data.prompt_file import read_prompt_file
+
+        digests = [d for row in read_prompt_file(args.prompts) for d in row.image_sha256]
+        file_sha = flags["prompts"]["sha256"]
+        flags["prompts"]["sha256"] = hashlib.sha256("\n".join([file_sha, *digests]).encode()).hexdigest()
+    return flags
+
+
 def check_args(parser, args):
     """Usage error (before any model loads) when `--out` holds answers made with other flags, or is broken; with
     `--merge`, when an input is missing, unfinished or not an answers file, or is `--out` itself; when the target
-    reads another image size than the workload's canvases (the processor would resize them silently)."""
+    is not a VLM folder; with `--prompts`, when a line of the file is malformed or names an image that does not open
+    (the file and line named), or a `--workload` is given too; else when the target is not a zoo VLM or reads
+    another image size than the workload's canvases (the processor would resize them silently)."""
     from mmspec.data import canvases, grids
+    from mmspec.data.prompt_file import read_prompt_file
+    from mmspec.models.hf.vlm_folder import ZOO, check_vlm_folder
 
-    if args.merge is None:
+    try:
+        kind = check_vlm_folder(args.target)
+    except ValueError as err:
+        parser.error(f"argument --target: {err}")
+    if args.prompts is not None:
+        if args.workload is not None:
+            parser.error("argument --prompts: not allowed with --workload (the file is the workload)")
+        if args.merge is not None:
+            parser.error("argument --prompts: not allowed with --merge")
+        try:
+            read_prompt_file(args.prompts)
+        except ValueError as err:
+            parser.error(f"argument --prompts: {err}")
+    resolve_defaults(args)
+    if args.prompts is None and args.merge is None and kind != ZOO:
+        parser.error(f"argument --target: {str(args.target)!r} is your own VLM; --workload "
+                     f"{args.workload} draws MNIST canvases for the zoo's VLMs: pass your prompts "
+                     "and images with --prompts FILE")  # fmt: skip
+    if args.merge is None and args.prompts is None:
         side = grids.CANVAS if args.workload == "readout" else canvases.CANVAS
         size = target_image_size(args.target)
         if size != side:
@@ -157,17 +236,22 @@ def check_args(parser, args):
             parser.error(f"argument --target: {str(args.target)!r} reads {size}x{size} images, but --workload "
                          f"{args.workload} draws {side}x{side} canvases; use a target such as {hint}")  # fmt: skip
     if args.merge is not None:
+        records = []
         for path in args.merge:
             if Path(path).resolve() == Path(args.out).resolve():
                 parser.error(f"argument --merge: {path!r} is also --out")
             try:
-                load_finished(Path(path))
+                records.append(load_finished(Path(path)))
             except ValueError as err:
                 parser.error(f"argument --merge: {err}")
+        try:
+            merged_images(records, args.merge)
+        except ValueError as err:
+            parser.error(f"argument --merge: {err}")
         return
     if Path(args.out).is_file():
         try:
-            load_answers(Path(args.out), run_flags(args))
+            load_answers(Path(args.out), answers_flags(args))
         except ValueError as err:
             parser.error(str(err))
 
@@ -188,7 +272,9 @@ def load_answers(path: Path, flags: dict) -> dict:
     return {"rows": list(done["rows"]), "prompt_lengths": list(done["prompt_lengths"])}
 
 
-FIELDS = ("rows", "prompt_lengths", "canvases", "questions", "messages", "kinds", "templates", "sampled", "run_flags")
+FIELDS = ("rows", "prompt_lengths", "questions", "messages", "kinds", "templates", "sampled", "run_flags")
+# a drawn workload's pixels, or a --prompts run's image files
+IMAGE_FIELDS = (("canvases",), ("image_files", "image_sha256"))
 
 
 def load_finished(path: Path) -> dict:
@@ -197,9 +283,25 @@ def load_finished(path: Path) -> dict:
         raise ValueError(f"{str(path)!r} does not exist")
     record = load_checkpoint(path)
     missing = [k for k in FIELDS if not isinstance(record, dict) or k not in record]
+    if not missing and not any(all(k in record for k in keys) for keys in IMAGE_FIELDS):
+        missing = ["canvases"]
     if missing:
         raise ValueError(f"{str(path)!r} is not a finished vlm-answers file (no {missing[0]}): finish its run first")
     return record
+
+
+def merged_images(records, paths) -> dict:
+    """The image fields of finished answer `records` concatenated: `canvases` when every one has them, `image_files`
+    / `image_sha256` when every one comes from `--prompts`; a ValueError naming both kinds' files otherwise (canvases
+    and image files do not mix)."""
+    files = [str(p) for p, r in zip(paths, records, strict=True) if "canvases" not in r]
+    if not files:
+        return {"canvases": torch.cat([r["canvases"] for r in records])}
+    if len(files) < len(records):
+        drawn = [str(p) for p, r in zip(paths, records, strict=True) if "canvases" in r]
+        raise ValueError(f"{drawn[0]!r} holds drawn canvases and {files[0]!r} a --prompts file's images: they do not "
+                         "merge (train on one kind, or answer both from --prompts files)")  # fmt: skip
+    return {k: [x for r in records for x in r[k]] for k in IMAGE_FIELDS[1]}
 
 
 def merge_answers(paths, pad: int) -> dict:
@@ -210,7 +312,7 @@ def merge_answers(paths, pad: int) -> dict:
     merged.update(
         input_ids=pad_cat(merged["rows"], pad),
         lengths=torch.tensor([len(r) for r in merged["rows"]]),
-        canvases=torch.cat([r["canvases"] for r in records]),
+        **merged_images(records, paths),
         sampled=torch.cat([torch.as_tensor(r["sampled"], dtype=torch.bool) for r in records]),
         workload="+".join(str(r.get("workload", "templated")) for r in records),
         run_flags={"merge": [r["run_flags"] for r in records]},
@@ -223,27 +325,38 @@ def run(args):
     from tqdm.auto import tqdm
 
     from mmspec.data.canvases import to_pil
-    from mmspec.models.hf.zoo import load_vlm
+    from mmspec.data.prompt_file import open_images
+    from mmspec.models.hf.vlm_folder import load_target_vlm
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
     configure_threads(args.threads)
+    resolve_defaults(args)
     out = Path(args.out)
     if args.merge is not None:
-        from mmspec.models.hf.zoo import load_vlm
-
-        record = merge_answers(args.merge, load_vlm(args.target)[1].tokenizer.pad_token_id or 0)
+        record = merge_answers(args.merge, load_target_vlm(args.target)[1].tokenizer.pad_token_id or 0)
         tmp = out.with_suffix(".partial")
         torch.save(record, tmp)
         tmp.replace(out)
         logger.info("merged %d answers from %s into %s", len(record["rows"]), ", ".join(args.merge), out)
         return record
-    flags = run_flags(args)
+    flags = answers_flags(args)
     done = load_answers(out, flags) if out.is_file() else {"rows": [], "prompt_lengths": []}
     done["run_flags"] = flags
     seed_everything(args.seed)
-    work = workload_rows(args.workload, args.num, args.seed, args.sampled_fraction)
-    canvases, total = work["canvases"], len(work["canvases"])
-    model, processor = load_vlm(args.target)
+    if args.workload == FILE_WORKLOAD:
+        work = file_rows(args.prompts, args.num)
+        total = len(work["messages"])
+
+        def row_images(r):
+            return open_images(work["image_files"][r], work["image_sha256"][r])
+    else:
+        work = workload_rows(args.workload, args.num, args.seed, args.sampled_fraction)
+        total = len(work["canvases"])
+
+        def row_images(r):
+            return [to_pil(work["canvases"][r])]
+
+    model, processor = load_target_vlm(args.target)
     pipe = SpeculativeVLMPipeline(model, processor)
     pipe.set_progress_bar_config(disable=True)
     pad = processor.tokenizer.pad_token_id or 0
@@ -257,7 +370,7 @@ def run(args):
             rows = [r for r in range(lo, hi) if work["sampled"][r] == sampled]
             if not rows:
                 continue
-            ims, chats = [to_pil(canvases[r]) for r in rows], [work["messages"][r] for r in rows]
+            ims, chats = [im for r in rows for im in row_images(r)] or None, [work["messages"][r] for r in rows]
             ids, lengths, _ = pipe.encode(ims, None, chats, "cpu")
             knobs = dict(do_sample=False)
             if sampled:
@@ -275,17 +388,21 @@ def run(args):
         torch.save(done, tmp)
         tmp.replace(out)
     rows = done["rows"]
+    if "canvases" in work:
+        images = {"canvases": (work["canvases"] * 255).round().to(torch.uint8)}
+    else:
+        images = {k: work[k] for k in IMAGE_FIELDS[1]}
     record = {
         "rows": rows,
         "prompt_lengths": done["prompt_lengths"],
         "input_ids": pad_cat(rows, pad),
         "lengths": torch.tensor([len(r) for r in rows]),
-        "canvases": (canvases * 255).round().to(torch.uint8),
         "questions": work["questions"],
         "messages": work["messages"],
         "kinds": work["kinds"],
         "templates": work["templates"],
         "sampled": torch.tensor(work["sampled"], dtype=torch.bool),
+        **images,
         "workload": args.workload,
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,

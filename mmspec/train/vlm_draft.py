@@ -23,7 +23,7 @@ from mmspec.train.common import (
     train_with_args,
     write_model_card,
 )
-from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask
+from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask, check_vlm_target
 
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ def check_args(parser, args):
     import json
     from pathlib import Path
 
+    check_vlm_target(parser, args, zoo_only="vlm-draft distils the zoo's truncated draft LM; for your own VLM train an "
+                     "EAGLE-3 head (vlm-eagle3)")  # fmt: skip
     config = json.loads((Path(args.target) / "config.json").read_text())
     layers = config.get("text_config", config).get("num_hidden_layers")
     if layers is not None and args.num_layers > layers:

@@ -51,9 +51,29 @@ def add_arguments(parser):
 def add_vlm_data_arguments(parser, data_help="`vlm-answers` output"):
     """--target (the VLM zoo folder) and --data (the `vlm-answers` file) of the vlm-draft / vlm-eagle / vlm-vision
     tasks, both checked before any work."""
-    parser.add_argument("--target", default=zoo_folder("mnist-vlm"), help="the VLM zoo folder (default: the shipped)")
+    parser.add_argument("--target", default=zoo_folder("mnist-vlm"),
+                        help="the VLM: a zoo folder (default: the shipped) or your own transformers VLM folder "
+                             "(mmspec.models.hf.vlm_folder)")  # fmt: skip
     parser.add_argument("--data", default="runs/vlm-answers.pt", help=data_help)
     declare_paths(parser, model_folders=("target",), input_files=("data",))
+
+
+def check_vlm_target(parser, args, zoo_only=None):
+    """Usage error (before any model loads) unless `--target` is a VLM folder (`vlm_folder.check_vlm_folder`: the
+    zoo's or a transformers VLM); `zoo_only`: the reason a task takes the zoo's VLMs only, or None."""
+    from mmspec.models.hf.vlm_folder import ZOO, check_vlm_folder
+
+    try:
+        kind = check_vlm_folder(args.target)
+    except ValueError as err:
+        parser.error(f"argument --target: {err}")
+    if zoo_only and kind != ZOO:
+        parser.error(f"argument --target: {str(args.target)!r} is not a zoo VLM folder; {zoo_only}")
+
+
+def check_args(parser, args):
+    """Usage errors before any model loads: a `--target` that is not a VLM folder (`check_vlm_target`)."""
+    check_vlm_target(parser, args)
 
 
 def add_head_loss_arguments(parser, draft_vocab_help):
@@ -90,12 +110,12 @@ def set_draft_vocabulary(head, ids, weight, size, eos):
 def frozen_target(args):
     """The common start of a head's training run: threads, seed, the `--data` record, the `--target` VLM with its
     parameters frozen, the `--out` folder. Returns `(generator, data, model, processor)`."""
-    from mmspec.models.hf.zoo import load_vlm
+    from mmspec.models.hf.vlm_folder import load_target_vlm
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
     data = load_checkpoint(args.data)
-    model, processor = load_vlm(args.target)
+    model, processor = load_target_vlm(args.target)
     for p in model.parameters():
         p.requires_grad_(False)
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -103,7 +123,13 @@ def frozen_target(args):
 
 
 def row_images(data, rows):
-    """The canvases of `vlm-answers` rows `rows` (indices) as PIL images, one per row, in order."""
+    """The images of `vlm-answers` rows `rows` (indices) as PIL images, in row order: a drawn workload's canvas per
+    row, or a `--prompts` run's image files of each row (none for a text-only row; each checked against its recorded
+    sha256, `prompt_file.open_images`)."""
+    if "canvases" not in data:
+        from mmspec.data.prompt_file import open_images
+
+        return [im for r in rows for im in open_images(data["image_files"][r], data["image_sha256"][r])]
     from mmspec.data.canvases import to_pil
 
     return [to_pil(data["canvases"][r].float() / 255) for r in rows]

@@ -43,6 +43,7 @@ from mmspec.train.common import (
 from mmspec.train.vlm_eagle import (
     add_vlm_data_arguments,
     answer_mask,
+    check_vlm_target,
     frozen_target,
     row_images,
     set_draft_vocabulary,
@@ -95,10 +96,32 @@ def add_arguments(parser):
 
 
 def check_args(parser, args):
-    """Usage errors before anything loads: key / value heads that do not divide the attention heads."""
+    """Usage errors before anything loads: a `--target` that is not a VLM folder (the zoo's or a transformers VLM),
+    key / value heads that do not divide the attention heads."""
+    check_vlm_target(parser, args)
+    check_aux_layers(parser, args)
     heads, kv = args.num_attention_heads, args.num_key_value_heads
     if heads is not None and kv is not None and heads % kv:
         parser.error(f"argument --num-key-value-heads: {kv} does not divide --num-attention-heads {heads}")
+
+
+def check_aux_layers(parser, args):
+    """Usage error (from the target's config.json, before it loads) when `--aux-layers`, or the engines' default
+    `(2, L // 2, L - 3)` for a target of L decoder layers, is not strictly ascending layers of that target."""
+    import json
+    from pathlib import Path
+
+    from mmspec.models.hf.eagle3 import default_aux_layers
+
+    config = json.loads((Path(args.target) / "config.json").read_text())
+    layers = config.get("text_config", config).get("num_hidden_layers")
+    if not isinstance(layers, int):
+        return  # the model's own loading names what is wrong with its config
+    aux = args.aux_layers or list(default_aux_layers(layers))
+    if aux != sorted(set(aux)) or min(aux) < 0 or max(aux) >= layers:
+        given = "" if args.aux_layers else f" (the default (2, L // 2, L - 3) for L = {layers})"
+        parser.error(f"argument --aux-layers: {','.join(map(str, aux))}{given} are not strictly ascending layers of "
+                     f"a target with {layers} decoder layers (0..{layers - 1}): pass --aux-layers")  # fmt: skip
 
 
 def eval_rows(data, n_eval):
@@ -268,7 +291,7 @@ def run(args):
     logger.info("held-out metrics: %s", metrics)
     write_model_card(
         args.out,
-        title=f"EAGLE-3 head for {args.target} (SmolLM2-135M-Instruct LLaVA)",
+        title=f"EAGLE-3 head for {args.target} ({type(model).__name__})",
         description=__doc__.split("\n\n", 1)[1],
         model=head,
         data=f"{args.data}: {len(ids)} target answers ({len(held)} held back for the metrics)",

@@ -42,6 +42,7 @@ from mmspec.train.vlm_eagle import (
     add_head_loss_arguments,
     add_vlm_data_arguments,
     answer_mask,
+    check_vlm_target,
     draft_vocabulary,
     eagle_text_losses,
     evaluate_text_head,
@@ -121,7 +122,9 @@ def _defaults_text(k):
 
 
 def check_args(parser, args):
-    """Usage errors before anything loads: a policy flag given to another policy, more text-only steps than steps."""
+    """Usage errors before anything loads: a `--target` that is not a VLM folder (the zoo's or a transformers VLM), a
+    policy flag given to another policy, more text-only steps than steps."""
+    check_vlm_target(parser, args)
     for dest, (policies, _) in POLICY_FLAGS.items():
         if getattr(args, dest) is not None and args.policy not in policies:
             parser.error(
@@ -318,14 +321,15 @@ def build_head(args, model, processor, data, train_rows, generator=None):
 
 
 def run(args):
-    from mmspec.models.hf.zoo import load_vlm
+    from mmspec.models.hf.vlm_folder import load_target_vlm
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
     data = load_checkpoint(args.data)
-    if not isinstance(data, dict) or not {"input_ids", "lengths", "prompt_lengths", "canvases"} <= set(data):
+    if (not isinstance(data, dict) or not {"input_ids", "lengths", "prompt_lengths"} <= set(data)
+            or not ("canvases" in data or "image_files" in data)):  # fmt: skip
         raise ValueError(f"--data {str(args.data)!r} is not a finished vlm-answers file")
-    model, processor = load_vlm(args.target)
+    model, processor = load_target_vlm(args.target)
     for p in model.parameters():
         p.requires_grad_(False)
     pad_id = processor.tokenizer.pad_token_id or 0

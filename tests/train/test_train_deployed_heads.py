@@ -52,13 +52,13 @@ def deployed(kind):
 
 
 def files_for(kind, tmp_path, monkeypatch):
-    import mmspec.models.hf.zoo as vlm_zoo
+    import mmspec.models.hf.vlm_folder as vlm_folder
 
     model, processor, data = deployed(kind)
     target, path = tmp_path / "target", tmp_path / "answers.pt"
     model.config.save_pretrained(target)
     torch.save(data, path)
-    monkeypatch.setattr(vlm_zoo, "load_vlm", lambda folder: (model, processor))
+    monkeypatch.setattr(vlm_folder, "load_target_vlm", lambda folder, dtype=None: (model, processor))
     return {"target": str(target), "data": str(path)}
 
 

@@ -22,8 +22,8 @@ def _args(out, *argv):
 def test_defaults_leave_room_for_long_answers():
     parser = argparse.ArgumentParser()
     vlm_answers.add_arguments(parser)
-    args = parser.parse_args(["--out", "x.pt"])
-    assert args.workload == "templated" and args.max_new_tokens >= 128
+    args = vlm_answers.resolve_defaults(parser.parse_args(["--out", "x.pt"]))
+    assert args.workload == "templated" and args.num == vlm_answers.DEFAULT_NUM and args.max_new_tokens >= 128
 
 
 def test_both_workloads_greedy_and_sampled_deterministic_and_resume_refuses_another_workload(tmp_path, monkeypatch):
@@ -84,6 +84,7 @@ def test_a_target_of_another_image_size_is_a_usage_error_before_loading(workload
     folder.mkdir()
     size = 64 if workload == "readout" else 128  # the other workload's canvases
     (folder / "config.json").write_text(json.dumps({"vision_config": {"image_size": size}}))
+    (folder / "vision_projector.safetensors").touch()  # a zoo VLM folder (`vlm_folder.check_vlm_folder`)
     with pytest.raises(SystemExit) as info:
         main(["vlm-answers", "--workload", workload, "--target", str(folder), "--out", str(tmp_path / "a.pt")])
     err = capsys.readouterr().err

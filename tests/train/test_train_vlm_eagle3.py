@@ -30,9 +30,9 @@ def files(tmp_path, tiny, monkeypatch):
     model.config.save_pretrained(target)
     path = tmp_path / "answers.pt"
     torch.save(data, path)
-    import mmspec.models.hf.zoo as vlm_zoo
+    import mmspec.models.hf.vlm_folder as vlm_folder
 
-    monkeypatch.setattr(vlm_zoo, "load_vlm", lambda folder: (model, processor))
+    monkeypatch.setattr(vlm_folder, "load_target_vlm", lambda folder, dtype=None: (model, processor))
     return {"target": str(target), "data": str(path)}
 
 

@@ -47,15 +47,15 @@ def tiny():
 
 @pytest.fixture
 def files(tmp_path, tiny, monkeypatch):
-    """A target folder (config.json) and a data file on disk; `load_vlm` gives the tiny LLaVA."""
+    """A target folder (config.json) and a data file on disk; `load_target_vlm` gives the tiny LLaVA."""
     model, processor, data = tiny
     target = tmp_path / "target"
     model.config.save_pretrained(target)
     path = tmp_path / "answers.pt"
     torch.save(data, path)
-    import mmspec.models.hf.zoo as vlm_zoo
+    import mmspec.models.hf.vlm_folder as vlm_folder
 
-    monkeypatch.setattr(vlm_zoo, "load_vlm", lambda folder: (model, processor))
+    monkeypatch.setattr(vlm_folder, "load_target_vlm", lambda folder, dtype=None: (model, processor))
     return {"target": str(target), "data": str(path)}
 
 

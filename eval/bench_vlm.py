@@ -39,7 +39,11 @@ follow-up; kinds in turn), none of whose templates or canvas digits the drafters
 readout prompt (rows / columns / list / find, in turn), run on the ``mnist-vlm-readout`` target and its heads
 (``mnist-vlm-readout-eagle``, ``-vispec``, ...); every row also reports how well its answers read their grids
 (``digit_accuracy``: cells right of the rows / columns / list answers, ``find_accuracy``, ``follows_form``,
-``exact``). For each batch size of ``--batch-size`` (a comma list), the prompts are
+``exact``); ``file`` (``--prompts FILE``, your own prompts and images: a JSON Lines file as ``vlm-answers --prompts``
+reads it, `mmspec.data.prompt_file`, its first ``--num-prompts`` lines), on the zoo's VLM or, with ``--target
+FOLDER``, on your own transformers VLM (`mmspec.models.hf.vlm_folder`) with ``--eagle-head HEAD`` (an EAGLE,
+EAGLE-3 or vision-aware head trained for it, run as the ``eagle`` rows): then the rows are ``plain``, ``hf-plain``
+and, with a head, ``eagle`` and its adaptive rows. For each batch size of ``--batch-size`` (a comma list), the prompts are
 cut into batches and every method runs on each batch in turn (interleaved, so load drift hits all alike), after one
 warm-up call per method.
 Per method: ``latency_s`` (median per batch, prefill included), ``speedup`` (plain's latency / the method's; with
@@ -140,10 +144,16 @@ MAX_PROMPTS = 10_000  # `--num-prompts`
 COST_MODELS = ("table", "line")  # `--cost-model`: how the "cost" rows price a verification (`measure_verify_costs`)
 COST_REPEATS = 15  # timed sweeps over the widths (median per width) in `measure_verify_costs`
 WORKLOADS = ("templated", "free-form", "readout")
+FILE_WORKLOAD = "file"  # `--prompts FILE`: the user's own prompts and images
 TEMPLATED_PROMPT = "Describe the image."
 # free-form answers are long: cut at 128 tokens; a readout "list" answer is 176 tokens and its end of turn
-DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128, "readout": 192}
-ZOO_NAMES = {"templated": "mnist-vlm", "free-form": "mnist-vlm", "readout": "mnist-vlm-readout"}  # the target folder
+DEFAULT_MAX_NEW_TOKENS = {"templated": 96, "free-form": 128, "readout": 192, FILE_WORKLOAD: 128}
+ZOO_NAMES = {
+    "templated": "mnist-vlm",
+    "free-form": "mnist-vlm",
+    "readout": "mnist-vlm-readout",
+    FILE_WORKLOAD: "mnist-vlm",
+}  # the target folder (`--prompts` without `--target`: the zoo's VLM)
 # the drafter folders (`<target folder><suffix>`) and the rows each serves
 DRAFTER_FOLDERS = {"-draft": ("hf-assisted", "draft-model", "draft-model-confident", "draft-model-tree",
                                        "draft-model-frspec", "draft-model-heuristic", "draft-model-cost",
@@ -160,7 +170,19 @@ DRAFTER_FOLDERS = {"-draft": ("hf-assisted", "draft-model", "draft-model-confide
 
 def zoo_name(args) -> str:
     """The target's zoo folder name of `args.workload` (`mnist-vlm`, or `mnist-vlm-readout` for the readout grids)."""
-    return ZOO_NAMES[getattr(args, "workload", "templated")]
+    return ZOO_NAMES[workload_of(args)]
+
+
+def workload_of(args) -> str:
+    """The workload: "file" with `--prompts`, else `--workload` (default "templated")."""
+    if getattr(args, "prompts", None) is not None:
+        return FILE_WORKLOAD
+    return getattr(args, "workload", None) or "templated"
+
+
+def own_vlm(args) -> bool:
+    """True when `--target` names your own VLM (the zoo's drafter folders do not apply)."""
+    return getattr(args, "target", None) is not None
 
 
 def _confidence(text):
@@ -193,10 +215,17 @@ def add_arguments(parser):
                         help="answers per timed call (comma list; each at most --num-prompts)")  # fmt: skip
     parser.add_argument("--num-prompts", type=int_in_range(1, MAX_PROMPTS), default=8,
                         help="canvases (one answer each)")  # fmt: skip
-    parser.add_argument("--workload", choices=WORKLOADS, default="templated",
-                        help="templated: every canvas asked --prompt; free-form: held-out free-form prompts "
-                             "(mmspec.data.vlm_prompts); readout: held-out 4x4 digit grids read out "
+    parser.add_argument("--workload", choices=WORKLOADS, default=None,
+                        help="templated (the default): every canvas asked --prompt; free-form: held-out free-form "
+                             "prompts (mmspec.data.vlm_prompts); readout: held-out 4x4 digit grids read out "
                              "(mmspec.data.grids; the mnist-vlm-readout target and its heads)")  # fmt: skip
+    parser.add_argument("--prompts", default=None, metavar="FILE",
+                        help="your own prompts and images instead of a --workload: a JSON Lines file "
+                             "(mmspec.data.prompt_file, as vlm-answers --prompts reads it)")  # fmt: skip
+    parser.add_argument("--target", default=None, metavar="FOLDER",
+                        help="your own VLM (a transformers folder; needs --prompts) instead of the zoo's")  # fmt: skip
+    parser.add_argument("--eagle-head", default=None, metavar="FOLDER",
+                        help="with --target: the EAGLE / EAGLE-3 / vision-aware head trained for it (the eagle rows)")  # fmt: skip
     parser.add_argument("--prompt", default=None, help=f"templated workload only (default {TEMPLATED_PROMPT!r})")
     parser.add_argument("--methods", type=names_of(ALL_METHODS), default=None,
                         help=f"comma list of {','.join(ALL_METHODS)} (default: every one the zoo has drafters for; "
@@ -244,12 +273,29 @@ def check_args(parser, args):
     model's context, and the device exists."""
     from mmspec.models import read_config
 
-    name = zoo_name(args)
-    if args.workload != "templated" and args.prompt is not None:
-        parser.error(f"argument --prompt: not allowed with --workload {args.workload} (its prompts are the "
+    if args.prompts is not None and args.workload is not None:
+        parser.error("argument --prompts: not allowed with --workload (the file is the workload)")
+    if args.eagle_head is not None and args.target is None:
+        parser.error("argument --eagle-head: only with --target (the zoo's heads come from --zoo)")
+    if args.target is not None and args.prompts is None:
+        parser.error("argument --target: needs --prompts FILE (your VLM's prompts and images)")
+    workload = workload_of(args)
+    if workload != "templated" and args.prompt is not None:
+        parser.error(f"argument --prompt: not allowed with --workload {workload} (its prompts are the "
                      "workload's held-out templates); drop --prompt or use --workload templated")  # fmt: skip
+    if args.prompts is not None:
+        from mmspec.data.prompt_file import read_prompt_file
+
+        try:
+            lines = len(read_prompt_file(args.prompts))
+        except ValueError as err:
+            parser.error(f"argument --prompts: {err}")
+        args.num_prompts = min(args.num_prompts, lines)
+    if own_vlm(args):
+        return check_own_args(parser, args)
+    name = zoo_name(args)
     check_zoo_folders(parser, args.zoo, [name])
-    if args.workload == "free-form" and args.min_digits < 2:
+    if workload == "free-form" and args.min_digits < 2:
         parser.error(f"argument --min-digits: {args.min_digits} is below 2, which --workload free-form needs (its "
                      "compare prompts name two digits of the canvas)")  # fmt: skip
     resolve_workload_defaults(args)
@@ -299,10 +345,51 @@ def check_args(parser, args):
     check_device(parser, args.device)
 
 
+# the rows a head of your own VLM runs (`--target --eagle-head`): the eagle rows whatever the head's kind
+OWN_HEAD_METHODS = ("eagle", "eagle-heuristic", "eagle-cost", "eagle-batch-cost", "eagle-calibrated",
+                    "eagle-batch-calibrated")  # fmt: skip
+
+
+def check_own_args(parser, args):
+    """`check_args` for your own VLM (`--target`): a VLM folder, a head folder of a head class, the rows it can run
+    (plain, hf-plain, and the eagle rows with `--eagle-head`), batch sizes within the prompts, the device."""
+    from mmspec.models import read_config
+    from mmspec.models.hf.vlm_folder import check_vlm_folder
+
+    try:
+        check_vlm_folder(args.target)
+    except ValueError as err:
+        parser.error(f"argument --target: {err}")
+    if args.eagle_head is not None:
+        try:
+            kind = read_config(args.eagle_head).get("_class_name")
+        except ValueError as err:
+            parser.error(f"argument --eagle-head: {err}")
+        if kind not in ("TextEagleHead", "Eagle3Head", "VisionEagleHead"):
+            parser.error(f"argument --eagle-head: {str(args.eagle_head)!r} holds a {kind or 'transformers model'}, not a "
+                         "VLM drafting head (TextEagleHead, Eagle3Head, VisionEagleHead)")  # fmt: skip
+    if args.temperature != 1.0 and not args.do_sample:
+        parser.error("argument --temperature: only used with --do-sample (greedy decoding has no temperature)")
+    allowed = ["plain", *([] if args.do_sample else ["hf-plain"]), *(OWN_HEAD_METHODS if args.eagle_head else ())]
+    if args.methods is None:
+        args.methods = allowed
+    elif set(args.methods) - set(allowed):
+        extra = ",".join(m for m in args.methods if m not in allowed)
+        why = "the eagle rows need --eagle-head; " if args.eagle_head is None else ""
+        parser.error(f"argument --methods: {extra} cannot run on --target (it runs {','.join(allowed)}: {why}draft-LM "
+                     "and transformers' assisted rows need the zoo's draft LM; hf rows are greedy only)")  # fmt: skip
+    big = [b for b in args.batch_size if b > args.num_prompts]
+    if big:
+        parser.error(f"argument --batch-size: {big[0]} is more than the {args.num_prompts} prompt(s) used")
+    resolve_workload_defaults(args)
+    check_device(parser, args.device)
+
+
 def resolve_workload_defaults(args):
-    """Fill `--prompt` / `--max-new-tokens` left unset with the workload's defaults (templated: today's)."""
-    workload = getattr(args, "workload", "templated")
-    if workload not in WORKLOADS:
+    """Fill `--workload` ("file" with `--prompts`), `--prompt` / `--max-new-tokens` left unset with the workload's
+    defaults (templated: today's)."""
+    workload = args.workload = workload_of(args)
+    if workload not in (*WORKLOADS, FILE_WORKLOAD):
         raise ValueError(f"workload={workload!r}: use one of {WORKLOADS}")
     if workload == "templated" and args.prompt is None:
         args.prompt = TEMPLATED_PROMPT
@@ -396,13 +483,39 @@ def hf_assisted_knobs(pipe):
 def build_pipeline(args):
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
+    if own_vlm(args):  # your own VLM (`--target`) and the head trained for it
+        from mmspec.models import load
+        from mmspec.models.hf.vlm_folder import load_target_vlm
+
+        model, processor = load_target_vlm(args.target)
+        head = load(args.eagle_head, dtype=model.dtype) if args.eagle_head else None
+        return SpeculativeVLMPipeline(model, processor, eagle_head=head)
     return SpeculativeVLMPipeline.from_zoo(args.zoo, name=zoo_name(args))
+
+
+def file_inputs(path, num):
+    """The `--prompts` workload: (each of the file's first `num` lines' images, a list of PIL per line; their
+    conversations)."""
+    from mmspec.data.prompt_file import open_images, read_prompt_file
+
+    rows = read_prompt_file(path)[:num]
+    return [open_images(r.image_files, r.image_sha256) for r in rows], [r.messages for r in rows]
+
+
+def flat_images(images):
+    """A batch's images as the processor takes them: flat, in order (a `--prompts` batch holds a list per prompt);
+    None when there are none."""
+    if images and isinstance(images[0], list):
+        images = [im for row in images for im in row]
+    return images or None
 
 
 def load_vision_heads(args, pipe):
     """The other heads of the rows asked for (`<zoo>/<target folder>-<row>`), in the target's dtype."""
     from mmspec.models import load
 
+    if own_vlm(args):
+        return {}  # your head is the eagle row's
     names = [m for m in args.methods if m in VISION_METHODS]
     return {name: load(Path(args.zoo) / f"{zoo_name(args)}-{name}", dtype=pipe.model.dtype) for name in names}
 
@@ -440,8 +553,8 @@ def run(args, pipe=None, canvases=None, heads=None):
     """The report (module docstring). `canvases`: PIL images instead of the held-out ones (templated workload).
     `heads`: vision-aware heads by row name (`VISION_METHODS`) to run with `pipe`'s target (default: loaded from
     `--zoo` when the pipeline is, else none; rows without a head are skipped)."""
-    workload = getattr(args, "workload", "templated")
     resolve_workload_defaults(args)
+    workload = args.workload
     if workload != "templated" and canvases is not None:
         raise ValueError(f"canvases: the {workload} workload draws its own held-out canvases (they go with its "
                          "prompts)")  # fmt: skip
@@ -477,6 +590,9 @@ def run(args, pipe=None, canvases=None, heads=None):
     elif workload == "readout":
         canvases, free_form, layouts = readout_inputs(args.num_prompts, args.seed)
         prompts, key = [p.messages for p in free_form], "messages"
+    elif workload == FILE_WORKLOAD:
+        canvases, prompts = file_inputs(args.prompts, args.num_prompts)
+        key = "messages"
     else:
         canvases = canvases or held_out_canvases(args.num_prompts, args.seed, args.min_digits)
         prompts, key = [args.prompt] * len(canvases), "prompt"
@@ -519,7 +635,7 @@ def run(args, pipe=None, canvases=None, heads=None):
     tables = {}  # batch size -> the verification table the table-priced rows run with at that batch size
     if getattr(args, "cost_model", "table") == "table" and any(ADAPTIVE.get(m, (None, None))[1] in TABLE_POLICIES
                                                                  for m in methods):  # fmt: skip
-        prefix = pipe.encode(canvases[:1], *((prompts[:1], None) if key == "prompt" else (None, prompts[:1])),
+        prefix = pipe.encode(flat_images(canvases[:1]), *((prompts[:1], None) if key == "prompt" else (None, prompts[:1])),
                              device)[0]  # fmt: skip
         for bs in args.batch_size:  # priced in units of a one-token forward of `bs` rows
             tables[bs] = measure_verify_costs(pipe, prefix.expand(bs, -1).contiguous(), k_max + 1)
@@ -541,8 +657,9 @@ def run(args, pipe=None, canvases=None, heads=None):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        rows, ims = len(texts), flat_images(ims)
         if name in ours:
-            sampling = dict(generator=answer_generators(first, len(ims), args.seed, device)) if do_sample else {}
+            sampling = dict(generator=answer_generators(first, rows, args.seed, device)) if do_sample else {}
             out = pipes.get(name, pipe)(images=ims, **{key: texts}, output_type="ids", **common, **ours[name],
                                         time_phases=time_phases, **sampling)  # fmt: skip
             dt = time.perf_counter() - t0
@@ -645,8 +762,14 @@ def run(args, pipe=None, canvases=None, heads=None):
         c.handle.remove()
     return {
         "bench": "vlm",
-        "zoo": str(args.zoo),
+        "zoo": None if own_vlm(args) else str(args.zoo),
+        **(
+            {"target": str(args.target), "eagle_head": args.eagle_head and str(args.eagle_head)}
+            if own_vlm(args)
+            else {}
+        ),  # fmt: skip
         "workload": workload,
+        **({"prompts_file": str(args.prompts)} if workload == FILE_WORKLOAD else {}),
         "prompt": args.prompt if free_form is None else None,
         **(
             {}

@@ -12,43 +12,15 @@ import PIL.Image
 import pytest
 import qwen_vl_fixtures
 import torch
+from own_vlm_fixtures import SIZES, save_own_vlm
 
 from mmspec.train.__main__ import main as train
 
 
-SIZES = [(16, 24), (24, 16), (32, 32), (16, 16), (24, 24)]
-
-
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
-    """`(folder, prompts file, model)`: a tiny 4-layer Qwen2.5-VL saved as a user's folder, and five prompt lines (one
-    image; two images; a conversation; a text-only line; one image) over PNGs of different sizes."""
-    root = tmp_path_factory.mktemp("own-vlm")
-    model = qwen_vl_fixtures.tiny_qwen_vl("qwen2_5_vl", seed=3, layers=4)
-    with torch.no_grad():  # a random model would answer with vision tokens, which no real VLM writes in its text
-        vision = [qwen_vl_fixtures.VOCAB[t] for t in qwen_vl_fixtures.SPECIALS if "vision" in t or "_pad|" in t]
-        model.get_input_embeddings().weight[vision] = 0  # tied: their logits are 0, below the best word's
-    processor = qwen_vl_fixtures.processor("qwen2_5_vl")
-    folder = root / "my-qwen"
-    model.save_pretrained(folder)
-    processor.tokenizer.save_pretrained(folder)
-    processor.image_processor.save_pretrained(folder)
-    (folder / "chat_template.jinja").write_text(qwen_vl_fixtures.CHAT)
-    (root / "images").mkdir()
-    for i, image in enumerate(qwen_vl_fixtures.images(SIZES, seed=4)):
-        image.save(root / "images" / f"{i}.png")
-    words = " ".join(qwen_vl_fixtures.WORDS[:3])
-    lines = [
-        {"image": "images/0.png", "prompt": words},
-        {"images": ["images/1.png", "images/2.png"], "prompt": "w5 w6"},
-        {"image": "images/3.png", "messages": [{"role": "user", "content": [{"type": "image"},
-                                                                         {"type": "text", "text": "w7 w8"}]}]},
-        {"prompt": "w9 w10 w11"},
-        {"image": str(root / "images" / "4.png"), "prompt": "w12"},
-    ]  # fmt: skip
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    return folder, prompts, model
+    """`(folder, prompts file, model)`: `own_vlm_fixtures.save_own_vlm`."""
+    return save_own_vlm(tmp_path_factory.mktemp("own-vlm"))
 
 
 def _answers(own, out, *extra):

@@ -1,0 +1,79 @@
+"""`mmspec bench vlm --target FOLDER --prompts FILE --eagle-head HEAD`: your own VLM measured on your own prompts and
+images (issue 29: "prove it lossless, measure it"): a tiny Qwen2.5-VL folder and an EAGLE-3 head saved for it; every
+row's greedy answers equal plain's at batch 1 and on a ragged batch of 2 (different image sizes, two images in one
+prompt, a text-only prompt), transformers' generate included; flags that cannot work are usage errors before
+loading."""
+
+import json
+
+import pytest
+from own_vlm_fixtures import save_own_vlm
+
+from mmspec.cli import main as mmspec
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """`(folder, prompts, head folder)`: the tiny Qwen2.5-VL and a random EAGLE-3 head of its shape."""
+    from mmspec.models.hf.eagle3 import Eagle3Head
+
+    root = tmp_path_factory.mktemp("bench-own")
+    folder, prompts, model = save_own_vlm(root)
+    head = Eagle3Head.from_target(model, draft_vocab_size=0, aux_layers=(0, 2, 3)).init_weights()
+    head.init_from_target(model)
+    head.save_pretrained(root / "head")
+    return folder, prompts, root / "head"
+
+
+def test_own_vlm_rows_match_plain_and_transformers(own, tmp_path):
+    folder, prompts, head = own
+    out = tmp_path / "own.json"
+    mmspec(["bench", "vlm", "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(head),
+            "--batch-size", "1,2", "--num-prompts", "4", "--max-new-tokens", "8", "--methods",
+            "plain,hf-plain,eagle,eagle-calibrated", "--threads", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["workload"] == "file" and report["target"] == str(folder) and report["zoo"] is None
+    assert report["num_prompts"] == 4 and report["prompts_file"] == str(prompts)
+    assert set(report["by_batch_size"]) == {"1", "2"}
+    for bs, table in report["by_batch_size"].items():
+        assert set(table) == {"plain", "hf-plain", "eagle", "eagle-calibrated"} or bs == "2"
+        for name, row in table.items():
+            assert row["matches_plain"] is True, (bs, name)
+        assert table["eagle"]["tau"] >= 1.0 and table["eagle"]["mean_new_tokens"] == table["plain"]["mean_new_tokens"]
+    assert "hf-plain" not in report["by_batch_size"]["2"]  # transformers' rows run at batch 1
+
+
+def _usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as err:
+        mmspec(argv)
+    assert err.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_own_vlm_flags_that_cannot_work_are_usage_errors_before_loading(own, capsys, monkeypatch):
+    from mmspec.models.hf import vlm_folder
+
+    folder, prompts, head = own
+    monkeypatch.setattr(vlm_folder, "load_target_vlm", None)  # nothing may load
+    base = ["bench", "vlm", "--device", "cpu"]
+    err = _usage_error([*base, "--target", str(folder)], capsys)
+    assert "argument --target: needs --prompts" in err
+    err = _usage_error([*base, "--eagle-head", str(head), "--prompts", str(prompts)], capsys)
+    assert "argument --eagle-head: only with --target" in err
+    err = _usage_error([*base, "--prompts", str(prompts), "--workload", "free-form"], capsys)
+    assert "argument --prompts: not allowed with --workload" in err
+    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--methods", "plain,eagle"], capsys)
+    assert "argument --methods: eagle cannot run on --target" in err and "need --eagle-head" in err
+    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(head),
+                        "--methods", "plain,draft-model"], capsys)  # fmt: skip
+    assert "argument --methods: draft-model cannot run on --target" in err
+    err = _usage_error(
+        [*base, "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(folder)], capsys
+    )
+    assert "argument --eagle-head" in err
+    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--batch-size", "6"], capsys)
+    assert "argument --batch-size: 6 is more than the 5 prompt(s) used" in err
+    bad = prompts.parent / "bad.jsonl"
+    bad.write_text('{"image": "images/missing.png", "prompt": "w1"}\n')
+    err = _usage_error([*base, "--target", str(folder), "--prompts", str(bad)], capsys)
+    assert f"argument --prompts: {bad}:1" in err and "does not exist" in err

@@ -226,6 +226,8 @@ def add_arguments(parser):
                         help="your own VLM (a transformers folder; needs --prompts) instead of the zoo's")  # fmt: skip
     parser.add_argument("--eagle-head", default=None, metavar="FOLDER",
                         help="with --target: the EAGLE / EAGLE-3 / vision-aware head trained for it (the eagle rows)")  # fmt: skip
+    parser.add_argument("--draft", default=None, metavar="FOLDER",
+                        help="with --target: its draft LM (a vlm-draft folder; the draft-model and hf-assisted rows)")  # fmt: skip
     parser.add_argument("--prompt", default=None, help=f"templated workload only (default {TEMPLATED_PROMPT!r})")
     parser.add_argument("--methods", type=names_of(ALL_METHODS), default=None,
                         help=f"comma list of {','.join(ALL_METHODS)} (default: every one the zoo has drafters for; "
@@ -275,8 +277,9 @@ def check_args(parser, args):
 
     if args.prompts is not None and args.workload is not None:
         parser.error("argument --prompts: not allowed with --workload (the file is the workload)")
-    if args.eagle_head is not None and args.target is None:
-        parser.error("argument --eagle-head: only with --target (the zoo's heads come from --zoo)")
+    for flag, value in (("--eagle-head", args.eagle_head), ("--draft", args.draft)):
+        if value is not None and args.target is None:
+            parser.error(f"argument {flag}: only with --target (the zoo's drafters come from --zoo)")
     if args.target is not None and args.prompts is None:
         parser.error("argument --target: needs --prompts FILE (your VLM's prompts and images)")
     workload = workload_of(args)
@@ -345,9 +348,12 @@ def check_args(parser, args):
     check_device(parser, args.device)
 
 
-# the rows a head of your own VLM runs (`--target --eagle-head`): the eagle rows whatever the head's kind
+# the rows a head of your own VLM runs (`--target --eagle-head`): the eagle rows whatever the head's kind; with its
+# draft LM (`--draft`): transformers' assisted generation and the draft-model rows (FR-Spec ones with a head that has
+# a draft vocabulary)
 OWN_HEAD_METHODS = ("eagle", "eagle-heuristic", "eagle-cost", "eagle-batch-cost", "eagle-calibrated",
                     "eagle-batch-calibrated")  # fmt: skip
+OWN_DRAFT_METHODS = tuple(m for m in METHODS if m == "hf-assisted" or m.startswith("draft-model"))
 
 
 def check_own_args(parser, args):
@@ -368,16 +374,33 @@ def check_own_args(parser, args):
         if kind not in ("TextEagleHead", "Eagle3Head", "VisionEagleHead"):
             parser.error(f"argument --eagle-head: {str(args.eagle_head)!r} holds a {kind or 'transformers model'}, not a "
                          "VLM drafting head (TextEagleHead, Eagle3Head, VisionEagleHead)")  # fmt: skip
+    if args.draft is not None:
+        try:
+            meta = json.loads((Path(args.draft) / "draft.json").read_text())
+            layers = int(meta["num_layers"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            parser.error(f"argument --draft: {str(args.draft)!r} is not a vlm-draft folder (draft.json: {err!r})")
+        config = json.loads((Path(args.target) / "config.json").read_text())
+        target_layers = config.get("text_config", config).get("num_hidden_layers")
+        if isinstance(target_layers, int) and layers > target_layers:
+            parser.error(f"argument --draft: keeps {layers} decoder layers, more than --target's {target_layers}: a "
+                         "draft made for another target")  # fmt: skip
     if args.temperature != 1.0 and not args.do_sample:
         parser.error("argument --temperature: only used with --do-sample (greedy decoding has no temperature)")
-    allowed = ["plain", *([] if args.do_sample else ["hf-plain"]), *(OWN_HEAD_METHODS if args.eagle_head else ())]
+    frspec = False
+    if args.eagle_head is not None:
+        frspec = bool(read_config(args.eagle_head).get("draft_vocab_size", 0))
+    drafts = [m for m in OWN_DRAFT_METHODS if args.draft and ("frspec" not in m or frspec)
+              and not (args.do_sample and m == "hf-assisted")]  # fmt: skip
+    allowed = ["plain", *([] if args.do_sample else ["hf-plain"]), *drafts,
+               *(OWN_HEAD_METHODS if args.eagle_head else ())]  # fmt: skip
     if args.methods is None:
         args.methods = allowed
     elif set(args.methods) - set(allowed):
         extra = ",".join(m for m in args.methods if m not in allowed)
-        why = "the eagle rows need --eagle-head; " if args.eagle_head is None else ""
-        parser.error(f"argument --methods: {extra} cannot run on --target (it runs {','.join(allowed)}: {why}draft-LM "
-                     "and transformers' assisted rows need the zoo's draft LM; hf rows are greedy only)")  # fmt: skip
+        parser.error(f"argument --methods: {extra} cannot run on --target (it runs {','.join(allowed)}: the eagle "
+                     "rows need --eagle-head, the draft-model and hf-assisted rows --draft, the FR-Spec ones both "
+                     "and a head with a draft vocabulary; hf rows are greedy only)")  # fmt: skip
     big = [b for b in args.batch_size if b > args.num_prompts]
     if big:
         parser.error(f"argument --batch-size: {big[0]} is more than the {args.num_prompts} prompt(s) used")
@@ -485,11 +508,13 @@ def build_pipeline(args):
 
     if own_vlm(args):  # your own VLM (`--target`) and the head trained for it
         from mmspec.models import load
+        from mmspec.models.hf.draft import load_vlm_draft
         from mmspec.models.hf.vlm_folder import load_target_vlm
 
         model, processor = load_target_vlm(args.target)
         head = load(args.eagle_head, dtype=model.dtype) if args.eagle_head else None
-        return SpeculativeVLMPipeline(model, processor, eagle_head=head)
+        draft = load_vlm_draft(args.draft, model) if args.draft else None
+        return SpeculativeVLMPipeline(model, processor, draft_model=draft, eagle_head=head)
     return SpeculativeVLMPipeline.from_zoo(args.zoo, name=zoo_name(args))
 
 
@@ -764,7 +789,11 @@ def run(args, pipe=None, canvases=None, heads=None):
         "bench": "vlm",
         "zoo": None if own_vlm(args) else str(args.zoo),
         **(
-            {"target": str(args.target), "eagle_head": args.eagle_head and str(args.eagle_head)}
+            {
+                "target": str(args.target),
+                "eagle_head": args.eagle_head and str(args.eagle_head),
+                "draft": args.draft and str(args.draft),
+            }
             if own_vlm(args)
             else {}
         ),  # fmt: skip

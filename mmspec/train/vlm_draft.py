@@ -1,11 +1,14 @@
-"""Draft LM for the VLM zoo: `python -m mmspec.train vlm-draft --target assets/mnist-vlm --data runs/vlm-answers.pt
---out runs/vlm-draft`.
+"""Draft LM for a VLM: `python -m mmspec.train vlm-draft --target assets/mnist-vlm --data runs/vlm-answers.pt
+--out runs/vlm-draft` (or `--target` your own transformers VLM folder and `--data` its `vlm-answers --prompts`
+answers: `mmspec.models.hf.vlm_folder`).
 
 The draft is the target cut to its first `--num-layers` decoder layers (`mmspec.models.hf.draft.truncated_draft`:
 same tokenizer, embedding, output head, vision tower and projector), distilled on the target's own greedy answers
 (`mmspec.train vlm-answers`): cross-entropy to the target's next token at every answer position, training only the
 last `--train-layers` kept layers and the final norm. The folder stores only those tensors (`draft.json` +
-`model.safetensors`); the rest comes from the target at load time (`mmspec.models.hf.draft.load_vlm_draft`).
+`model.safetensors`); the rest comes from the target at load time (`mmspec.models.hf.draft.load_vlm_draft`). The
+draft reads each row's images as the target does (`vlm_eagle.target_inputs`: the processor's outputs, M-RoPE
+positions on Qwen-VL).
 """
 
 import logging
@@ -23,7 +26,7 @@ from mmspec.train.common import (
     train_with_args,
     write_model_card,
 )
-from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask, check_vlm_target
+from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask, check_vlm_target, row_images, target_inputs
 
 
 logger = logging.getLogger(__name__)
@@ -43,8 +46,7 @@ def check_args(parser, args):
     import json
     from pathlib import Path
 
-    check_vlm_target(parser, args, zoo_only="vlm-draft distils the zoo's truncated draft LM; for your own VLM train an "
-                     "EAGLE-3 head (vlm-eagle3)")  # fmt: skip
+    check_vlm_target(parser, args)
     config = json.loads((Path(args.target) / "config.json").read_text())
     layers = config.get("text_config", config).get("num_hidden_layers")
     if layers is not None and args.num_layers > layers:
@@ -53,18 +55,11 @@ def check_args(parser, args):
         parser.error(f"argument --train-layers: {args.train_layers} is more than --num-layers {args.num_layers}")
 
 
-def pixel_values(processor, canvases, dtype):
-    from mmspec.data.canvases import to_pil
-
-    images = [to_pil(c.float() / 255) for c in canvases]
-    return processor.image_processor(images, return_tensors="pt")["pixel_values"].to(dtype)
-
-
-def draft_loss(draft, processor, ids, lengths, weight, canvases):
-    """Mean next-token cross-entropy of `draft` on the answer tokens (`weight [B, T]`) of `ids [B, T]`."""
-    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-    logits = draft(input_ids=ids, pixel_values=pixel_values(processor, canvases, draft.dtype), attention_mask=mask,
-                   use_cache=False).logits[:, :-1]  # fmt: skip
+def draft_loss(draft, processor, ids, lengths, weight, images):
+    """Mean next-token cross-entropy of `draft` on the answer tokens (`weight [B, T]`) of `ids [B, T]` whose images
+    are `images` (PIL, in row order: `vlm_eagle.row_images`)."""
+    inputs, _ = target_inputs(draft, processor, ids, lengths, images)
+    logits = draft(input_ids=ids, **inputs, use_cache=False).logits[:, :-1]
     w = weight[:, 1:].float()
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
     agree = ((logits.argmax(-1) == ids[:, 1:]).float() * w).sum() / w.sum()
@@ -73,12 +68,13 @@ def draft_loss(draft, processor, ids, lengths, weight, canvases):
 
 def run(args):
     from mmspec.models.hf.draft import save_draft_delta, truncated_draft
-    from mmspec.models.hf.zoo import load_vlm
+    from mmspec.models.hf.vlm_folder import load_target_vlm
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
     data = load_checkpoint(args.data)
-    target, processor = load_vlm(args.target)
+    target, processor = load_target_vlm(args.target)
+    target_class = type(target).__name__
     draft = truncated_draft(target, args.num_layers)
     del target
     first = args.num_layers - min(args.train_layers, args.num_layers)
@@ -99,7 +95,7 @@ def run(args):
         idx = train_idx[torch.randint(len(train_idx), (args.batch_size,), generator=generator)]
         width = int(lengths[idx].max())
         loss, agree = draft_loss(draft, processor, ids[idx, :width], lengths[idx], weight[idx, :width],
-                                 data["canvases"][idx])  # fmt: skip
+                                 row_images(data, idx.tolist()))  # fmt: skip
         return {"loss": loss, "agree": agree.detach()}
 
     before = evaluate(draft, processor, data, ids, lengths, weight, n_eval)
@@ -110,7 +106,7 @@ def run(args):
     logger.info("held-out greedy agreement: %.3f before, %.3f after distillation", before["agree"], after["agree"])
     write_model_card(
         args.out,
-        title=f"Draft LM for {args.target}: SmolLM2-135M-Instruct cut to {args.num_layers} layers, distilled",
+        title=f"Draft LM for {args.target}: its {target_class} cut to {args.num_layers} layers, distilled",
         description=__doc__.split("\n\n", 1)[1],
         model=None,
         data=f"{args.data}: {len(ids)} target answers ({n_eval} held back for the metrics)",
@@ -139,6 +135,6 @@ def evaluate(draft, processor, data, ids, lengths, weight, n_eval, batch_size=8)
         hi = min(lo + batch_size, n_eval)
         width = int(lengths[lo:hi].max())
         c, a = draft_loss(draft, processor, ids[lo:hi, :width], lengths[lo:hi], weight[lo:hi, :width],
-                          data["canvases"][lo:hi])  # fmt: skip
+                          row_images(data, range(lo, hi)))  # fmt: skip
         ce, agree = ce + float(c) * (hi - lo), agree + float(a) * (hi - lo)
     return {"ce": ce / n_eval, "agree": agree / n_eval}

@@ -14,33 +14,45 @@ from mmspec.cli import main as mmspec
 
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
-    """`(folder, prompts, head folder)`: the tiny Qwen2.5-VL and a random EAGLE-3 head of its shape."""
+    """`(folder, prompts, head folder, draft folder)`: the tiny Qwen2.5-VL, a random EAGLE-3 head of its shape with a
+    32-token draft vocabulary, and its first 2 layers as a draft LM (a vlm-draft folder: the second layer stored)."""
+    import torch
+
+    from mmspec.models.hf.draft import save_draft_delta, truncated_draft
     from mmspec.models.hf.eagle3 import Eagle3Head
 
     root = tmp_path_factory.mktemp("bench-own")
     folder, prompts, model = save_own_vlm(root)
-    head = Eagle3Head.from_target(model, draft_vocab_size=0, aux_layers=(0, 2, 3)).init_weights()
+    head = Eagle3Head.from_target(model, draft_vocab_size=32, aux_layers=(0, 2, 3)).init_weights()
+    head.set_draft_vocab(torch.arange(7, 39))  # word tokens
     head.init_from_target(model)
     head.save_pretrained(root / "head")
-    return folder, prompts, root / "head"
+    draft = truncated_draft(model, 2)
+    trained = [n for n, _ in draft.named_parameters() if "language_model.layers.1." in n]
+    save_draft_delta(draft, root / "draft", trained, 2, {"target": str(folder)})
+    return folder, prompts, root / "head", root / "draft"
+
+
+ROWS = ["plain", "hf-plain", "hf-assisted", "draft-model", "draft-model-frspec", "draft-model-calibrated", "eagle",
+        "eagle-calibrated"]  # fmt: skip
 
 
 def test_own_vlm_rows_match_plain_and_transformers(own, tmp_path):
-    folder, prompts, head = own
+    folder, prompts, head, draft = own
     out = tmp_path / "own.json"
-    mmspec(["bench", "vlm", "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(head),
-            "--batch-size", "1,2", "--num-prompts", "4", "--max-new-tokens", "8", "--methods",
-            "plain,hf-plain,eagle,eagle-calibrated", "--threads", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
+    mmspec(["bench", "vlm", "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(head), "--draft",
+            str(draft), "--batch-size", "1,2", "--num-prompts", "4", "--max-new-tokens", "8", "--methods",
+            ",".join(ROWS), "--threads", "1", "--device", "cpu", "--json", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
     assert report["workload"] == "file" and report["target"] == str(folder) and report["zoo"] is None
     assert report["num_prompts"] == 4 and report["prompts_file"] == str(prompts)
-    assert set(report["by_batch_size"]) == {"1", "2"}
-    for bs, table in report["by_batch_size"].items():
-        assert set(table) == {"plain", "hf-plain", "eagle", "eagle-calibrated"} or bs == "2"
+    assert report["draft"] == str(draft) and report["eagle_head"] == str(head)
+    tables = report["by_batch_size"]
+    assert list(tables["1"]) == ROWS and list(tables["2"]) == [r for r in ROWS if not r.startswith("hf-")]
+    for bs, table in tables.items():  # transformers' rows run at batch 1 only
         for name, row in table.items():
             assert row["matches_plain"] is True, (bs, name)
-        assert table["eagle"]["tau"] >= 1.0 and table["eagle"]["mean_new_tokens"] == table["plain"]["mean_new_tokens"]
-    assert "hf-plain" not in report["by_batch_size"]["2"]  # transformers' rows run at batch 1
+        assert table["eagle"]["tau"] >= 1.0 and table["draft-model"]["tau"] >= 1.0
 
 
 def _usage_error(argv, capsys):
@@ -53,7 +65,7 @@ def _usage_error(argv, capsys):
 def test_own_vlm_flags_that_cannot_work_are_usage_errors_before_loading(own, capsys, monkeypatch):
     from mmspec.models.hf import vlm_folder
 
-    folder, prompts, head = own
+    folder, prompts, head, draft = own
     monkeypatch.setattr(vlm_folder, "load_target_vlm", None)  # nothing may load
     base = ["bench", "vlm", "--device", "cpu"]
     err = _usage_error([*base, "--target", str(folder)], capsys)
@@ -64,6 +76,12 @@ def test_own_vlm_flags_that_cannot_work_are_usage_errors_before_loading(own, cap
     assert "argument --prompts: not allowed with --workload" in err
     err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--methods", "plain,eagle"], capsys)
     assert "argument --methods: eagle cannot run on --target" in err and "need --eagle-head" in err
+    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--methods", "hf-assisted"], capsys)
+    assert "argument --methods: hf-assisted cannot run on --target" in err and "--draft" in err
+    err = _usage_error([*base, "--draft", str(draft), "--prompts", str(prompts)], capsys)
+    assert "argument --draft: only with --target" in err
+    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--draft", str(head)], capsys)
+    assert "argument --draft" in err and "not a vlm-draft folder" in err
     err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(head),
                         "--methods", "plain,draft-model"], capsys)  # fmt: skip
     assert "argument --methods: draft-model cannot run on --target" in err

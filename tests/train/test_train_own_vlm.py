@@ -2,9 +2,9 @@
 it"): a tiny random Qwen2.5-VL saved as a transformers folder (weights, tokenizer, image processor, chat template;
 its video processor cannot load here, so `vlm_folder.load_processor` rebuilds it for images), a `--prompts` JSON Lines
 file of images of different sizes, `python -m mmspec.train vlm-answers --target FOLDER --prompts FILE` (the target's
-own greedy answers, resumable, refusing changed images), `vlm-eagle3 --target FOLDER` on them, a head that drafts
-exactly plain greedy on a ragged batch, and `mmspec export eagle3 --target FOLDER`. Bad inputs are usage errors
-naming the file and line, before any model loads."""
+own greedy answers, resumable, refusing changed images), `vlm-eagle3` and `vlm-draft --target FOLDER` on them, a
+head and a draft LM that draft exactly plain greedy on a ragged batch, and `mmspec export eagle3 --target FOLDER`.
+Bad inputs are usage errors naming the file and line, before any model loads."""
 
 import json
 
@@ -104,6 +104,20 @@ def test_answers_eagle3_head_drafts_plain_greedy_and_exports(own, tmp_path, monk
         drafted = spec(acceptance="greedy", drafter="eagle", **knobs, **kw)
         assert torch.equal(drafted.sequences, plain), knobs
 
+    draft_dir = tmp_path / "draft"  # the target's first 2 layers, the second distilled
+    train(["vlm-draft", "--target", str(folder), "--data", str(tmp_path / "answers.pt"), "--out", str(draft_dir),
+           "--num-layers", "2", "--train-layers", "1", "--steps", "3", "--batch-size", "2", "--eval-items", "1",
+           "--log-every", "1", "--checkpoint-every", "3", "--threads", "1", "--quiet"])  # fmt: skip
+    from mmspec.models.hf.draft import load_vlm_draft
+
+    draft = load_vlm_draft(draft_dir, model)
+    assert "Qwen2_5_VLForConditionalGeneration cut to 2 layers" in (draft_dir / "README.md").read_text()
+    with_draft = SpeculativeVLMPipeline(model, processor, draft_model=draft)
+    with_draft.set_progress_bar_config(disable=True)
+    for knobs in (dict(num_draft_tokens=3), dict(tree_depth=3, tree_top_k=2, tree_nodes=6)):
+        drafted = with_draft(acceptance="greedy", drafter="model", **knobs, **kw)
+        assert torch.equal(drafted.sequences, plain), knobs
+
     from mmspec.cli.export import main as export
 
     out = tmp_path / "vllm"
@@ -172,7 +186,7 @@ def test_targets_and_flags_that_cannot_work_are_usage_errors_before_loading(own,
     text_only = tmp_path / "llama"
     text_only.mkdir()
     (text_only / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    for task in ("vlm-eagle3", "vlm-eagle", "vlm-vision"):
+    for task in ("vlm-eagle3", "vlm-eagle", "vlm-vision", "vlm-draft"):
         policy = ["--policy", "vispec"] if task == "vlm-vision" else []
         err = _usage_error([task, "--target", str(text_only), "--data", str(prompts), "--out", str(tmp_path / task),
                             *policy], capsys)  # fmt: skip
@@ -180,6 +194,3 @@ def test_targets_and_flags_that_cannot_work_are_usage_errors_before_loading(own,
     err = _usage_error(["vlm-eagle3", "--target", str(folder), "--data", str(prompts), "--out", str(tmp_path / "h")],
                        capsys)  # fmt: skip
     assert "argument --aux-layers: 2,2,1 (the default (2, L // 2, L - 3) for L = 4)" in err, err
-    err = _usage_error(["vlm-draft", "--target", str(folder), "--data", str(prompts), "--out", str(tmp_path / "d")],
-                       capsys)  # fmt: skip
-    assert "not a zoo VLM folder" in err and "vlm-eagle3" in err

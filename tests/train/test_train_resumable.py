@@ -313,14 +313,12 @@ def test_resume_with_changed_flags_is_refused_before_anything_loads(no_run, path
     base = [task, "--out", str(out), "--quiet"] + (["--data", paths["FILE"]] if task == "c2i" else [])
     base += ["--work", str(tmp_path / "work")] if task == "vlm" else []
     if task == "vlm-answers":
-        from mmspec.train.common import run_flags
-        from mmspec.train.vlm_answers import add_arguments
+        from mmspec.train.vlm_answers import add_arguments, answers_flags, resolve_defaults
 
         parser = argparse.ArgumentParser()
         add_arguments(parser)
-        save_checkpoint(
-            out, {"rows": [[1]], "prompt_lengths": [1], "run_flags": run_flags(parser.parse_args(base[1:]))}
-        )
+        flags = answers_flags(resolve_defaults(parser.parse_args(base[1:])))  # as `run` records them
+        save_checkpoint(out, {"rows": [[1]], "prompt_lengths": [1], "run_flags": flags})
     else:
         _fake_checkpoint(tmp_path / checkpoint if task == "vlm" else out / checkpoint, task, base[1:], 3, 4)
     with pytest.raises(Ran):  # the same flags (and cosmetic changes) go through

@@ -5,8 +5,9 @@ The trainers' `--target` (`python -m mmspec.train vlm-answers / vlm-eagle3 / vlm
 that a drafter for your VLM trains with the same commands as the zoo's. A transformers folder loads with
 transformers' own classes only (`mmspec.models.load`: local files, `trust_remote_code=False`, safetensors weights)
 and its processor likewise (`AutoProcessor`). A processor whose video half needs a library that is not installed
-(Qwen-VL's video processor needs torchvision) is rebuilt for images only from the folder's image processor,
-tokenizer and chat template: the images and prompts it makes are the full processor's.
+(Qwen-VL's and LLaVA-OneVision's video processors need torchvision) is rebuilt for images only from the folder's
+image processor, tokenizer, chat template and `processor_config.json` settings: the images and prompts it makes are
+the full processor's. So is one for which `AutoProcessor` returns a bare tokenizer (an unknown processor class).
 
 `check_vlm_folder` reads only `config.json` (no torch model built), so the CLIs call it before anything loads.
 """
@@ -68,11 +69,17 @@ def load_processor(folder, model_type: str):
     folder = str(folder)
     local = dict(local_files_only=True, trust_remote_code=False)
     try:
-        return transformers.AutoProcessor.from_pretrained(folder, **local)
+        processor = transformers.AutoProcessor.from_pretrained(folder, **local)
     except ImportError as err:  # a video processor whose library (torchvision) is not installed
         missing = err
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"{folder!r}: cannot load its processor ({err})") from err
+    else:
+        if hasattr(processor, "image_processor"):
+            return processor
+        # AutoProcessor falls back to the bare tokenizer when it cannot tell the processor class: images would be
+        # dropped without a word, so build the model type's processor instead
+        missing = ValueError(f"AutoProcessor gave a {type(processor).__name__}, which takes no images")
     base = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(model_type, ""), None)
     if base is None or "video_processor" not in inspect.signature(base.__init__).parameters:
         raise ValueError(f"{folder!r}: cannot load its processor ({missing})") from missing
@@ -82,8 +89,26 @@ def load_processor(folder, model_type: str):
     except (OSError, ValueError, KeyError, ImportError) as err:
         raise ValueError(f"{folder!r}: cannot load its image processor / tokenizer ({err})") from err
     template = _chat_template(Path(folder)) or getattr(tokenizer, "chat_template", None)
-    return _images_only(base)(image_processor=images, tokenizer=tokenizer, video_processor=None,
-                              chat_template=template)  # fmt: skip
+    return _images_only(base)(image_processor=images, tokenizer=tokenizer, video_processor=None, chat_template=template,
+                              **_processor_kwargs(Path(folder), base))  # fmt: skip
+
+
+def _processor_kwargs(folder: Path, base) -> dict:
+    """The processor's own settings saved in the folder's `processor_config.json` (e.g. LLaVA-OneVision's
+    `vision_feature_select_strategy`, `image_token`, `num_image_tokens`) that `base` takes: without them the
+    rebuilt processor would expand the image placeholders differently from the full one."""
+    import inspect
+
+    path = folder / "processor_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{str(path)!r}: not a JSON file ({err})") from err
+    taken = set(inspect.signature(base.__init__).parameters) - {"self", "image_processor", "tokenizer",
+                                                                  "video_processor", "chat_template"}  # fmt: skip
+    return {k: v for k, v in saved.items() if k in taken and not isinstance(v, dict)}
 
 
 def _chat_template(folder: Path):

@@ -12,7 +12,8 @@ grids (`mmspec.data.grids`: 4x4 digits on 128x128 canvases, the train templates 
 `grids.KIND_WEIGHTS` odds, greedy), answered by a readout target (`--target assets/mnist-vlm-readout`; a target that
 reads other image sizes is a usage error). `--prompts FILE` (your own VLM): the conversations and images of a JSON
 Lines file (`mmspec.data.prompt_file`: one `{"image": ..., "prompt": ...}` or `{"images": [...], "messages": [...]}` a
-line, checked line by line before any model loads), answered greedily by any VLM `--target`: the zoo's or a
+line, checked line by line before any model loads), answered greedily (or, for a `--sampled-fraction` of the rows,
+sampled at `--temperature`) by any VLM `--target`: the zoo's or a
 transformers folder (`mmspec.models.hf.vlm_folder`: Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision, ...); `--num` then caps the
 lines used (default: all). `--merge A.pt B.pt ...` generates nothing:
 it concatenates finished answer files (e.g. a templated and a free-form run) into `--out`. Held-out canvases and templates
@@ -70,9 +71,10 @@ def add_arguments(parser):
                              "both, or the dense-readout grids (mmspec.data.grids; needs a readout --target)")  # fmt: skip
     parser.add_argument("--prompts", default=None, metavar="FILE",
                         help="your own prompts and images, a JSON Lines file (mmspec.data.prompt_file), answered "
-                             "greedily instead of a --workload")  # fmt: skip
-    parser.add_argument("--sampled-fraction", type=probability, default=0.5,
-                        help="free-form rows answered by sampling (the rest greedy)")  # fmt: skip
+                             "(greedily by default) instead of a --workload")  # fmt: skip
+    parser.add_argument("--sampled-fraction", type=probability, default=None,
+                        help="free-form (default 0.5) or --prompts (default 0: greedy) rows answered by sampling, "
+                             "at --temperature (the rest greedy)")  # fmt: skip
     parser.add_argument("--temperature", type=positive_float, default=1.0, help="of the sampled answers")
     parser.add_argument("--batch-size", type=int_in_range(1, 4096), default=16, help="answers generated per call")
     parser.add_argument("--max-new-tokens", type=int_in_range(1, VLM_LIMITS["max_new_tokens"]), default=256,
@@ -103,18 +105,20 @@ def user_turn(question):
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
-def file_rows(prompts, num=None):
+def file_rows(prompts, num=None, seed=0, sampled_fraction=0.0):
     """The rows of a `--prompts` file (its first `num` lines; all by default): `workload_rows`' fields with
-    `image_files` / `image_sha256` (per row) in place of `canvases`, answered greedily."""
+    `image_files` / `image_sha256` (per row) in place of `canvases`; a row is sampled with probability
+    `sampled_fraction` (drawn from a generator seeded `seed`), else answered greedily."""
     from mmspec.data.prompt_file import read_prompt_file
 
     lines = read_prompt_file(prompts)[:num]
+    sampled = torch.rand(len(lines), generator=torch.Generator().manual_seed(seed)) < sampled_fraction
     return {
         "messages": [r.messages for r in lines],
         "questions": [r.question for r in lines],
         "kinds": [FILE_WORKLOAD] * len(lines),
         "templates": [FILE_WORKLOAD] * len(lines),
-        "sampled": [False] * len(lines),
+        "sampled": sampled.tolist(),
         "image_files": [list(r.image_files) for r in lines],
         "image_sha256": [list(r.image_sha256) for r in lines],
     }
@@ -176,7 +180,10 @@ def target_image_size(folder) -> int:
 
 def resolve_defaults(args):
     """Fill the defaults that depend on other flags (idempotent): `--workload` "file" with `--prompts`, else
-    "templated"; `--num` `DEFAULT_NUM` for a drawn workload (a `--prompts` run keeps None: every line)."""
+    "templated"; `--num` `DEFAULT_NUM` for a drawn workload (a `--prompts` run keeps None: every line);
+    `--sampled-fraction` 0 with `--prompts` (greedy answers), else 0.5 (free-form rows)."""
+    if getattr(args, "sampled_fraction", None) is None:
+        args.sampled_fraction = 0.0 if getattr(args, "prompts", None) is not None else 0.5
     if getattr(args, "prompts", None) is not None:
         args.workload = args.workload or FILE_WORKLOAD
     else:
@@ -344,7 +351,7 @@ def run(args):
     done["run_flags"] = flags
     seed_everything(args.seed)
     if args.workload == FILE_WORKLOAD:
-        work = file_rows(args.prompts, args.num)
+        work = file_rows(args.prompts, args.num, args.seed, args.sampled_fraction)
         total = len(work["messages"])
 
         def row_images(r):

@@ -142,6 +142,21 @@ def test_a_changed_image_refuses_a_resume(own, tmp_path, capsys):
     assert "cannot resume" in err and "the input of --prompts" in err, err
 
 
+def test_sampled_answers_are_drawn_per_row_and_repeat(own, tmp_path):
+    from mmspec.data.prompt_file import read_prompt_file
+
+    folder, prompts, _ = own
+    greedy = _answers(own, tmp_path / "greedy.pt")
+    assert not greedy["sampled"].any()  # the default: greedy
+    hot = ["--sampled-fraction", "1", "--temperature", "50"]
+    sampled = _answers(own, tmp_path / "hot.pt", *hot)
+    again = _answers(own, tmp_path / "hot-b1.pt", *hot, "--batch-size", "1")  # other batches: the same draws
+    assert sampled["sampled"].all() and sampled["rows"] == again["rows"]
+    assert sampled["rows"] != greedy["rows"]
+    assert all(s[:n] == g[:n] for s, g, n in zip(sampled["rows"], greedy["rows"], greedy["prompt_lengths"]))
+    assert len(sampled["rows"]) == len(read_prompt_file(prompts))
+
+
 def _usage_error(argv, capsys):
     with pytest.raises(SystemExit) as err:
         train(argv)

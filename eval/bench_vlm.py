@@ -506,15 +506,8 @@ def hf_assisted_knobs(pipe):
 def build_pipeline(args):
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
-    if own_vlm(args):  # your own VLM (`--target`) and the head trained for it
-        from mmspec.models import load
-        from mmspec.models.hf.draft import load_vlm_draft
-        from mmspec.models.hf.vlm_folder import load_target_vlm
-
-        model, processor = load_target_vlm(args.target)
-        head = load(args.eagle_head, dtype=model.dtype) if args.eagle_head else None
-        draft = load_vlm_draft(args.draft, model) if args.draft else None
-        return SpeculativeVLMPipeline(model, processor, draft_model=draft, eagle_head=head)
+    if own_vlm(args):  # your own VLM (`--target`) and the drafters trained for it
+        return SpeculativeVLMPipeline.from_folders(args.target, eagle_head=args.eagle_head, draft=args.draft)
     return SpeculativeVLMPipeline.from_zoo(args.zoo, name=zoo_name(args))
 
 

@@ -152,6 +152,24 @@ class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
         return cls(model, processor, **parts)
 
     @classmethod
+    def from_folders(cls, target, eagle_head=None, draft=None, **kwargs):
+        """Your own VLM: `target` a VLM folder (a transformers one, e.g. Qwen2.5-VL saved by `save_pretrained`, or a
+        zoo one: `mmspec.models.hf.vlm_folder.load_target_vlm`), `eagle_head` a head folder trained for it (EAGLE,
+        EAGLE-3 or vision-aware; `mmspec.models.load`, strict) and `draft` a `vlm-draft` folder for it
+        (`load_vlm_draft`); each optional but the target. Errors name the folder."""
+        from mmspec.models import load
+        from mmspec.models.hf.draft import load_vlm_draft
+        from mmspec.models.hf.vlm_folder import load_target_vlm
+
+        model, processor = load_target_vlm(target)
+        parts = {}
+        if eagle_head is not None:
+            parts["eagle_head"] = load(eagle_head, dtype=model.dtype)
+        if draft is not None:
+            parts["draft_model"] = load_vlm_draft(draft, target=model)
+        return cls(model, processor, **parts, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """`DiffusionPipeline.from_pretrained`, but a local pipeline folder's model components (`model`,
         `draft_model`, `eagle_head`) load strictly through `mmspec.models.load`: every weight present with its

@@ -40,3 +40,20 @@ def save_own_vlm(root):
     prompts = root / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     return folder, prompts, model
+
+
+def save_drafters(root, model, target_folder):
+    """`(head folder, draft folder)` under `root` for the model of `save_own_vlm`: a random EAGLE-3 head of its shape
+    (aux layers 0, 2, 3; a 32-word draft vocabulary) and its first 2 layers as a draft LM (a vlm-draft folder: the
+    second layer stored)."""
+    from mmspec.models.hf.draft import save_draft_delta, truncated_draft
+    from mmspec.models.hf.eagle3 import Eagle3Head
+
+    head = Eagle3Head.from_target(model, draft_vocab_size=32, aux_layers=(0, 2, 3)).init_weights()
+    head.set_draft_vocab(torch.arange(7, 39))  # word tokens
+    head.init_from_target(model)
+    head.save_pretrained(root / "head")
+    draft = truncated_draft(model, 2)
+    trained = [n for n, _ in draft.named_parameters() if "language_model.layers.1." in n]
+    save_draft_delta(draft, root / "draft", trained, 2, {"target": str(target_folder)})
+    return root / "head", root / "draft"

@@ -5,6 +5,11 @@ prints the answer, the decoding stats and, unless `--no-baseline`, plain decodin
     mmspec vlm --image my.png --prompt "Which digit is at the top left?" --drafter model
     mmspec vlm --do-sample --temperature 0.7 --seed 3       # sampled (lossless: the target's own law)
     mmspec vlm --eagle-head vispec                          # a vision-aware head (assets/mnist-vlm-vispec)
+    mmspec vlm --target my-qwen --head runs/my-eagle3 --image cat.jpg --prompt "What is the cat doing?"
+
+`--target` asks your own VLM (a transformers folder: `mmspec.models.hf.vlm_folder`) instead of the zoo's, drafted
+by the head `--head` (`vlm-eagle3` / `vlm-eagle` / `vlm-vision` output) or the draft LM `--draft` (`vlm-draft`
+output) trained for it.
 
 Without `--image` the canvas is a held-out one of MNIST test digits (`--seed`); `--save-image` writes it.
 """
@@ -42,6 +47,12 @@ def add_arguments(parser):
                         help="which EAGLE head drafts (--drafter eagle): eagle (the target's hidden states at every "
                              "image token), vispec / specvlm / msd (vision-aware: the zoo's mnist-vlm-<name>); "
                              "default eagle")  # fmt: skip
+    parser.add_argument("--target", default=None, metavar="FOLDER",
+                        help="your own VLM (a transformers folder) instead of the zoo's; needs --image")  # fmt: skip
+    parser.add_argument("--head", default=None, metavar="FOLDER",
+                        help="with --target: the EAGLE / EAGLE-3 / vision-aware head trained for it (--drafter eagle)")  # fmt: skip
+    parser.add_argument("--draft", default=None, metavar="FOLDER",
+                        help="with --target: its draft LM, a vlm-draft folder (--drafter model)")  # fmt: skip
     parser.add_argument(
         "--max-new-tokens",
         type=int_in_range(1, VLM_LIMITS["max_new_tokens"]),
@@ -117,6 +128,11 @@ def check_args(parser, args):
                 image.verify()
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
             parser.error(f"argument --image: {args.image!r} is not a readable image ({err})")
+    if args.target is not None:
+        return _check_own(parser, args)
+    for flag, value in (("--head", args.head), ("--draft", args.draft)):
+        if value is not None:
+            parser.error(f"argument {flag}: only with --target (the zoo's drafters come from --zoo)")
     check_zoo_folders(parser, args.zoo, ["mnist-vlm"])
     if args.eagle_head is not None and (args.acceptance == "none" or args.drafter != "eagle"):
         parser.error("argument --eagle-head: only used with --drafter eagle (and an --acceptance other than none)")
@@ -128,14 +144,55 @@ def check_args(parser, args):
                           "model": ("mnist-vlm-draft", "draft.json")}[args.drafter]  # fmt: skip
         if not (Path(args.zoo) / folder / marker).is_file():
             parser.error(f"argument --drafter: {args.drafter!r} needs {str(Path(args.zoo) / folder)!r}, not found")
-    text = _text_config(parser, args.zoo)
+    _check_common(parser, args, _text_config(parser, args.zoo), f"{args.zoo}/mnist-vlm")
+
+
+def _check_own(parser, args):
+    """`check_args` for your own VLM (`--target`): a VLM folder, an image, the drafter's folder (`--head` for
+    `--drafter eagle`, `--draft` for `--drafter model`; neither is read with `--acceptance none`)."""
+    from mmspec.models import read_config
+    from mmspec.models.hf.vlm_folder import check_vlm_folder
+
+    try:
+        check_vlm_folder(args.target)
+    except ValueError as err:
+        parser.error(f"argument --target: {err}")
+    if args.image is None:
+        parser.error("argument --target: needs --image (the held-out MNIST canvases are the zoo's)")
+    if args.eagle_head is not None:
+        parser.error("argument --eagle-head: names a zoo head; with --target give the head's folder as --head")
+    needed = None if args.acceptance == "none" else {"eagle": "--head", "model": "--draft"}[args.drafter]
+    for flag, value in (("--head", args.head), ("--draft", args.draft)):
+        if value is not None and flag != needed:
+            parser.error(f"argument {flag}: not used with --acceptance {args.acceptance} --drafter {args.drafter}")
+    if needed == "--head" and args.head is None:
+        parser.error("argument --drafter: eagle on --target needs --head FOLDER (the head trained for it)")
+    if needed == "--draft" and args.draft is None:
+        parser.error("argument --drafter: model on --target needs --draft FOLDER (a vlm-draft folder for it)")
+    if args.head is not None:
+        try:
+            kind = read_config(args.head).get("_class_name")
+        except ValueError as err:
+            parser.error(f"argument --head: {err}")
+        if kind not in ("TextEagleHead", "Eagle3Head", "VisionEagleHead"):
+            parser.error(f"argument --head: {str(args.head)!r} holds a {kind or 'transformers model'}, not a VLM "
+                         "drafting head")  # fmt: skip
+    if args.draft is not None and not (Path(args.draft) / "draft.json").is_file():
+        parser.error(f"argument --draft: {str(args.draft)!r} is not a vlm-draft folder (no draft.json)")
+    config = json.loads((Path(args.target) / "config.json").read_text())
+    text = config.get("text_config") or config
+    _check_common(parser, args, text if isinstance(text, dict) else {}, str(args.target))
+
+
+def _check_common(parser, args, text, where):
+    """The checks of both targets: the answer fits the context, top-k the vocabulary, the knobs the method."""
     context, vocab = text.get("max_position_embeddings"), text.get("vocab_size")
     if isinstance(context, int) and args.max_new_tokens >= context:
         parser.error(
             f"argument --max-new-tokens: {args.max_new_tokens} does not fit the model's context of {context} tokens "
             "(prompt included)"
         )
-    check_top_k_vocab(parser, args.top_k, vocab, f"{args.zoo}/mnist-vlm")
+    check_top_k_vocab(parser, args.top_k, vocab, where)
     if args.acceptance == "greedy" and args.do_sample:
         parser.error("argument --do-sample: --acceptance greedy verifies greedy decoding (use --acceptance exact)")
     if args.acceptance == "none":
@@ -174,7 +231,10 @@ def run(args):
         image = Image.open(args.image).convert("RGB")
     if args.save_image:
         image.save(args.save_image)
-    pipe = SpeculativeVLMPipeline.from_zoo(args.zoo, eagle=getattr(args, "eagle_head", None) or "eagle")
+    if getattr(args, "target", None) is not None:  # your own VLM and the drafter trained for it
+        pipe = SpeculativeVLMPipeline.from_folders(args.target, eagle_head=args.head, draft=args.draft)
+    else:
+        pipe = SpeculativeVLMPipeline.from_zoo(args.zoo, eagle=getattr(args, "eagle_head", None) or "eagle")
     pipe = pipe.to(args.device)
     pipe.set_progress_bar_config(disable=True)
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
@@ -190,7 +250,9 @@ def run(args):
     if not args.no_baseline and args.acceptance != "none":
         runs.append(("plain_baseline", dict(acceptance="none")))
     report = {"prompt": args.prompt, "image": args.image or f"held-out canvas (seed {args.seed})", **sampling}
-    if args.acceptance != "none" and args.drafter == "eagle":
+    if getattr(args, "target", None) is not None:
+        report.update(target=str(args.target), head=args.head and str(args.head), draft=args.draft and str(args.draft))
+    elif args.acceptance != "none" and args.drafter == "eagle":
         report["eagle_head"] = getattr(args, "eagle_head", None) or "eagle"
 
     def call(kw):

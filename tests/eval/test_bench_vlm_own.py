@@ -7,30 +7,17 @@ loading."""
 import json
 
 import pytest
-from own_vlm_fixtures import save_own_vlm
+from own_vlm_fixtures import save_drafters, save_own_vlm
 
 from mmspec.cli import main as mmspec
 
 
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
-    """`(folder, prompts, head folder, draft folder)`: the tiny Qwen2.5-VL, a random EAGLE-3 head of its shape with a
-    32-token draft vocabulary, and its first 2 layers as a draft LM (a vlm-draft folder: the second layer stored)."""
-    import torch
-
-    from mmspec.models.hf.draft import save_draft_delta, truncated_draft
-    from mmspec.models.hf.eagle3 import Eagle3Head
-
+    """`(folder, prompts, head folder, draft folder)`: `own_vlm_fixtures.save_own_vlm` and `save_drafters`."""
     root = tmp_path_factory.mktemp("bench-own")
     folder, prompts, model = save_own_vlm(root)
-    head = Eagle3Head.from_target(model, draft_vocab_size=32, aux_layers=(0, 2, 3)).init_weights()
-    head.set_draft_vocab(torch.arange(7, 39))  # word tokens
-    head.init_from_target(model)
-    head.save_pretrained(root / "head")
-    draft = truncated_draft(model, 2)
-    trained = [n for n, _ in draft.named_parameters() if "language_model.layers.1." in n]
-    save_draft_delta(draft, root / "draft", trained, 2, {"target": str(folder)})
-    return folder, prompts, root / "head", root / "draft"
+    return folder, prompts, *save_drafters(root, model, folder)
 
 
 ROWS = ["plain", "hf-plain", "hf-assisted", "draft-model", "draft-model-frspec", "draft-model-calibrated", "eagle",

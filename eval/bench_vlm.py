@@ -87,7 +87,7 @@ from mmspec.cli.args import (
     sampling_type,
     seed_int,
 )
-from mmspec.cli.checks import check_device, check_zoo_folders
+from mmspec.cli.checks import check_device, check_own_vlm, check_zoo_folders
 from mmspec.data.canvases import MAX_DIGITS, held_out_canvases
 from mmspec.methods import EAGLE_HEADS, TABLE_POLICIES, VLM_LIMITS
 
@@ -360,31 +360,8 @@ def check_own_args(parser, args):
     """`check_args` for your own VLM (`--target`): a VLM folder, a head folder of a head class, the rows it can run
     (plain, hf-plain, and the eagle rows with `--eagle-head`), batch sizes within the prompts, the device."""
     from mmspec.models import read_config
-    from mmspec.models.hf.vlm_folder import check_vlm_folder
 
-    try:
-        check_vlm_folder(args.target)
-    except ValueError as err:
-        parser.error(f"argument --target: {err}")
-    if args.eagle_head is not None:
-        try:
-            kind = read_config(args.eagle_head).get("_class_name")
-        except ValueError as err:
-            parser.error(f"argument --eagle-head: {err}")
-        if kind not in ("TextEagleHead", "Eagle3Head", "VisionEagleHead"):
-            parser.error(f"argument --eagle-head: {str(args.eagle_head)!r} holds a {kind or 'transformers model'}, not a "
-                         "VLM drafting head (TextEagleHead, Eagle3Head, VisionEagleHead)")  # fmt: skip
-    if args.draft is not None:
-        try:
-            meta = json.loads((Path(args.draft) / "draft.json").read_text())
-            layers = int(meta["num_layers"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            parser.error(f"argument --draft: {str(args.draft)!r} is not a vlm-draft folder (draft.json: {err!r})")
-        config = json.loads((Path(args.target) / "config.json").read_text())
-        target_layers = config.get("text_config", config).get("num_hidden_layers")
-        if isinstance(target_layers, int) and layers > target_layers:
-            parser.error(f"argument --draft: keeps {layers} decoder layers, more than --target's {target_layers}: a "
-                         "draft made for another target")  # fmt: skip
+    check_own_vlm(parser, args.target, args.eagle_head, args.draft, flags=("--target", "--eagle-head", "--draft"))
     if args.temperature != 1.0 and not args.do_sample:
         parser.error("argument --temperature: only used with --do-sample (greedy decoding has no temperature)")
     frspec = False

@@ -6,6 +6,7 @@ no real VLM writes them in its text)."""
 
 import json
 
+import pytest
 import qwen_vl_fixtures
 import torch
 
@@ -57,3 +58,11 @@ def save_drafters(root, model, target_folder):
     trained = [n for n, _ in draft.named_parameters() if "language_model.layers.1." in n]
     save_draft_delta(draft, root / "draft", trained, 2, {"target": str(target_folder)})
     return root / "head", root / "draft"
+
+
+def usage_error(main, argv, capsys) -> str:
+    """`main(argv)` must stop with a usage error (exit 2): returns what it wrote to stderr."""
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2
+    return capsys.readouterr().err

@@ -221,3 +221,41 @@ def check_sampling_only(parser, acceptance, temperature, method=None, do_sample=
     if ACCEPTANCES[acceptance].sampling_only and (temperature == 0 or not do_sample):
         what = f"the sampling method {method}" if method else f"the sampling rule --acceptance {acceptance}"
         parser.error(f"argument --temperature: 0 (greedy) does not work with {what}")
+
+
+VLM_HEAD_CLASSES = ("TextEagleHead", "Eagle3Head", "VisionEagleHead")  # the heads a VLM pipeline drafts with
+
+
+def check_own_vlm(parser, target, head=None, draft=None, flags=("--target", "--head", "--draft")) -> dict:
+    """Usage errors (before anything loads) for your own VLM and its drafters: `target` a VLM folder
+    (`vlm_folder.check_vlm_folder`), `head` a folder of a VLM head class, `draft` a vlm-draft folder keeping at most
+    the target's decoder layers; `flags` name the three in the messages. Returns the target's text config (a dict)."""
+    from mmspec.models import read_config
+    from mmspec.models.hf.vlm_folder import check_vlm_folder
+
+    target_flag, head_flag, draft_flag = flags
+    try:
+        check_vlm_folder(target)
+    except ValueError as err:
+        parser.error(f"argument {target_flag}: {err}")
+    config = json.loads((Path(target) / "config.json").read_text())
+    text = config.get("text_config") or config
+    text = text if isinstance(text, dict) else {}
+    if head is not None:
+        try:
+            kind = read_config(head).get("_class_name")
+        except ValueError as err:
+            parser.error(f"argument {head_flag}: {err}")
+        if kind not in VLM_HEAD_CLASSES:
+            parser.error(f"argument {head_flag}: {str(head)!r} holds a {kind or 'transformers model'}, not a VLM "
+                         f"drafting head ({', '.join(VLM_HEAD_CLASSES)})")  # fmt: skip
+    if draft is not None:
+        try:
+            layers = int(json.loads((Path(draft) / "draft.json").read_text())["num_layers"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            parser.error(f"argument {draft_flag}: {str(draft)!r} is not a vlm-draft folder (draft.json: {err!r})")
+        target_layers = text.get("num_hidden_layers")
+        if isinstance(target_layers, int) and layers > target_layers:
+            parser.error(f"argument {draft_flag}: keeps {layers} decoder layers, more than {target_flag}'s "
+                         f"{target_layers}: a draft made for another target")  # fmt: skip
+    return text

@@ -30,7 +30,14 @@ from mmspec.cli.args import (
     sampling_type,
     seed_int,
 )
-from mmspec.cli.checks import check_device, check_method, check_output_file, check_top_k_vocab, check_zoo_folders
+from mmspec.cli.checks import (
+    check_device,
+    check_method,
+    check_output_file,
+    check_own_vlm,
+    check_top_k_vocab,
+    check_zoo_folders,
+)
 from mmspec.methods import DRAFT_LENGTH_KNOBS, EAGLE_HEADS, KNOBS, VLM_LIMITS
 
 
@@ -150,13 +157,7 @@ def check_args(parser, args):
 def _check_own(parser, args):
     """`check_args` for your own VLM (`--target`): a VLM folder, an image, the drafter's folder (`--head` for
     `--drafter eagle`, `--draft` for `--drafter model`; neither is read with `--acceptance none`)."""
-    from mmspec.models import read_config
-    from mmspec.models.hf.vlm_folder import check_vlm_folder
-
-    try:
-        check_vlm_folder(args.target)
-    except ValueError as err:
-        parser.error(f"argument --target: {err}")
+    check_own_vlm(parser, args.target)  # the target first: the flags below are about its drafters
     if args.image is None:
         parser.error("argument --target: needs --image (the held-out MNIST canvases are the zoo's)")
     if args.eagle_head is not None:
@@ -169,19 +170,8 @@ def _check_own(parser, args):
         parser.error("argument --drafter: eagle on --target needs --head FOLDER (the head trained for it)")
     if needed == "--draft" and args.draft is None:
         parser.error("argument --drafter: model on --target needs --draft FOLDER (a vlm-draft folder for it)")
-    if args.head is not None:
-        try:
-            kind = read_config(args.head).get("_class_name")
-        except ValueError as err:
-            parser.error(f"argument --head: {err}")
-        if kind not in ("TextEagleHead", "Eagle3Head", "VisionEagleHead"):
-            parser.error(f"argument --head: {str(args.head)!r} holds a {kind or 'transformers model'}, not a VLM "
-                         "drafting head")  # fmt: skip
-    if args.draft is not None and not (Path(args.draft) / "draft.json").is_file():
-        parser.error(f"argument --draft: {str(args.draft)!r} is not a vlm-draft folder (no draft.json)")
-    config = json.loads((Path(args.target) / "config.json").read_text())
-    text = config.get("text_config") or config
-    _check_common(parser, args, text if isinstance(text, dict) else {}, str(args.target))
+    text = check_own_vlm(parser, args.target, args.head, args.draft)
+    _check_common(parser, args, text, str(args.target))
 
 
 def _check_common(parser, args, text, where):

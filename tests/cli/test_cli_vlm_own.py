@@ -3,7 +3,7 @@ the head or draft LM trained for it (a tiny Qwen2.5-VL folder, `own_vlm_fixtures
 decoding's; flags that cannot work are usage errors before anything loads."""
 
 import pytest
-from own_vlm_fixtures import save_drafters, save_own_vlm
+from own_vlm_fixtures import save_drafters, save_own_vlm, usage_error
 
 from mmspec.cli.vlm import main as vlm
 
@@ -30,13 +30,6 @@ def test_own_vlm_answers_as_plain_decoding(own, drafter, capsys):
     assert report["answer"]["tau"] >= 1.0
 
 
-def _usage_error(argv, capsys):
-    with pytest.raises(SystemExit) as err:
-        vlm(argv)
-    assert err.value.code == 2
-    return capsys.readouterr().err
-
-
 def test_own_vlm_flags_that_cannot_work_are_usage_errors_before_loading(own, capsys, monkeypatch):
     from mmspec.models.hf import vlm_folder
 
@@ -55,5 +48,5 @@ def test_own_vlm_flags_that_cannot_work_are_usage_errors_before_loading(own, cap
         (["--target", str(image.parent), "--image", str(image)], "argument --target"),
     ]
     for argv, needle in cases:
-        err = _usage_error(argv, capsys)
+        err = usage_error(vlm, argv, capsys)
         assert needle in err, (argv, err)

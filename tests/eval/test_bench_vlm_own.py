@@ -7,7 +7,7 @@ loading."""
 import json
 
 import pytest
-from own_vlm_fixtures import save_drafters, save_own_vlm
+from own_vlm_fixtures import save_drafters, save_own_vlm, usage_error
 
 from mmspec.cli import main as mmspec
 
@@ -42,43 +42,42 @@ def test_own_vlm_rows_match_plain_and_transformers(own, tmp_path):
         assert table["eagle"]["tau"] >= 1.0 and table["draft-model"]["tau"] >= 1.0
 
 
-def _usage_error(argv, capsys):
-    with pytest.raises(SystemExit) as err:
-        mmspec(argv)
-    assert err.value.code == 2
-    return capsys.readouterr().err
-
-
 def test_own_vlm_flags_that_cannot_work_are_usage_errors_before_loading(own, capsys, monkeypatch):
     from mmspec.models.hf import vlm_folder
 
     folder, prompts, head, draft = own
     monkeypatch.setattr(vlm_folder, "load_target_vlm", None)  # nothing may load
     base = ["bench", "vlm", "--device", "cpu"]
-    err = _usage_error([*base, "--target", str(folder)], capsys)
+    err = usage_error(mmspec, [*base, "--target", str(folder)], capsys)
     assert "argument --target: needs --prompts" in err
-    err = _usage_error([*base, "--eagle-head", str(head), "--prompts", str(prompts)], capsys)
+    err = usage_error(mmspec, [*base, "--eagle-head", str(head), "--prompts", str(prompts)], capsys)
     assert "argument --eagle-head: only with --target" in err
-    err = _usage_error([*base, "--prompts", str(prompts), "--workload", "free-form"], capsys)
+    err = usage_error(mmspec, [*base, "--prompts", str(prompts), "--workload", "free-form"], capsys)
     assert "argument --prompts: not allowed with --workload" in err
-    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--methods", "plain,eagle"], capsys)
+    err = usage_error(
+        mmspec, [*base, "--target", str(folder), "--prompts", str(prompts), "--methods", "plain,eagle"], capsys
+    )
     assert "argument --methods: eagle cannot run on --target" in err and "need --eagle-head" in err
-    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--methods", "hf-assisted"], capsys)
+    err = usage_error(
+        mmspec, [*base, "--target", str(folder), "--prompts", str(prompts), "--methods", "hf-assisted"], capsys
+    )
     assert "argument --methods: hf-assisted cannot run on --target" in err and "--draft" in err
-    err = _usage_error([*base, "--draft", str(draft), "--prompts", str(prompts)], capsys)
+    err = usage_error(mmspec, [*base, "--draft", str(draft), "--prompts", str(prompts)], capsys)
     assert "argument --draft: only with --target" in err
-    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--draft", str(head)], capsys)
+    err = usage_error(
+        mmspec, [*base, "--target", str(folder), "--prompts", str(prompts), "--draft", str(head)], capsys
+    )
     assert "argument --draft" in err and "not a vlm-draft folder" in err
-    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(head),
+    err = usage_error(mmspec, [*base, "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(head),
                         "--methods", "plain,draft-model"], capsys)  # fmt: skip
     assert "argument --methods: draft-model cannot run on --target" in err
-    err = _usage_error(
-        [*base, "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(folder)], capsys
+    err = usage_error(
+        mmspec, [*base, "--target", str(folder), "--prompts", str(prompts), "--eagle-head", str(folder)], capsys
     )
     assert "argument --eagle-head" in err
-    err = _usage_error([*base, "--target", str(folder), "--prompts", str(prompts), "--batch-size", "6"], capsys)
+    err = usage_error(mmspec, [*base, "--target", str(folder), "--prompts", str(prompts), "--batch-size", "6"], capsys)
     assert "argument --batch-size: 6 is more than the 5 prompt(s) used" in err
     bad = prompts.parent / "bad.jsonl"
     bad.write_text('{"image": "images/missing.png", "prompt": "w1"}\n')
-    err = _usage_error([*base, "--target", str(folder), "--prompts", str(bad)], capsys)
+    err = usage_error(mmspec, [*base, "--target", str(folder), "--prompts", str(bad)], capsys)
     assert f"argument --prompts: {bad}:1" in err and "does not exist" in err

@@ -12,7 +12,7 @@ import PIL.Image
 import pytest
 import qwen_vl_fixtures
 import torch
-from own_vlm_fixtures import SIZES, save_own_vlm
+from own_vlm_fixtures import SIZES, save_own_vlm, usage_error
 
 from mmspec.train.__main__ import main as train
 
@@ -138,7 +138,7 @@ def test_a_changed_image_refuses_a_resume(own, tmp_path, capsys):
     train(argv)
     train(argv)  # finished: a rerun with the same file and images is accepted
     qwen_vl_fixtures.images([SIZES[1]], seed=99)[0].save(tmp_path / "images" / "1.png")  # same name, other pixels
-    err = _usage_error(argv, capsys)
+    err = usage_error(train, argv, capsys)
     assert "cannot resume" in err and "the input of --prompts" in err, err
 
 
@@ -155,13 +155,6 @@ def test_sampled_answers_are_drawn_per_row_and_repeat(own, tmp_path):
     assert sampled["rows"] != greedy["rows"]
     assert all(s[:n] == g[:n] for s, g, n in zip(sampled["rows"], greedy["rows"], greedy["prompt_lengths"]))
     assert len(sampled["rows"]) == len(read_prompt_file(prompts))
-
-
-def _usage_error(argv, capsys):
-    with pytest.raises(SystemExit) as err:
-        train(argv)
-    assert err.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -182,7 +175,7 @@ def test_a_bad_prompts_line_is_a_usage_error_naming_file_and_line(own, tmp_path,
     bad = prompts.parent / f"bad-{abs(hash(line))}.jsonl"
     bad.write_text(prompts.read_text().splitlines()[0] + "\n\n" + line + "\n")
     monkeypatch.setattr(vlm_folder, "load_target_vlm", None)  # nothing may load
-    err = _usage_error(["vlm-answers", "--target", str(folder), "--prompts", str(bad), "--out",
+    err = usage_error(train, ["vlm-answers", "--target", str(folder), "--prompts", str(bad), "--out",
                         str(tmp_path / "a.pt")], capsys)  # fmt: skip
     assert "argument --prompts" in err and f"{bad}:3" in err and needle in err, err
 
@@ -193,19 +186,19 @@ def test_targets_and_flags_that_cannot_work_are_usage_errors_before_loading(own,
     folder, prompts, _ = own
     monkeypatch.setattr(vlm_folder, "load_target_vlm", None)
     out = str(tmp_path / "a.pt")
-    err = _usage_error(["vlm-answers", "--target", str(folder), "--prompts", str(prompts), "--workload", "templated",
+    err = usage_error(train, ["vlm-answers", "--target", str(folder), "--prompts", str(prompts), "--workload", "templated",
                         "--out", out], capsys)  # fmt: skip
     assert "argument --prompts: not allowed with --workload" in err
-    err = _usage_error(["vlm-answers", "--target", str(folder), "--out", out], capsys)
+    err = usage_error(train, ["vlm-answers", "--target", str(folder), "--out", out], capsys)
     assert "argument --target" in err and "--prompts FILE" in err  # MNIST canvases are the zoo's workload
     text_only = tmp_path / "llama"
     text_only.mkdir()
     (text_only / "config.json").write_text(json.dumps({"model_type": "llama"}))
     for task in ("vlm-eagle3", "vlm-eagle", "vlm-vision", "vlm-draft"):
         policy = ["--policy", "vispec"] if task == "vlm-vision" else []
-        err = _usage_error([task, "--target", str(text_only), "--data", str(prompts), "--out", str(tmp_path / task),
+        err = usage_error(train, [task, "--target", str(text_only), "--data", str(prompts), "--out", str(tmp_path / task),
                             *policy], capsys)  # fmt: skip
         assert "argument --target" in err and "'llama' is not a vision-language model" in err, task
-    err = _usage_error(["vlm-eagle3", "--target", str(folder), "--data", str(prompts), "--out", str(tmp_path / "h")],
+    err = usage_error(train, ["vlm-eagle3", "--target", str(folder), "--data", str(prompts), "--out", str(tmp_path / "h")],
                        capsys)  # fmt: skip
     assert "argument --aux-layers: 2,2,1 (the default (2, L // 2, L - 3) for L = 4)" in err, err

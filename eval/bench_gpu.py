@@ -51,6 +51,7 @@ import time
 from mmspec.cli.args import DEFAULT_ZOO, MAX_BATCH, int_in_range, int_list_in_range, names_of
 from mmspec.cli.checks import write_json
 from mmspec.eval.zoo_runs import ZOO_PIPELINES
+from mmspec.methods import COMPILE_RNG, COMPILE_RNGS
 
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,9 @@ def add_arguments(parser):
     parser.add_argument("--eager-verify", action="store_true",
                         help="compiled rows capture the forwards only; the chain verification stays eager (default: "
                         "captured too, enable_compile(verify=True))")  # fmt: skip
+    parser.add_argument("--compile-rng", choices=COMPILE_RNGS, default=COMPILE_RNG,
+                        help="where the captured verification's uniforms come from (enable_compile's rng): drawn "
+                             "from the generators before the graph, or Philox counters inside it (mmspec.philox)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress log")
 
 
@@ -152,6 +156,9 @@ def check_args(parser, args):
             parser.error(f"bench gpu needs the package {package!r}, which is not installed")
     import torch
 
+    if args.compile_rng != COMPILE_RNG and (args.eager_verify or args.no_compile):
+        parser.error(f"argument --compile-rng: {args.compile_rng} draws the captured verification's uniforms; not "
+                     "with --eager-verify or --no-compile")  # fmt: skip
     if args.device is None:
         args.device = "cpu" if args.smoke else "cuda"
     if not args.smoke and (not args.device.startswith("cuda") or not torch.cuda.is_available()):
@@ -652,7 +659,7 @@ def projection(cost_section):
 # section zoo
 
 
-def _set_compile(run, on, smoke, backend=None, verify=True):
+def _set_compile(run, on, smoke, backend=None, verify=True, rng=COMPILE_RNG):
     """Turn the pipelines' capture on or off (`verify`: the chain verification too); the reason it is unavailable,
     or None."""
     pipes = {id(x): x for x in run.pipes.values()}.values()
@@ -660,7 +667,8 @@ def _set_compile(run, on, smoke, backend=None, verify=True):
         return f"{type(next(iter(pipes))).__name__} has no enable_compile"
     for x in pipes:
         if on:
-            x.enable_compile(mode=None, backend="eager" if smoke else backend, verify=verify)
+            x.enable_compile(mode=None, backend="eager" if smoke else backend, verify=verify,
+                             rng=rng if verify else COMPILE_RNG)  # fmt: skip
         else:
             x.disable_compile()
     return None
@@ -692,7 +700,8 @@ def _zoo_pass(args, run, variant, b, device, repeats, rows):
     if reason is None:
         try:
             backend = None if args.compile_backend == "inductor" else args.compile_backend
-            reason = _set_compile(run, variant == "compiled", args.smoke, backend, not args.eager_verify)
+            reason = _set_compile(run, variant == "compiled", args.smoke, backend, not args.eager_verify,
+                                  getattr(args, "compile_rng", COMPILE_RNG))  # fmt: skip
         except Exception as err:
             reason = f"enable_compile failed: {type(err).__name__}: {str(err)[:300]}"
     skips = cudagraph_skips()
@@ -825,7 +834,7 @@ def run(args):
     peak, assumed = peak_bandwidth(info["device"]) if device.type == "cuda" else (None, None)
     report = {"bench": "gpu", "smoke": bool(args.smoke), "partial": True, **info, "sections": list(args.sections),
               "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
-              "compile_verify": not args.eager_verify,
+              "compile_verify": not args.eager_verify, "compile_rng": getattr(args, "compile_rng", COMPILE_RNG),
               "projection_model": PROJECTION_MODEL, "anchors": ANCHORS, "zoo": None, "costs": None,
               "projection": None}  # fmt: skip
     report["bandwidth"] = {"peak": peak, "peak_assumed": assumed, "copy": copy_bandwidth(device, args.smoke)}

@@ -46,6 +46,8 @@ __all__ = [
     "PRESETS",
     "TREE_DRAFTERS",
     "COMPILE_BACKENDS",
+    "COMPILE_RNG",
+    "COMPILE_RNGS",
     "COMPILE_VERIFY",
     "DEFAULT_DRAFT_CONFIDENCE",
     "DRAFT_LENGTHS",
@@ -209,14 +211,26 @@ COMPILE_BACKENDS = (None, "inductor", "cudagraphs", "eager", "aot_eager")
 # and its emit, run as one captured graph on uniforms drawn eagerly first, one draw per generator
 # (`mmspec.decoding.captured_verify`): the same law, another random stream; trees and Jacobi windows stay eager.
 COMPILE_VERIFY = False
+# `enable_compile(rng=...)`: where a captured verification's uniforms come from. "generator" (the default): drawn
+# eagerly before the graph from the call's generator(s), one draw per generator a round; "philox": inside the graph,
+# Philox4x32-10 counters (`mmspec.philox`) under one key per row drawn from the row's generator once per call, the
+# round's index the counter: no draw outside the graph (a per-row generator list costs no launch per row), the same
+# law, another random stream.
+COMPILE_RNGS = ("generator", "philox")
+COMPILE_RNG = "generator"
 
 
-def check_compile(mode=None, backend=None, verify=COMPILE_VERIFY):
+def check_compile(mode=None, backend=None, verify=COMPILE_VERIFY, rng=COMPILE_RNG):
     """Raise ValueError naming the argument unless `mode` is one of `COMPILE_MODES` and `backend` one of
-    `COMPILE_BACKENDS` (a mode other than None/"default" needs the inductor backend); TypeError unless `verify` is a
-    bool."""
+    `COMPILE_BACKENDS` (a mode other than None/"default" needs the inductor backend) and `rng` one of
+    `COMPILE_RNGS` (only with `verify`: eager verification draws from the generators); TypeError unless `verify` is
+    a bool."""
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, got {verify!r} ({type(verify).__name__})")
+    if rng not in COMPILE_RNGS:
+        raise ValueError(f"rng must be one of {COMPILE_RNGS}, got {rng!r}")
+    if rng != COMPILE_RNG and not verify:
+        raise ValueError(f"rng={rng!r} draws a captured verification's uniforms; it needs verify=True")
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
     if backend not in COMPILE_BACKENDS:

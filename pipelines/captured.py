@@ -2,7 +2,7 @@
 `mmspec.decoding.compiled`; `docs/pipelines.md`, "Captured forwards")."""
 
 from mmspec.decoding.compiled import Compiler
-from mmspec.methods import COMPILE_VERIFY, check_compile
+from mmspec.methods import COMPILE_RNG, COMPILE_VERIFY, check_compile
 
 
 __all__ = ["CapturedForwards"]
@@ -15,7 +15,7 @@ class CapturedForwards:
 
     _compiler = None
 
-    def enable_compile(self, mode=None, backend=None, verify=COMPILE_VERIFY):
+    def enable_compile(self, mode=None, backend=None, verify=COMPILE_VERIFY, rng=COMPILE_RNG):
         """Capture the per-round forwards from the next call on; returns the pipeline.
 
         Args:
@@ -28,9 +28,14 @@ class CapturedForwards:
                 AR's one-token draw) and its emit as one graph per row bucket, on uniforms drawn eagerly first
                 (`mmspec.decoding.captured_verify`): the same law as eager, another random stream (greedy tokens
                 are eager's). Trees and Jacobi windows verify eagerly. Default `mmspec.methods.COMPILE_VERIFY`.
+            rng: with `verify`, where its uniforms come from (`mmspec.methods.COMPILE_RNGS`): "generator" (the
+                default: drawn eagerly before the graph, one draw per generator a round) or "philox" (inside the
+                graph, `mmspec.philox`: one key per row from its generator once per call, so nothing is drawn
+                outside the graph and a per-row generator list costs no launch per row; the same law, another
+                stream, still reproducible from the generators and batch-independent with per-row ones).
         """
-        check_compile(mode, backend, verify)
-        self._compiler = Compiler(mode, backend, verify)
+        check_compile(mode, backend, verify, rng)
+        self._compiler = Compiler(mode, backend, verify, rng)
         return self
 
     def disable_compile(self):

@@ -14,6 +14,12 @@ host read). The rule then runs as a pure tensor function of (drafts, ``p_target`
 and the EOS flags and hands back new ones; the round's log stays on the host, `SequenceState.log_round`) and gives
 the stats their per-row counts. The cache commit, the loop's compaction read and the stats' log stay eager.
 
+With `enable_compile(verify=True, rng="philox")` the uniforms are made inside the graph instead
+(`mmspec.philox.philox_uniforms`): each row of the call gets one Philox key from its generator (a per-row list: from
+its own) at the call's first sampled round, and round ``t`` reads the blocks ``(t, j)`` under its row's key. Nothing is
+drawn outside the graph (a per-row list cost one launch per row per round), rows in lockstep read the same counters
+whatever else is in their batch (batch independence), and the same generators give the same tokens.
+
 Shapes are the call's buckets, so a whole generation compiles one graph per (row bucket, greedy): the width ``W`` is
 the drafter's `max_width` every round (0 for plain AR decoding: one token from ``p_target[:, 0]``), a narrower
 proposal padded (its padding is never valid); the rows are `row_bucket`s of the call's first batch, as the
@@ -29,6 +35,8 @@ import torch
 from mmspec.decoding.compiled import pad_rows, row_bucket
 from mmspec.decoding.drafter import Proposal
 from mmspec.decoding.state import append_tokens
+from mmspec.methods import COMPILE_RNG
+from mmspec.philox import philox_uniforms, row_keys
 from mmspec.random import rand
 from mmspec.verify import VerifyResult
 from mmspec.verify.chain import chain_from_uniforms, closes_with_bonus
@@ -37,14 +45,18 @@ from mmspec.verify.chain import chain_from_uniforms, closes_with_bonus
 __all__ = ["CapturedVerify", "captured_round"]
 
 
-def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, buffer, count, ended, max_length, eos):
+def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, buffer, count, ended, max_length, eos,
+                   keys=None, round_index=None):  # fmt: skip
     """The traced function: `chain_from_uniforms`, then the round's tokens appended to the state's buffer
     (`mmspec.decoding.state.append_tokens`, out of place). `draft_tokens` / `num_draft` None: no drafts (plain AR
-    decoding). Returns (num_accepted, accept_mask, tokens, accept_prob, num_emitted, buffer, count, ended, num,
+    decoding). `keys [rows, 2]` / `round_index` (0-d): the uniforms are Philox blocks made here instead of `uniforms`
+    (`mmspec.philox.philox_uniforms`). Returns (num_accepted, accept_mask, tokens, accept_prob, num_emitted, buffer, count, ended, num,
     bonus, accepted): `bonus` the round closed with a token drawn from `p_target` itself (every valid draft accepted),
     `accepted` the accepted drafts kept (`min(num_accepted, num)`, for the stats)."""
     if draft_tokens is None:
         draft_tokens = torch.zeros(p_target.shape[0], 0, dtype=torch.long, device=p_target.device)
+    if keys is not None:
+        uniforms = philox_uniforms(keys, round_index, draft_tokens.shape[1] + 1)
     out = chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms)
     buffer, count, ended, num = append_tokens(buffer, count, ended, out.tokens, out.num_emitted, max_length, eos)
     bonus = closes_with_bonus(out.num_accepted, num_draft, draft_tokens.shape[1])
@@ -75,6 +87,9 @@ class CapturedVerify:
 
     def __init__(self, compiler, rows: int, width: int, device):
         self.compiler, self.rows, self.width, self.device = compiler, int(rows), int(width), torch.device(device)
+        self.philox = getattr(compiler, "rng", COMPILE_RNG) == "philox"
+        self.keys = None  # philox: [rows, 2] one key per row of the call, made at the first sampled round
+        self.round = torch.zeros((), dtype=torch.long, device=self.device)  # philox: the counter
 
     def covers(self, proposal: Proposal) -> bool:
         """A chain (or an empty proposal) no wider than the call's width: the rounds this object verifies."""
@@ -99,11 +114,22 @@ class CapturedVerify:
             lengths = pad_rows(proposal.num_draft, rows, fill=0)
         p = pad_rows(_pad_width(p_target, width + 1), rows)
         q = pad_rows(_pad_width(proposal.q_draft, width), rows)
-        uniforms = None if greedy else self.uniforms(state.generator, live, rows)
+        uniforms = keys = None
+        if not greedy and self.philox:
+            if self.keys is None:  # the rows still live draw their keys once (their ids index the call's rows)
+                self.keys = torch.zeros(self.rows, 2, dtype=torch.long, device=self.device)
+                self.keys[state.ids] = row_keys(state.generator, live, self.device)
+            keys = pad_rows(self.keys[state.ids], rows)
+        elif not greedy:
+            uniforms = self.uniforms(state.generator, live, rows)
         state.reserve(width + 1)
         held = [pad_rows(x, rows) for x in (state.tokens, state.count, state.ended)]
         run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
-        out = run(rule, tokens, p, q, lengths, uniforms, *held, state.max_length, state.eos)
+        if keys is None:
+            out = run(rule, tokens, p, q, lengths, uniforms, *held, state.max_length, state.eos)
+        else:
+            out = run(rule, tokens, p, q, lengths, None, *held, state.max_length, state.eos, keys, self.round)
+            self.round = self.round + 1
         if rows > live:
             out = [x[:live] for x in out]
         num_accepted, accept_mask, chosen, accept_prob, num_emitted, buffer, count, ended, num, bonus, accepted = out

@@ -31,6 +31,8 @@ import types
 
 import torch
 
+from mmspec.methods import COMPILE_RNG
+
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +150,11 @@ class Compiler:
     """A pipeline's captured forwards (`pipe.enable_compile(mode, backend, verify)`): one `CompiledForward` per
     (role, model), created on first use and kept across calls. `mode` / `backend` / `verify` are checked by the
     pipeline (`mmspec.methods.check_compile`); `verify`: the loop's chain verification runs captured too (role
-    "verify", `mmspec.decoding.captured_verify`)."""
+    "verify", `mmspec.decoding.captured_verify`); `rng`: where that verification's uniforms come from
+    (`mmspec.methods.COMPILE_RNGS`)."""
 
-    def __init__(self, mode=None, backend=None, verify=False):
-        self.mode, self.backend, self.verify = mode, backend, verify
+    def __init__(self, mode=None, backend=None, verify=False, rng=COMPILE_RNG):
+        self.mode, self.backend, self.verify, self.rng = mode, backend, verify, rng
         self.forwards: dict[tuple[str, int], CompiledForward] = {}
 
     def forward(self, role, model, fn=None, device=None):

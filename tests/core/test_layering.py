@@ -3,7 +3,7 @@ ones resolved) points to the same layer or a lower one, and no modules import ea
 
 Layers, bottom up (`docs/architecture.md`):
 
-    base         mmspec (the lazy facade), random, stats, cache, sampling, checks, memory, timing, data
+    base         mmspec (the lazy facade), random, philox, stats, cache, sampling, checks, memory, timing, data
     verify       mmspec.verify
     methods      mmspec.methods (the registry)
     decoding     mmspec.decoding (the engine, the Drafter protocol)
@@ -28,6 +28,7 @@ LAYERS = (
         (
             "mmspec",
             "mmspec.random",
+            "mmspec.philox",
             "mmspec.stats",
             "mmspec.cache",
             "mmspec.sampling",

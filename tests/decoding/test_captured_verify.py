@@ -7,11 +7,15 @@ verification (or plain AR's draw) and its emit as one fullgraph graph on uniform
   than the call's width, so the padding and the uniforms' layout are exercised);
 * counted: `_dynamo.explain` 1 graph / 0 breaks per rule, 0 recompiles over whole generations, engine ops per round
   outside the graphs (`ENGINE_OPS_CAPTURED`, exact bounds) and host reads within the eager budgets;
-* per-row generators: a row's tokens do not depend on the rest of its batch.
+* per-row generators: a row's tokens do not depend on the rest of its batch;
+* `rng="philox"` (uniforms made in the graph, `mmspec.philox`): Random123's known answers, uniform and independent
+  draws, the same law by chi-square, batch independence, reproducible from the generators, and no draw outside the
+  graph: a round's eager ops do not grow with the rows of a per-row generator list.
 Graphs are traced with backend "eager" (no code generation): fast, and the same graphs inductor would get.
 """
 
 import contextlib
+import statistics
 
 import factories
 import pytest
@@ -70,6 +74,12 @@ def make_pipe(parts, compiler=None):
 def captured(parts):
     """One pipeline with verification captured, shared: each graph is traced once for the module."""
     return make_pipe(parts, VerifyOnly(backend="eager", verify=True))
+
+
+@pytest.fixture(scope="module")
+def captured_philox(parts):
+    """The same with the captured verification's uniforms made in its graph (`rng="philox"`)."""
+    return make_pipe(parts, VerifyOnly(backend="eager", verify=True, rng="philox"))
 
 
 def run(pipe, method, labels, seed=0, **kw):
@@ -136,7 +146,8 @@ def test_verification_is_one_graph_without_breaks(rule, greedy, eos):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
-def test_captured_chain_law(chi2_pvalue):
+@pytest.mark.parametrize("rng", ["generator", "philox"])
+def test_captured_chain_law(chi2_pvalue, rng):
     """Monte Carlo through `CapturedVerify` (the graph, its padding and its uniforms): 200k independent rows, 0-2
     valid drafts of 2 per row against a call width of 3; the first emitted token follows p1 and the first two
     p1(y1) p2(y2 | y1) (chi-square p > 1e-4, fixed seeds), as `test_verify_exact`'s eager test."""
@@ -155,7 +166,7 @@ def test_captured_chain_law(chi2_pvalue):
     drafts = torch.where(torch.arange(2) < num_draft[:, None], torch.stack([x1, x2], 1), -1)
     p_target = torch.stack([p1.expand(n, V), p2[x1], p3[x1, x2]], dim=1)
     q_draft = torch.stack([q1.expand(n, V), q2[x1]], dim=1)
-    verify = CapturedVerify(Compiler(backend="eager", verify=True), n, 3, "cpu")
+    verify = CapturedVerify(Compiler(backend="eager", verify=True, rng=rng), n, 3, "cpu")
     state = SequenceState(torch.zeros(n, dtype=torch.long), 8, generator=gen)
     res, num, _ = verify(Exact(), Proposal(drafts, num_draft, q_draft), p_target, state, greedy=False)
     assert res.tokens.shape == (n, 3) and (res.num_accepted <= num_draft).all() and torch.equal(num, res.num_emitted)
@@ -166,9 +177,11 @@ def test_captured_chain_law(chi2_pvalue):
     assert chi2_pvalue(y1 * V + y2, (p1[:, None] * p2).flatten()) > 1e-4
 
 
-def test_per_row_generators_keep_rows_batch_independent(captured):
+@pytest.mark.parametrize("rng", ["generator", "philox"])
+def test_per_row_generators_keep_rows_batch_independent(captured, captured_philox, rng):
     """Sampled EAGLE chain, per-row generators: row 2 of a batch of 3 is the same image alone (its draws come from
-    its own generator only, the same number each round)."""
+    its own generator only, the same number each round; philox: its own key, the round's counter)."""
+    captured = captured_philox if rng == "philox" else captured
     batch = run(captured, "eagle-chain", [0, 1, 2], per_row=True).images
     alone = run(captured, "eagle-chain", [2], seed=2, per_row=True).images
     assert torch.equal(batch[2], alone[0])
@@ -269,3 +282,62 @@ def test_vlm_ragged_batch_with_eos_equals_eager():
     assert torch.equal(pipe(**kw, acceptance="exact", drafter="model").sequences, want)
     assert pipe.compile_report()["verify"]["recompiles"] == 0
     assert (want[:2] == -1).any(1).all() and (want[2:] >= 0).all()  # rows 0 and 1 ended early
+
+
+PHILOX_KAT = [  # Random123's known answers for Philox4x32-10 (its tests/kat_vectors): counter, key, output
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]  # fmt: skip
+
+
+def test_philox_known_answers_and_uniform_independent_draws(chi2_pvalue):
+    from mmspec.philox import philox4x32, philox_uniforms
+
+    for counter, key, want in PHILOX_KAT:
+        assert philox4x32(torch.tensor(counter), torch.tensor(key)).tolist() == list(want)
+    keys = torch.tensor([[1, 2], [1, 3], [0xFFFFFFFF, 0]])
+    u = philox_uniforms(keys, torch.tensor(7), 40_000)  # [3, 40k]
+    assert u.dtype == torch.float64 and (u >= 0).all() and (u < 1).all()
+    uniform = torch.full((20,), 1 / 20)
+    for row in u:  # each row uniform, consecutive pairs independent
+        assert chi2_pvalue((row * 20).long(), uniform) > 1e-4
+        pairs = (row[:-1:2] * 10).long() * 10 + (row[1::2] * 10).long()
+        assert chi2_pvalue(pairs, torch.full((100,), 1 / 100)) > 1e-4
+    across = (u[0] * 10).long() * 10 + (u[1] * 10).long()  # keys one bit apart: independent streams
+    assert chi2_pvalue(across, torch.full((100,), 1 / 100)) > 1e-4
+    nxt = philox_uniforms(keys, torch.tensor(8), 40_000)  # the next round's counter: independent of this one
+    assert chi2_pvalue((u[0] * 10).long() * 10 + (nxt[0] * 10).long(), torch.full((100,), 1 / 100)) > 1e-4
+    assert torch.equal(philox_uniforms(keys[1:], torch.tensor(7), 5), u[1:, :5])  # a row's draws are its own
+
+
+@pytest.mark.parametrize("rng", ["generator", "philox"])
+def test_consecutive_rounds_draw_independently(chi2_pvalue, rng):
+    """Plain AR through the captured draw, two rounds of 100k rows from the same p: the pair of tokens follows
+    p x p (a round reusing the last round's uniforms, e.g. a Philox counter that does not advance, gives y2 = y1)."""
+    n = 100_000
+    p = torch.rand(V, generator=torch.Generator().manual_seed(4)).pow(2)
+    p = (p / p.sum())[None, None].expand(n, 1, V)
+    verify = CapturedVerify(Compiler(backend="eager", verify=True, rng=rng), n, 0, "cpu")
+    state = SequenceState(torch.zeros(n, dtype=torch.long), 8, generator=torch.Generator().manual_seed(5))
+    y1, y2 = (verify(Exact(), Proposal.empty(n, "cpu"), p, state, greedy=False)[0].tokens[:, 0] for _ in range(2))
+    assert chi2_pvalue(y1 * V + y2, (p[0, 0, :, None] * p[0, 0]).flatten()) > 1e-4
+
+
+def test_philox_is_reproducible_and_draws_nothing_outside_the_graph(captured, captured_philox, monkeypatch):
+    """The same per-row generators give the same tokens; per round, the eager ops of a philox verification do not
+    grow with the rows (their keys are gathered, not drawn), where the generator path draws from every row's
+    generator (one launch each)."""
+    first = run(captured_philox, "eagle-chain", [0, 1, 2], per_row=True).images
+    assert torch.equal(first, run(captured_philox, "eagle-chain", [0, 1, 2], per_row=True).images)
+    assert not torch.equal(first, run(captured, "eagle-chain", [0, 1, 2], per_row=True).images)  # another stream
+    ops = {}
+    for name, pipe in (("generator", captured), ("philox", captured_philox)):
+        for rows in ([0, 1, 2], [0, 1, 2, 3, 0, 1]):
+            run(pipe, "eagle-chain", rows, per_row=True)  # every graph of these shapes exists
+            with torch.no_grad(), graphs_as_launches(pipe, monkeypatch) as (verify_ops, _), OpCount():
+                run(pipe, "eagle-chain", rows, per_row=True)
+            ops[name, len(rows)] = statistics.median(verify_ops)  # a full-bucket round (the first makes the keys)
+    assert ops["philox", 6] == ops["philox", 3] == 3, ops  # the keys' gather, the launch, the counter
+    assert ops["philox", 3] < ops["generator", 3] < ops["generator", 6], ops  # 12 and 21: 3 ops a row's draw

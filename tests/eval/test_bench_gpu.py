@@ -113,6 +113,7 @@ def test_costs_and_projection_survive_without_diffusers(tmp_path):
         (["--smoke", "--archs", "gpt-5"], "--archs"),
         (["--smoke", "--sections", "zoo,speed"], "--sections"),
         (["--smoke", "--repeats", "0"], "--repeats"),
+        (["--smoke", "--eager-verify", "--compile-rng", "philox"], "--compile-rng"),
         (["--smoke", "--batch-size", "100000"], "--batch-size"),
         (["--smoke", "--zoo", "/no/such/zoo"], "--zoo"),
         (["--smoke", "--methods", "plain,warp-drive"], "--methods"),

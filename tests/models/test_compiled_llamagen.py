@@ -101,6 +101,11 @@ def test_enable_compile_checks_its_arguments(parts):
         pipe.enable_compile(mode="fast")
     with pytest.raises(ValueError, match="backend"):
         pipe.enable_compile(backend="tvm")
+    with pytest.raises(ValueError, match="rng must be one of"):
+        pipe.enable_compile(verify=True, rng="mt19937")
+    with pytest.raises(ValueError, match="needs verify=True"):
+        pipe.enable_compile(rng="philox")
+    assert pipe.enable_compile(verify=True, rng="philox").compiler.rng == "philox"
     assert pipe.compile_report() == {} and pipe.enable_compile().disable_compile().compiler is None
 
 

@@ -341,3 +341,14 @@ def test_philox_is_reproducible_and_draws_nothing_outside_the_graph(captured, ca
             ops[name, len(rows)] = statistics.median(verify_ops)  # a full-bucket round (the first makes the keys)
     assert ops["philox", 6] == ops["philox", 3] == 3, ops  # the keys' gather, the launch, the counter
     assert ops["philox", 3] < ops["generator", 3] < ops["generator", 6], ops  # 12 and 21: 3 ops a row's draw
+
+
+def test_philox_under_cpu_inductor_is_bit_identical():
+    """The int64 word arithmetic survives code generation: `philox_uniforms` compiled by CPU inductor (fullgraph)
+    gives eager's bits, at a counter past 2^32 too (its high word used)."""
+    from mmspec.philox import philox_uniforms
+
+    keys = torch.randint(0, 1 << 32, (5, 2), generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(philox_uniforms, fullgraph=True, dynamic=False)
+    for offset in (3, (1 << 40) + 7):
+        assert torch.equal(compiled(keys, torch.tensor(offset), 9), philox_uniforms(keys, torch.tensor(offset), 9))

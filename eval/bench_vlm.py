@@ -494,7 +494,7 @@ def file_inputs(path, num):
     from mmspec.data.prompt_file import open_images, read_prompt_file
 
     rows = read_prompt_file(path)[:num]
-    return [open_images(r.image_files, r.image_sha256) for r in rows], [r.messages for r in rows]
+    return [open_images(r.image_files) for r in rows], [r.messages for r in rows]  # hashed by read_prompt_file
 
 
 def flat_images(images):

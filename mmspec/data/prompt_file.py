@@ -14,7 +14,8 @@ Each line is a JSON object with:
 `read_prompt_file` checks every line (keys, types, that each image file opens as an image and that a conversation
 holds one image item per image) and raises a ValueError naming the file and line, so that a bad file fails before
 any model loads. The answers file records each image's path and sha256 (`Row.image_files` / `image_sha256`), not
-its pixels; the trainers reopen them (`open_images`) and refuse a file that changed since.
+its pixels; the trainers check them once (`check_images`: a file that changed since is refused) and reopen them
+(`open_images`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-__all__ = ["Row", "open_images", "read_prompt_file"]
+__all__ = ["Row", "check_images", "open_images", "read_prompt_file"]
 
 KEYS = {"prompt", "messages", "image", "images"}
 
@@ -141,12 +142,9 @@ def read_prompt_file(path) -> list[Row]:
     return rows
 
 
-def open_images(files, sha256) -> list:
-    """The images at `files` (RGB PIL), each checked against its recorded `sha256`: ValueError naming the file when
-    it is missing or changed since the answers were made."""
-    import PIL.Image
-
-    images = []
+def check_images(files, sha256) -> None:
+    """ValueError naming the first of `files` that is missing or whose bytes no longer hash to its recorded
+    `sha256` (changed since the answers were made). Run once per answers file, before its images are used."""
     for file, digest in zip(files, sha256, strict=True):
         path = Path(file)
         if not path.is_file():
@@ -154,6 +152,14 @@ def open_images(files, sha256) -> list:
         if _sha256(path) != digest:
             raise ValueError(f"image {file!r} changed since its answers were made (sha256 differs): rerun "
                              "vlm-answers")  # fmt: skip
-        with PIL.Image.open(path) as image:
+
+
+def open_images(files) -> list:
+    """The images at `files` as RGB PIL images (checked beforehand: `read_prompt_file` or `check_images`)."""
+    import PIL.Image
+
+    images = []
+    for file in files:
+        with PIL.Image.open(file) as image:
             images.append(image.convert("RGB"))
     return images

@@ -354,8 +354,8 @@ def run(args):
         work = file_rows(args.prompts, args.num, args.seed, args.sampled_fraction)
         total = len(work["messages"])
 
-        def row_images(r):
-            return open_images(work["image_files"][r], work["image_sha256"][r])
+        def row_images(r):  # hashed just now by read_prompt_file
+            return open_images(work["image_files"][r])
     else:
         work = workload_rows(args.workload, args.num, args.seed, args.sampled_fraction)
         total = len(work["canvases"])

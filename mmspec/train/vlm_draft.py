@@ -20,13 +20,19 @@ from mmspec.train.common import (
     add_common_arguments,
     card_metrics,
     configure_threads,
-    load_checkpoint,
     seed_everything,
     size_int,
     train_with_args,
     write_model_card,
 )
-from mmspec.train.vlm_eagle import add_vlm_data_arguments, answer_mask, check_vlm_target, row_images, target_inputs
+from mmspec.train.vlm_eagle import (
+    add_vlm_data_arguments,
+    answer_mask,
+    check_vlm_target,
+    load_answer_data,
+    row_images,
+    target_inputs,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -72,7 +78,7 @@ def run(args):
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
-    data = load_checkpoint(args.data)
+    data = load_answer_data(args.data)
     target, processor = load_target_vlm(args.target)
     target_class = type(target).__name__
     draft = truncated_draft(target, args.num_layers)

@@ -114,7 +114,7 @@ def frozen_target(args):
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
-    data = load_checkpoint(args.data)
+    data = load_answer_data(args.data)
     model, processor = load_target_vlm(args.target)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -122,14 +122,27 @@ def frozen_target(args):
     return generator, data, model, processor
 
 
+def load_answer_data(path):
+    """A `vlm-answers` file (`load_checkpoint`), with a `--prompts` run's image files checked once against their
+    recorded sha256 (`prompt_file.check_images`: a ValueError naming a moved or changed image before training
+    starts, not at the step that first draws its row)."""
+    data = load_checkpoint(path)
+    if isinstance(data, dict) and "image_files" in data:
+        from mmspec.data.prompt_file import check_images
+
+        for files, digests in zip(data["image_files"], data["image_sha256"], strict=True):
+            check_images(files, digests)
+    return data
+
+
 def row_images(data, rows):
     """The images of `vlm-answers` rows `rows` (indices) as PIL images, in row order: a drawn workload's canvas per
-    row, or a `--prompts` run's image files of each row (none for a text-only row; each checked against its recorded
-    sha256, `prompt_file.open_images`)."""
+    row, or a `--prompts` run's image files of each row (none for a text-only row; checked when the file was loaded,
+    `load_answer_data`)."""
     if "canvases" not in data:
         from mmspec.data.prompt_file import open_images
 
-        return [im for r in rows for im in open_images(data["image_files"][r], data["image_sha256"][r])]
+        return [im for r in rows for im in open_images(data["image_files"][r])]
     from mmspec.data.canvases import to_pil
 
     return [to_pil(data["canvases"][r].float() / 255) for r in rows]

@@ -31,7 +31,6 @@ from mmspec.train.common import (
     card_metrics,
     configure_threads,
     declare_paths,
-    load_checkpoint,
     save_model,
     seed_everything,
     size_int,
@@ -46,6 +45,7 @@ from mmspec.train.vlm_eagle import (
     draft_vocabulary,
     eagle_text_losses,
     evaluate_text_head,
+    load_answer_data,
     row_images,
     target_inputs,
 )
@@ -325,7 +325,7 @@ def run(args):
 
     configure_threads(args.threads)
     generator = seed_everything(args.seed)
-    data = load_checkpoint(args.data)
+    data = load_answer_data(args.data)
     if (not isinstance(data, dict) or not {"input_ids", "lengths", "prompt_lengths"} <= set(data)
             or not ("canvases" in data or "image_files" in data)):  # fmt: skip
         raise ValueError(f"--data {str(args.data)!r} is not a finished vlm-answers file")

@@ -140,6 +140,10 @@ def test_a_changed_image_refuses_a_resume(own, tmp_path, capsys):
     qwen_vl_fixtures.images([SIZES[1]], seed=99)[0].save(tmp_path / "images" / "1.png")  # same name, other pixels
     err = usage_error(train, argv, capsys)
     assert "cannot resume" in err and "the input of --prompts" in err, err
+    with pytest.raises(ValueError, match="1.png' changed since its answers were made"):  # checked before training
+        train(["vlm-eagle3", "--target", str(folder), "--data", str(tmp_path / "a.pt"), "--out", str(tmp_path / "h"),
+               "--aux-layers", "0,2,3", "--steps", "1", "--threads", "1", "--quiet"])  # fmt: skip
+    assert not (tmp_path / "h" / "checkpoint.pt").exists()
 
 
 def test_sampled_answers_are_drawn_per_row_and_repeat(own, tmp_path):

@@ -231,16 +231,14 @@ def check_own_vlm(parser, target, head=None, draft=None, flags=("--target", "--h
     (`vlm_folder.check_vlm_folder`), `head` a folder of a VLM head class, `draft` a vlm-draft folder keeping at most
     the target's decoder layers; `flags` name the three in the messages. Returns the target's text config (a dict)."""
     from mmspec.models import read_config
-    from mmspec.models.hf.vlm_folder import check_vlm_folder
+    from mmspec.models.hf.vlm_folder import check_vlm_folder, text_config
 
     target_flag, head_flag, draft_flag = flags
     try:
         check_vlm_folder(target)
     except ValueError as err:
         parser.error(f"argument {target_flag}: {err}")
-    config = json.loads((Path(target) / "config.json").read_text())
-    text = config.get("text_config") or config
-    text = text if isinstance(text, dict) else {}
+    text = text_config(target)
     if head is not None:
         try:
             kind = read_config(head).get("_class_name")

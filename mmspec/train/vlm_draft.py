@@ -49,12 +49,10 @@ def add_arguments(parser):
 def check_args(parser, args):
     """Usage errors before any model loads: the draft keeps at most the target's decoder layers and fine-tunes at
     most the layers it keeps."""
-    import json
-    from pathlib import Path
+    from mmspec.models.hf.vlm_folder import text_config
 
     check_vlm_target(parser, args)
-    config = json.loads((Path(args.target) / "config.json").read_text())
-    layers = config.get("text_config", config).get("num_hidden_layers")
+    layers = text_config(args.target).get("num_hidden_layers")
     if layers is not None and args.num_layers > layers:
         parser.error(f"argument --num-layers: {args.num_layers} is more than the target's {layers} decoder layers")
     if args.train_layers > args.num_layers:

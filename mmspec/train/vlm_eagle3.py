@@ -108,13 +108,10 @@ def check_args(parser, args):
 def check_aux_layers(parser, args):
     """Usage error (from the target's config.json, before it loads) when `--aux-layers`, or the engines' default
     `(2, L // 2, L - 3)` for a target of L decoder layers, is not strictly ascending layers of that target."""
-    import json
-    from pathlib import Path
-
     from mmspec.models.hf.eagle3 import default_aux_layers
+    from mmspec.models.hf.vlm_folder import text_config
 
-    config = json.loads((Path(args.target) / "config.json").read_text())
-    layers = config.get("text_config", config).get("num_hidden_layers")
+    layers = text_config(args.target).get("num_hidden_layers")
     if not isinstance(layers, int):
         return  # the model's own loading names what is wrong with its config
     aux = args.aux_layers or list(default_aux_layers(layers))

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 
-__all__ = ["ZOO", "TRANSFORMERS", "check_vlm_folder", "load_processor", "load_target_vlm"]
+__all__ = ["ZOO", "TRANSFORMERS", "check_vlm_folder", "load_processor", "load_target_vlm", "text_config"]
 
 ZOO, TRANSFORMERS = "zoo", "transformers"
 
@@ -31,11 +31,9 @@ def check_vlm_folder(folder) -> str:
         ValueError: naming the folder: no readable `config.json`, an mmspec model folder of another kind, or a model
             type that is not a VLM (a plain causal LM has no images to draft for).
     """
-    from mmspec.models.hf.zoo import WEIGHTS_NAME, ZOO_ROOT
+    from mmspec.models.hf.zoo import WEIGHTS_NAME
 
-    folder = Path(folder)
-    if not folder.is_dir() and (ZOO_ROOT / str(folder)).is_dir():  # a zoo name, as `load_vlm` takes it
-        folder = ZOO_ROOT / str(folder)
+    folder = _resolved(folder)
     if (folder / WEIGHTS_NAME).is_file():
         return ZOO
     path = folder / "config.json"
@@ -55,6 +53,22 @@ def check_vlm_folder(folder) -> str:
                          "knows (an image-text-to-text model type, e.g. qwen2_5_vl, qwen3_vl, llava, "
                          "llava_onevision)")  # fmt: skip
     return TRANSFORMERS
+
+
+def _resolved(folder) -> Path:
+    """`folder` as a path; a zoo name (`mnist-vlm`, as `load_vlm` takes it) as its folder under the zoo."""
+    from mmspec.models.hf.zoo import ZOO_ROOT
+
+    folder = Path(folder)
+    return ZOO_ROOT / str(folder) if not folder.is_dir() and (ZOO_ROOT / str(folder)).is_dir() else folder
+
+
+def text_config(folder) -> dict:
+    """The language model's config of a VLM folder checked by `check_vlm_folder` (its `config.json`'s `text_config`,
+    or the config itself where it has none), read as JSON: no model loads."""
+    config = json.loads((_resolved(folder) / "config.json").read_text())
+    text = config.get("text_config") or config
+    return text if isinstance(text, dict) else {}
 
 
 def load_processor(folder, model_type: str):

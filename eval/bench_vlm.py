@@ -267,6 +267,23 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int_in_range(0, MAX_THREADS), default=0,
                         help="torch CPU threads (0: default)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--packed-linear", action="store_true",
+                        help="CPU: every row (transformers' too: the same modules) runs its 2-64-row linears on "
+                             "oneDNN-packed weights (mmspec.models.packed_linear: a verification near a one-token "
+                             "step's cost; plain decoding's kernels unchanged)")  # fmt: skip
+
+
+def check_packed_linear(parser, args):
+    """`--packed-linear`: a CPU device and a torch build with oneDNN's packed kernels (before any model loads)."""
+    from mmspec.models.packed_linear import packing_available
+
+    if not getattr(args, "packed_linear", False):
+        return
+    if torch.device(args.device).type != "cpu":
+        parser.error(f"argument --packed-linear: CPU only (--device is {args.device!r}; off the CPU the linears "
+                     "already run their device's kernels)")  # fmt: skip
+    if not packing_available():
+        parser.error("argument --packed-linear: this torch build has no oneDNN (mkldnn) CPU kernels")
 
 
 def check_args(parser, args):
@@ -275,6 +292,7 @@ def check_args(parser, args):
     model's context, and the device exists."""
     from mmspec.models import read_config
 
+    check_packed_linear(parser, args)
     if args.prompts is not None and args.workload is not None:
         parser.error("argument --prompts: not allowed with --workload (the file is the workload)")
     for flag, value in (("--eagle-head", args.eagle_head), ("--draft", args.draft)):
@@ -567,6 +585,9 @@ def run(args, pipe=None, canvases=None, heads=None):
         heads = {} if pipe is not None else None
     pipe = (pipe or build_pipeline(args)).to(device)
     pipe.set_progress_bar_config(disable=True)
+    packed = getattr(args, "packed_linear", False)
+    if packed:  # in place, so transformers' rows (the same modules) run the same kernels
+        pipe.enable_packed_linear()
     heads = load_vision_heads(args, pipe) if heads is None else dict(heads)
     expert = getattr(args, "specvlm_expert", None)
     if expert is not None and "specvlm" in heads:
@@ -755,6 +776,8 @@ def run(args, pipe=None, canvases=None, heads=None):
                         e["matches_plain"], e["draft_image_tokens"], e["gate_choice"])  # fmt: skip
     for c in counters.values():
         c.handle.remove()
+    if packed:  # a pipeline handed in leaves as it came
+        pipe.disable_packed_linear()
     return {
         "bench": "vlm",
         "zoo": None if own_vlm(args) else str(args.zoo),
@@ -804,6 +827,7 @@ def run(args, pipe=None, canvases=None, heads=None):
         "seed": args.seed,
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "packed_linear": packed,
         "time_phases": time_phases,
         "machine": platform.machine(),
         "torch": torch.__version__,

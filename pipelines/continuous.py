@@ -29,6 +29,7 @@ from mmspec.random import check_generator
 from mmspec.stats import SpecStats
 
 from .captured import CapturedForwards
+from .packed import PackedLinears
 
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class SpeculativeContinuousOutput(BaseOutput):
     trace: DecodeTrace
 
 
-class SpeculativeContinuousARPipeline(CapturedForwards, DiffusionPipeline):
+class SpeculativeContinuousARPipeline(PackedLinears, CapturedForwards, DiffusionPipeline):
     """MAR sampling, plain or with CSpD (module docstring)."""
 
     model_cpu_offload_seq = "transformer->vae"

@@ -25,6 +25,7 @@ from mmspec.stats import SpecStats
 from mmspec.verify import Exact, Grouped, Lantern, codebook_neighbours
 
 from .captured import CapturedForwards
+from .packed import PackedLinears
 
 
 __all__ = ["OUTPUT_TYPES", "Condition", "SpeculativeImageOutput", "TokenImagePipeline", "with_knob_parameters"]
@@ -79,7 +80,7 @@ def _check_bool(name, value):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
-class TokenImagePipeline(CapturedForwards, DiffusionPipeline):
+class TokenImagePipeline(PackedLinears, CapturedForwards, DiffusionPipeline):
     """The shared call of the token-image pipelines (module docstring). Subclasses implement `prepare`,
     `make_target`, `prefill`, `check_call`, `codebook` and `postprocess`, and may override `loaded_drafters`,
     `make_drafter`, `check_guidance` and `call_device`."""

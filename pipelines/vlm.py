@@ -62,6 +62,7 @@ from mmspec.stats import SpecStats
 from mmspec.verify import Exact
 
 from .captured import CapturedForwards
+from .packed import PackedLinears
 
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class SpeculativeVLMOutput(BaseOutput):
     trace: DecodeTrace | None = None
 
 
-class SpeculativeVLMPipeline(CapturedForwards, DiffusionPipeline):
+class SpeculativeVLMPipeline(PackedLinears, CapturedForwards, DiffusionPipeline):
     """Speculative decoding for a transformers VLM / causal LM (see the module docstring).
 
     Args:

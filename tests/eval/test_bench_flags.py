@@ -156,6 +156,7 @@ CASES = [
     ("cli", ["bench", "vlm", "--seed", BIG], "--seed"),
     ("cli", ["bench", "vlm", "--threads", "100000"], "--threads"),
     ("cli", ["bench", "vlm", "--json", "{tmp}"], "--json"),
+    ("cli", ["bench", "vlm", "--packed-linear", "--device", "cuda"], "--packed-linear"),
     # mmspec bench verify
     ("cli", ["bench", "verify", "--neighbours", "20000"], "--neighbours"),
     ("cli", ["bench", "verify", "--vocab", "0"], "--vocab"),

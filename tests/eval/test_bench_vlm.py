@@ -2,6 +2,7 @@
 
 import argparse
 
+import pytest
 from vlm_fixtures import images, tiny_llava, tiny_processor, train_tiny_head
 
 from mmspec.eval import bench_vlm
@@ -45,3 +46,37 @@ def test_bench_vlm_reports_every_method(tmp_path):
     )
     assert "verify_costs" not in report["knobs"]["eagle-heuristic"]
     assert "speedup_vs_hf_assisted" in b1["eagle"] and report["knobs"]["hf-assisted"]["num_assistant_tokens"]
+
+
+def test_bench_vlm_packed_linear_runs_every_row_on_the_same_kernels():
+    """`--packed-linear`: ours and transformers' rows run on the packed modules (the verification took the packed
+    kernel), every greedy row still equals plain, the report says so, and the pipeline handed in leaves unpacked."""
+    from mmspec.models.packed_linear import PackedLinear, packing_available
+
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN CPU kernels")
+    target = tiny_llava(4, seed=1)
+    pipe = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=truncated_draft(target, 3))
+    pipe.set_progress_bar_config(disable=True)
+    canvases = images(2, seed=7)
+    parser = argparse.ArgumentParser()
+    bench_vlm.add_arguments(parser)
+    args = parser.parse_args(["--max-new-tokens", "12", "--prompt", "w1 w2", "--packed-linear", "--device", "cpu",
+                              "--methods", "plain,hf-assisted,draft-model,draft-model-heuristic"])  # fmt: skip
+    calls = []
+    forward = PackedLinear.forward
+    PackedLinear.forward = lambda self, x: calls.append(x.shape[:-1].numel()) or forward(self, x)
+    try:
+        report = bench_vlm.run(args, pipe=pipe, canvases=canvases)
+    finally:
+        PackedLinear.forward = forward
+    b1 = report["by_batch_size"]["1"]
+    assert report["packed_linear"] is True and set(b1) == {
+        "plain",
+        "hf-assisted",
+        "draft-model",
+        "draft-model-heuristic",
+    }
+    assert all(entry["matches_plain"] for entry in b1.values())
+    assert any(1 < rows <= 5 for rows in calls)  # a K = 4 verification went through the packed modules
+    assert not any(isinstance(m, PackedLinear) for m in pipe.model.modules())

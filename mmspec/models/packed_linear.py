@@ -81,6 +81,12 @@ class PackedLinear(nn.Linear):
     _packed = None
     _packed_key = None
 
+    def __getstate__(self):  # copies and pickles leave the packed copy (opaque to both) to be made again on use
+        state = dict(super().__getstate__())
+        state.pop("_packed", None)
+        state.pop("_packed_key", None)
+        return state
+
     def _pack(self):
         weight = self.weight.detach()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _HINT)

@@ -114,6 +114,22 @@ def test_a_weight_changed_after_packing_is_repacked():
         torch.testing.assert_close(lin(x), lin.bias.expand(9, -1))
 
 
+def test_a_packed_module_copies():
+    """After use (its packed copy made, an opaque oneDNN tensor that cannot be copied): `copy.deepcopy` (which
+    pickling shares, `__getstate__`) works, and the copy packs its own weight again."""
+    import copy
+
+    lin = linear()
+    pack_linears(lin)
+    x = torch.randn(9, 48)
+    with torch.no_grad():
+        want = lin(x)
+        twin = copy.deepcopy(lin)
+        assert type(twin) is PackedLinear and twin._packed is None
+        torch.testing.assert_close(twin(x), want)
+        assert twin._packed is not None and lin._packed is not None
+
+
 def test_parameters_ties_and_state_dict_untouched():
     model = tiny_llava(2, seed=1)
     model.config.tie_word_embeddings = True

@@ -87,7 +87,7 @@ from mmspec.cli.args import (
     sampling_type,
     seed_int,
 )
-from mmspec.cli.checks import check_device, check_own_vlm, check_zoo_folders
+from mmspec.cli.checks import check_device, check_own_vlm, check_packed_linear, check_zoo_folders
 from mmspec.data.canvases import MAX_DIGITS, held_out_canvases
 from mmspec.methods import EAGLE_HEADS, TABLE_POLICIES, VLM_LIMITS
 
@@ -271,19 +271,6 @@ def add_arguments(parser):
                         help="CPU: every row (transformers' too: the same modules) runs its 2-64-row linears on "
                              "oneDNN-packed weights (mmspec.models.packed_linear: a verification near a one-token "
                              "step's cost; plain decoding's kernels unchanged)")  # fmt: skip
-
-
-def check_packed_linear(parser, args):
-    """`--packed-linear`: a CPU device and a torch build with oneDNN's packed kernels (before any model loads)."""
-    from mmspec.models.packed_linear import packing_available
-
-    if not getattr(args, "packed_linear", False):
-        return
-    if torch.device(args.device).type != "cpu":
-        parser.error(f"argument --packed-linear: CPU only (--device is {args.device!r}; off the CPU the linears "
-                     "already run their device's kernels)")  # fmt: skip
-    if not packing_available():
-        parser.error("argument --packed-linear: this torch build has no oneDNN (mkldnn) CPU kernels")
 
 
 def check_args(parser, args):

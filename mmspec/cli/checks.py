@@ -21,6 +21,7 @@ __all__ = [
     "check_mnist",
     "check_output_file",
     "check_output_folder",
+    "check_packed_linear",
     "check_sampling_only",
     "check_top_k_vocab",
     "check_zoo_folders",
@@ -132,6 +133,22 @@ def check_device(parser, device, flag="--device"):
         check(device, name=flag)
     except ValueError as err:
         parser.error(f"argument {err}")
+
+
+def check_packed_linear(parser, args, flag="--packed-linear"):
+    """With `args.packed_linear`: usage error unless `args.device` is the CPU and this torch build has oneDNN's
+    packed kernels (`mmspec.models.packed_linear`)."""
+    import torch
+
+    from mmspec.models.packed_linear import packing_available
+
+    if not getattr(args, "packed_linear", False):
+        return
+    if torch.device(args.device).type != "cpu":
+        parser.error(f"argument {flag}: CPU only (--device is {args.device!r}; off the CPU the linears already run "
+                     "their device's kernels)")  # fmt: skip
+    if not packing_available():
+        parser.error(f"argument {flag}: this torch build has no oneDNN (mkldnn) CPU kernels")
 
 
 def check_zoo_folders(parser, zoo, names, flag="--zoo"):

@@ -38,7 +38,19 @@ def test_answers_a_held_out_canvas_like_plain_decoding(capsys, tmp_path, monkeyp
     assert report["matches_plain"] and report["answer"]["text"] == report["plain_baseline"]["text"]
     assert report["answer"]["text"].startswith("There ")  # a description, as trained
     assert report["answer"]["tau"] > 1.0 and report["plain_baseline"]["tau"] == 1.0
-    # the saved canvas answers the same through --image
-    assert cli.main(["vlm", "--image", str(image), "--max-new-tokens", "12", "--no-baseline"]) == 0
+    # the saved canvas answers the same through --image, also with the verification on packed CPU linears
+    argv = ["vlm", "--image", str(image), "--max-new-tokens", "12", "--no-baseline", "--packed-linear"]
+    assert cli.main(argv) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["answer"]["text"] == report["answer"]["text"] and "plain_baseline" not in again
+    assert again["packed_linear"] is True and report["packed_linear"] is False
+
+
+def test_packed_linear_without_onednn_is_a_usage_error(capsys, monkeypatch):
+    import mmspec.models.packed_linear as packed
+
+    monkeypatch.setattr(packed, "_AVAILABLE", False)  # a torch build without oneDNN's packed kernels
+    monkeypatch.setattr(cli_vlm, "run", lambda args: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["vlm", "--packed-linear"])
+    assert exc.value.code == 2 and "--packed-linear" in capsys.readouterr().err

@@ -87,6 +87,11 @@ class PackedLinear(nn.Linear):
         state.pop("_packed_key", None)
         return state
 
+    def _apply(self, fn, *args, **kwargs):  # `.to()`, `.half()`, ...: the old weight's packed copy goes
+        self.__dict__.pop("_packed", None)
+        self.__dict__.pop("_packed_key", None)
+        return super()._apply(fn, *args, **kwargs)
+
     def _pack(self):
         weight = self.weight.detach()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _HINT)

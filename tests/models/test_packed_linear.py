@@ -112,6 +112,12 @@ def test_a_weight_changed_after_packing_is_repacked():
         torch.testing.assert_close(lin(x), nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         lin.weight = nn.Parameter(torch.zeros(80, 48))
         torch.testing.assert_close(lin(x), lin.bias.expand(9, -1))
+        lin(x)
+        lin.double()  # a move or cast drops the packed copy (it would only hold memory: the key no longer matches)
+        assert lin._packed is None
+        lin.float()
+        torch.testing.assert_close(lin(x), lin.bias.expand(9, -1))
+        assert lin._packed is not None
 
 
 def test_a_packed_module_copies():

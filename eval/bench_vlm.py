@@ -575,248 +575,254 @@ def run(args, pipe=None, canvases=None, heads=None):
     packed = getattr(args, "packed_linear", False)
     if packed:  # in place, so transformers' rows (the same modules) run the same kernels
         pipe.enable_packed_linear()
-    heads = load_vision_heads(args, pipe) if heads is None else dict(heads)
-    expert = getattr(args, "specvlm_expert", None)
-    if expert is not None and "specvlm" in heads:
-        heads["specvlm"].vision.force(expert)  # the per-compressor ablation (inference only)
-    unknown = sorted(set(heads) - set(VISION_METHODS))
-    if unknown:
-        raise ValueError(f"heads: unknown row(s) {unknown}; the vision-aware rows are {VISION_METHODS}")
-    pipes = {"eagle": pipe}  # one pipeline per head, all on the same target, processor and draft LM
-    for name, head in heads.items():
-        pipes[name] = type(pipe)(pipe.model, pipe.processor, draft_model=pipe.draft_model, eagle_head=head.to(device))
-        pipes[name].set_progress_bar_config(disable=True)
-    free_form = layouts = None
-    if workload == "free-form":
-        canvases, free_form = free_form_inputs(args.num_prompts, args.seed, args.min_digits)
-        prompts, key = [p.messages for p in free_form], "messages"
-    elif workload == "readout":
-        canvases, free_form, layouts = readout_inputs(args.num_prompts, args.seed)
-        prompts, key = [p.messages for p in free_form], "messages"
-    elif workload == FILE_WORKLOAD:
-        canvases, prompts = file_inputs(args.prompts, args.num_prompts)
-        key = "messages"
-    else:
-        canvases = canvases or held_out_canvases(args.num_prompts, args.seed, args.min_digits)
-        prompts, key = [args.prompt] * len(canvases), "prompt"
-    eos = pipe.eos_token_ids()
-    counters = {"target": _Counter(pipe.model)}
-    if pipe.draft_model is not None:
-        counters["draft"] = _Counter(pipe.draft_model)
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample)
-    if do_sample:
-        common["temperature"] = temperature
-    greedy = dict(acceptance="exact" if do_sample else "greedy")
-    ours = {
-        "plain": dict(acceptance="none"),
-        "draft-model": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens),
-        "draft-model-confident": dict(greedy, drafter="model", num_draft_tokens=args.confident_draft_tokens,
-                                      draft_confidence=args.draft_confidence),
-        "draft-model-tree": dict(greedy, drafter="model", tree_depth=args.model_tree_depth,
-                                 tree_top_k=args.model_tree_top_k, tree_nodes=args.model_tree_nodes),
-        "draft-model-frspec": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens,
-                                   draft_vocab=getattr(pipe.eagle_head, "draft_vocab", None)),
-        "eagle": dict(greedy, drafter="eagle", tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
-                      tree_nodes=args.tree_nodes),
-    }  # fmt: skip
-    for name in VISION_METHODS:  # the vision-aware heads: EAGLE's knobs
-        ours[name] = dict(ours["eagle"])
-    k_max = getattr(args, "adaptive_max_tokens", 8)
-    for name, (drafter, policy, vocab) in ADAPTIVE.items():
-        size = dict(num_draft_tokens=k_max) if drafter == "model" else dict(tree_depth=k_max, tree_top_k=1)
-        ours[name] = dict(greedy, drafter=drafter, draft_length=policy, **size)
-        if vocab:
-            ours[name]["draft_vocab"] = getattr(pipe.eagle_head, "draft_vocab", None)
-    frspec = pipe.eagle_head is not None and pipe.eagle_head.config.draft_vocab_size > 0
-    methods = [m for m in args.methods if not ("frspec" in m and (not frspec or pipe.draft_model is None))
-               and not (m.startswith("draft-model") and pipe.draft_model is None)
-               and not (m == "hf-assisted" and pipe.draft_model is None)
-               and not (m.startswith("eagle") and pipe.eagle_head is None)
-               and not (m in VISION_METHODS and m not in heads) and not (do_sample and m.startswith("hf-"))]  # fmt: skip
-    if "plain" not in methods:
-        methods.insert(0, "plain")
-    tables = {}  # batch size -> the verification table the table-priced rows run with at that batch size
-    if getattr(args, "cost_model", "table") == "table" and any(ADAPTIVE.get(m, (None, None))[1] in TABLE_POLICIES
-                                                                 for m in methods):  # fmt: skip
-        prefix = pipe.encode(flat_images(canvases[:1]), *((prompts[:1], None) if key == "prompt" else (None, prompts[:1])),
-                             device)[0]  # fmt: skip
-        for bs in args.batch_size:  # priced in units of a one-token forward of `bs` rows
-            tables[bs] = measure_verify_costs(pipe, prefix.expand(bs, -1).contiguous(), k_max + 1)
-            logger.info("b%d verification cost by width (one-token forwards): %s", bs, tables[bs])
-
-    def draft_lm_image_tokens(ims, texts):
-        """Image tokens transformers' assistant (the draft LM) reads per answer."""
-        from mmspec.models.hf.inputs import image_token_mask
-
-        ids, lengths, _ = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
-        valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
-        return (image_token_mask(pipe.draft_model, ids) & valid).sum(1).tolist()
-
-    def call(name, ims, texts, first=0):
-        """One timed call: (answers as token lists up to EOS, stats dict). `first`: the workload index of the
-        batch's first answer (its sampling seed)."""
-        for c in counters.values():
-            c.calls = 0
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        rows, ims = len(texts), flat_images(ims)
-        if name in ours:
-            sampling = dict(generator=answer_generators(first, rows, args.seed, device)) if do_sample else {}
-            out = pipes.get(name, pipe)(images=ims, **{key: texts}, output_type="ids", **common, **ours[name],
-                                        time_phases=time_phases, **sampling)  # fmt: skip
-            dt = time.perf_counter() - t0
-            s = out.stats
-            answers = [[t for t in row if t >= 0] for row in out.sequences.tolist()]
-            info = dict(prefill_s=s.time_prefill_s, decode_s=dt - s.time_prefill_s, tau=s.mean_accepted_length,
-                        tau_without_bonus=s.mean_accepted_drafts, step_compression=s.step_compression,
-                        target_calls=s.target_forwards, draft_calls=s.draft_forwards,
-                        draft_image_tokens=s.extra.get("draft_image_tokens_per_answer"),
-                        accept_histogram=list(s.accept_histogram),
-                        gate_choice=s.extra.get("gate_choice"), draft_s=s.time_draft_s,
-                        verify_s=s.time_verify_s)  # fmt: skip
+    try:
+        heads = load_vision_heads(args, pipe) if heads is None else dict(heads)
+        expert = getattr(args, "specvlm_expert", None)
+        if expert is not None and "specvlm" in heads:
+            heads["specvlm"].vision.force(expert)  # the per-compressor ablation (inference only)
+        unknown = sorted(set(heads) - set(VISION_METHODS))
+        if unknown:
+            raise ValueError(f"heads: unknown row(s) {unknown}; the vision-aware rows are {VISION_METHODS}")
+        pipes = {"eagle": pipe}  # one pipeline per head, all on the same target, processor and draft LM
+        for name, head in heads.items():
+            pipes[name] = type(pipe)(
+                pipe.model, pipe.processor, draft_model=pipe.draft_model, eagle_head=head.to(device)
+            )
+            pipes[name].set_progress_bar_config(disable=True)
+        free_form = layouts = None
+        if workload == "free-form":
+            canvases, free_form = free_form_inputs(args.num_prompts, args.seed, args.min_digits)
+            prompts, key = [p.messages for p in free_form], "messages"
+        elif workload == "readout":
+            canvases, free_form, layouts = readout_inputs(args.num_prompts, args.seed)
+            prompts, key = [p.messages for p in free_form], "messages"
+        elif workload == FILE_WORKLOAD:
+            canvases, prompts = file_inputs(args.prompts, args.num_prompts)
+            key = "messages"
         else:
-            ids, lengths, extra = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
-            if ids.shape[0] != 1:
-                raise ValueError("transformers' methods run at batch 1")
-            kw = dict(assistant_model=pipe.draft_model) if name == "hf-assisted" else {}
-            gen = pipe.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), eos_token_id=eos,
-                                      pad_token_id=pipe.tokenizer.pad_token_id, **extra, **common, **kw)  # fmt: skip
+            canvases = canvases or held_out_canvases(args.num_prompts, args.seed, args.min_digits)
+            prompts, key = [args.prompt] * len(canvases), "prompt"
+        eos = pipe.eos_token_ids()
+        counters = {"target": _Counter(pipe.model)}
+        if pipe.draft_model is not None:
+            counters["draft"] = _Counter(pipe.draft_model)
+        common = dict(max_new_tokens=args.max_new_tokens, do_sample=do_sample)
+        if do_sample:
+            common["temperature"] = temperature
+        greedy = dict(acceptance="exact" if do_sample else "greedy")
+        ours = {
+            "plain": dict(acceptance="none"),
+            "draft-model": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens),
+            "draft-model-confident": dict(greedy, drafter="model", num_draft_tokens=args.confident_draft_tokens,
+                                          draft_confidence=args.draft_confidence),
+            "draft-model-tree": dict(greedy, drafter="model", tree_depth=args.model_tree_depth,
+                                     tree_top_k=args.model_tree_top_k, tree_nodes=args.model_tree_nodes),
+            "draft-model-frspec": dict(greedy, drafter="model", num_draft_tokens=args.num_draft_tokens,
+                                       draft_vocab=getattr(pipe.eagle_head, "draft_vocab", None)),
+            "eagle": dict(greedy, drafter="eagle", tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
+                          tree_nodes=args.tree_nodes),
+        }  # fmt: skip
+        for name in VISION_METHODS:  # the vision-aware heads: EAGLE's knobs
+            ours[name] = dict(ours["eagle"])
+        k_max = getattr(args, "adaptive_max_tokens", 8)
+        for name, (drafter, policy, vocab) in ADAPTIVE.items():
+            size = dict(num_draft_tokens=k_max) if drafter == "model" else dict(tree_depth=k_max, tree_top_k=1)
+            ours[name] = dict(greedy, drafter=drafter, draft_length=policy, **size)
+            if vocab:
+                ours[name]["draft_vocab"] = getattr(pipe.eagle_head, "draft_vocab", None)
+        frspec = pipe.eagle_head is not None and pipe.eagle_head.config.draft_vocab_size > 0
+        methods = [m for m in args.methods if not ("frspec" in m and (not frspec or pipe.draft_model is None))
+                   and not (m.startswith("draft-model") and pipe.draft_model is None)
+                   and not (m == "hf-assisted" and pipe.draft_model is None)
+                   and not (m.startswith("eagle") and pipe.eagle_head is None)
+                   and not (m in VISION_METHODS and m not in heads) and not (do_sample and m.startswith("hf-"))]  # fmt: skip
+        if "plain" not in methods:
+            methods.insert(0, "plain")
+        tables = {}  # batch size -> the verification table the table-priced rows run with at that batch size
+        if getattr(args, "cost_model", "table") == "table" and any(ADAPTIVE.get(m, (None, None))[1] in TABLE_POLICIES
+                                                                     for m in methods):  # fmt: skip
+            prefix = pipe.encode(flat_images(canvases[:1]), *((prompts[:1], None) if key == "prompt" else (None, prompts[:1])),
+                                 device)[0]  # fmt: skip
+            for bs in args.batch_size:  # priced in units of a one-token forward of `bs` rows
+                tables[bs] = measure_verify_costs(pipe, prefix.expand(bs, -1).contiguous(), k_max + 1)
+                logger.info("b%d verification cost by width (one-token forwards): %s", bs, tables[bs])
+
+        def draft_lm_image_tokens(ims, texts):
+            """Image tokens transformers' assistant (the draft LM) reads per answer."""
+            from mmspec.models.hf.inputs import image_token_mask
+
+            ids, lengths, _ = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
+            valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
+            return (image_token_mask(pipe.draft_model, ids) & valid).sum(1).tolist()
+
+        def call(name, ims, texts, first=0):
+            """One timed call: (answers as token lists up to EOS, stats dict). `first`: the workload index of the
+            batch's first answer (its sampling seed)."""
+            for c in counters.values():
+                c.calls = 0
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            answer = gen[0, ids.shape[1] :].tolist()
-            for i, t in enumerate(answer):
-                if eos and t in eos:
-                    answer = answer[: i + 1]
-                    break
-            answers = [answer]
-            calls = counters["target"].calls
-            info = dict(prefill_s=None, decode_s=None, tau=None, tau_without_bonus=None,
-                        step_compression=len(answer) / calls if calls else None, target_calls=calls,
-                        draft_calls=counters["draft"].calls if "draft" in counters else 0,
-                        draft_image_tokens=draft_lm_image_tokens(ims, texts) if name == "hf-assisted" else None,
-                        accept_histogram=None,
-                        gate_choice=None, draft_s=None, verify_s=None)  # fmt: skip
-        return answers, dict(latency_s=dt, new_tokens=sum(len(a) for a in answers), **info)
+            t0 = time.perf_counter()
+            rows, ims = len(texts), flat_images(ims)
+            if name in ours:
+                sampling = dict(generator=answer_generators(first, rows, args.seed, device)) if do_sample else {}
+                out = pipes.get(name, pipe)(images=ims, **{key: texts}, output_type="ids", **common, **ours[name],
+                                            time_phases=time_phases, **sampling)  # fmt: skip
+                dt = time.perf_counter() - t0
+                s = out.stats
+                answers = [[t for t in row if t >= 0] for row in out.sequences.tolist()]
+                info = dict(prefill_s=s.time_prefill_s, decode_s=dt - s.time_prefill_s, tau=s.mean_accepted_length,
+                            tau_without_bonus=s.mean_accepted_drafts, step_compression=s.step_compression,
+                            target_calls=s.target_forwards, draft_calls=s.draft_forwards,
+                            draft_image_tokens=s.extra.get("draft_image_tokens_per_answer"),
+                            accept_histogram=list(s.accept_histogram),
+                            gate_choice=s.extra.get("gate_choice"), draft_s=s.time_draft_s,
+                            verify_s=s.time_verify_s)  # fmt: skip
+            else:
+                ids, lengths, extra = pipe.encode(ims, *((texts, None) if key == "prompt" else (None, texts)), device)
+                if ids.shape[0] != 1:
+                    raise ValueError("transformers' methods run at batch 1")
+                kw = dict(assistant_model=pipe.draft_model) if name == "hf-assisted" else {}
+                gen = pipe.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), eos_token_id=eos,
+                                          pad_token_id=pipe.tokenizer.pad_token_id, **extra, **common, **kw)  # fmt: skip
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                answer = gen[0, ids.shape[1] :].tolist()
+                for i, t in enumerate(answer):
+                    if eos and t in eos:
+                        answer = answer[: i + 1]
+                        break
+                answers = [answer]
+                calls = counters["target"].calls
+                info = dict(prefill_s=None, decode_s=None, tau=None, tau_without_bonus=None,
+                            step_compression=len(answer) / calls if calls else None, target_calls=calls,
+                            draft_calls=counters["draft"].calls if "draft" in counters else 0,
+                            draft_image_tokens=draft_lm_image_tokens(ims, texts) if name == "hf-assisted" else None,
+                            accept_histogram=None,
+                            gate_choice=None, draft_s=None, verify_s=None)  # fmt: skip
+            return answers, dict(latency_s=dt, new_tokens=sum(len(a) for a in answers), **info)
 
-    report = {}
-    for bs in args.batch_size:
-        for name, (_, policy, _) in ADAPTIVE.items():
-            if bs in tables and policy in TABLE_POLICIES:
-                ours[name]["verify_costs"] = tables[bs]
-        names = [m for m in methods if bs == 1 or not m.startswith("hf-")]
-        batches = [(canvases[i : i + bs], prompts[i : i + bs]) for i in range(0, len(canvases), bs)]
-        for name in names:  # warm-up
-            call(name, *batches[0])
-        runs = {name: [] for name in names}
-        answers = {name: [] for name in names}
-        for i, (ims, texts) in enumerate(tqdm(batches, desc=f"vlm b{bs}", disable=None)):
+        report = {}
+        for bs in args.batch_size:
+            for name, (_, policy, _) in ADAPTIVE.items():
+                if bs in tables and policy in TABLE_POLICIES:
+                    ours[name]["verify_costs"] = tables[bs]
+            names = [m for m in methods if bs == 1 or not m.startswith("hf-")]
+            batches = [(canvases[i : i + bs], prompts[i : i + bs]) for i in range(0, len(canvases), bs)]
+            for name in names:  # warm-up
+                call(name, *batches[0])
+            runs = {name: [] for name in names}
+            answers = {name: [] for name in names}
+            for i, (ims, texts) in enumerate(tqdm(batches, desc=f"vlm b{bs}", disable=None)):
+                for name in names:
+                    a, info = call(name, ims, texts, first=i * bs)
+                    runs[name].append(info)
+                    answers[name] += a
+            table = {}
             for name in names:
-                a, info = call(name, ims, texts, first=i * bs)
-                runs[name].append(info)
-                answers[name] += a
-        table = {}
-        for name in names:
-            r = runs[name]
-            med = lambda key, r=r: statistics.median(x[key] for x in r) if r[0][key] is not None else None  # noqa: E731
-            decode = sum(x["decode_s"] for x in r) if r[0]["decode_s"] is not None else None
-            tokens = sum(x["new_tokens"] for x in r)
-            rounds_tau = [x["tau"] for x in r if x["tau"] is not None]
-            table[name] = {
-                "latency_s": med("latency_s"),
-                "prefill_s": med("prefill_s"),
-                "decode_s": med("decode_s"),
-                "tokens_per_s": tokens / (decode if decode is not None else sum(x["latency_s"] for x in r)),
-                "tau": statistics.mean(rounds_tau) if rounds_tau else None,
-                "tau_without_bonus": statistics.mean(x["tau_without_bonus"] for x in r) if rounds_tau else None,
-                "step_compression": statistics.mean(x["step_compression"] for x in r if x["step_compression"]),
-                "target_calls": statistics.mean(x["target_calls"] for x in r),
-                "draft_calls": statistics.mean(x["draft_calls"] for x in r),
-                "mean_new_tokens": tokens / len(canvases),
-                "s_per_token": sum(x["latency_s"] for x in r) / max(tokens, 1),  # prefill included
-                "min_new_tokens": min(len(a) for a in answers[name]),
-                "matches_plain": None if do_sample else answers[name] == answers["plain"],
-                **image_token_fields(r),
-                **phase_fields(r),
-                **depth_fields(r),
-                **({} if layouts is None else readout_accuracy(pipe.tokenizer, answers[name], free_form, layouts)),
-            }
-        base = table["plain"]
-        for entry in table.values():
-            if do_sample:  # the same law, other draws: answers (and lengths) differ, so compare time per token
-                entry["speedup"] = base["s_per_token"] / entry["s_per_token"]
-                entry["decode_speedup"] = entry["tokens_per_s"] / base["tokens_per_s"] if entry["decode_s"] else None
-                continue
-            entry["speedup"] = base["latency_s"] / entry["latency_s"]
-            entry["decode_speedup"] = base["decode_s"] / entry["decode_s"] if entry["decode_s"] else None
-        if "hf-assisted" in table:
-            for name in ALL_METHODS[3:]:
-                if name in table:
-                    table[name]["speedup_vs_hf_assisted"] = (
-                        table["hf-assisted"]["latency_s"] / table[name]["latency_s"]
+                r = runs[name]
+                med = lambda key, r=r: statistics.median(x[key] for x in r) if r[0][key] is not None else None  # noqa: E731
+                decode = sum(x["decode_s"] for x in r) if r[0]["decode_s"] is not None else None
+                tokens = sum(x["new_tokens"] for x in r)
+                rounds_tau = [x["tau"] for x in r if x["tau"] is not None]
+                table[name] = {
+                    "latency_s": med("latency_s"),
+                    "prefill_s": med("prefill_s"),
+                    "decode_s": med("decode_s"),
+                    "tokens_per_s": tokens / (decode if decode is not None else sum(x["latency_s"] for x in r)),
+                    "tau": statistics.mean(rounds_tau) if rounds_tau else None,
+                    "tau_without_bonus": statistics.mean(x["tau_without_bonus"] for x in r) if rounds_tau else None,
+                    "step_compression": statistics.mean(x["step_compression"] for x in r if x["step_compression"]),
+                    "target_calls": statistics.mean(x["target_calls"] for x in r),
+                    "draft_calls": statistics.mean(x["draft_calls"] for x in r),
+                    "mean_new_tokens": tokens / len(canvases),
+                    "s_per_token": sum(x["latency_s"] for x in r) / max(tokens, 1),  # prefill included
+                    "min_new_tokens": min(len(a) for a in answers[name]),
+                    "matches_plain": None if do_sample else answers[name] == answers["plain"],
+                    **image_token_fields(r),
+                    **phase_fields(r),
+                    **depth_fields(r),
+                    **({} if layouts is None else readout_accuracy(pipe.tokenizer, answers[name], free_form, layouts)),
+                }
+            base = table["plain"]
+            for entry in table.values():
+                if do_sample:  # the same law, other draws: answers (and lengths) differ, so compare time per token
+                    entry["speedup"] = base["s_per_token"] / entry["s_per_token"]
+                    entry["decode_speedup"] = (
+                        entry["tokens_per_s"] / base["tokens_per_s"] if entry["decode_s"] else None
                     )
-        report[str(bs)] = table
-        for name, e in table.items():
-            logger.info("b%d %-12s %.3fs speedup %.2fx decode %.2fx tau %s matches %s draft image tokens %s gate %s",
-                        bs, name, e["latency_s"], e["speedup"], e["decode_speedup"] or float("nan"), e["tau"],
-                        e["matches_plain"], e["draft_image_tokens"], e["gate_choice"])  # fmt: skip
-    for c in counters.values():
-        c.handle.remove()
-    if packed:  # a pipeline handed in leaves as it came
-        pipe.disable_packed_linear()
-    return {
-        "bench": "vlm",
-        "zoo": None if own_vlm(args) else str(args.zoo),
-        **(
-            {
-                "target": str(args.target),
-                "eagle_head": args.eagle_head and str(args.eagle_head),
-                "draft": args.draft and str(args.draft),
-            }
-            if own_vlm(args)
-            else {}
-        ),  # fmt: skip
-        "workload": workload,
-        **({"prompts_file": str(args.prompts)} if workload == FILE_WORKLOAD else {}),
-        "prompt": args.prompt if free_form is None else None,
-        **(
-            {}
-            if free_form is None
-            else {
-                "prompts": [
-                    {
-                        "kind": p.kind,
-                        "template": p.template,
-                        "turns": sum(m["role"] == "user" for m in p.messages),
-                        "text": p.text,
-                    }
-                    for p in free_form
-                ]
-            }
-        ),  # fmt: skip
-        "example_answer": pipe.tokenizer.decode(answers["plain"][0], skip_special_tokens=True),
-        "knobs": {
-            "max_new_tokens": args.max_new_tokens,
-            "do_sample": do_sample,
-            **({"temperature": temperature} if do_sample else {}),
-            **({"specvlm_expert": expert} if expert is not None else {}),
-            **{
-                name: {k: f"{len(v)} ids" if torch.is_tensor(v) else v for k, v in kw.items()}
-                for name, kw in ours.items()
+                    continue
+                entry["speedup"] = base["latency_s"] / entry["latency_s"]
+                entry["decode_speedup"] = base["decode_s"] / entry["decode_s"] if entry["decode_s"] else None
+            if "hf-assisted" in table:
+                for name in ALL_METHODS[3:]:
+                    if name in table:
+                        table[name]["speedup_vs_hf_assisted"] = (
+                            table["hf-assisted"]["latency_s"] / table[name]["latency_s"]
+                        )
+            report[str(bs)] = table
+            for name, e in table.items():
+                logger.info("b%d %-12s %.3fs speedup %.2fx decode %.2fx tau %s matches %s draft image tokens %s gate %s",
+                            bs, name, e["latency_s"], e["speedup"], e["decode_speedup"] or float("nan"), e["tau"],
+                            e["matches_plain"], e["draft_image_tokens"], e["gate_choice"])  # fmt: skip
+        for c in counters.values():
+            c.handle.remove()
+        return {
+            "bench": "vlm",
+            "zoo": None if own_vlm(args) else str(args.zoo),
+            **(
+                {
+                    "target": str(args.target),
+                    "eagle_head": args.eagle_head and str(args.eagle_head),
+                    "draft": args.draft and str(args.draft),
+                }
+                if own_vlm(args)
+                else {}
+            ),  # fmt: skip
+            "workload": workload,
+            **({"prompts_file": str(args.prompts)} if workload == FILE_WORKLOAD else {}),
+            "prompt": args.prompt if free_form is None else None,
+            **(
+                {}
+                if free_form is None
+                else {
+                    "prompts": [
+                        {
+                            "kind": p.kind,
+                            "template": p.template,
+                            "turns": sum(m["role"] == "user" for m in p.messages),
+                            "text": p.text,
+                        }
+                        for p in free_form
+                    ]
+                }
+            ),  # fmt: skip
+            "example_answer": pipe.tokenizer.decode(answers["plain"][0], skip_special_tokens=True),
+            "knobs": {
+                "max_new_tokens": args.max_new_tokens,
+                "do_sample": do_sample,
+                **({"temperature": temperature} if do_sample else {}),
+                **({"specvlm_expert": expert} if expert is not None else {}),
+                **{
+                    name: {k: f"{len(v)} ids" if torch.is_tensor(v) else v for k, v in kw.items()}
+                    for name, kw in ours.items()
+                },
+                "hf-assisted": hf_assisted_knobs(pipe),
+                "cost_model": getattr(args, "cost_model", "table"),
+                "verify_costs_by_batch_size": {str(bs): table for bs, table in tables.items()} or None,
             },
-            "hf-assisted": hf_assisted_knobs(pipe),
-            "cost_model": getattr(args, "cost_model", "table"),
-            "verify_costs_by_batch_size": {str(bs): table for bs, table in tables.items()} or None,
-        },
-        "batch_sizes": args.batch_size,
-        "num_prompts": len(canvases),
-        "seed": args.seed,
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "packed_linear": packed,
-        "time_phases": time_phases,
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "by_batch_size": report,
-    }
+            "batch_sizes": args.batch_size,
+            "num_prompts": len(canvases),
+            "seed": args.seed,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+            "packed_linear": packed,
+            "time_phases": time_phases,
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "by_batch_size": report,
+        }
+    finally:
+        if packed:  # a pipeline handed in leaves as it came, also when a row raises
+            pipe.disable_packed_linear()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-__all__ = ["Row", "check_images", "open_images", "read_prompt_file"]
+__all__ = ["Row", "check_images", "open_images", "read_prompt_file", "read_prompts"]
 
 KEYS = {"prompt", "messages", "image", "images"}
 
@@ -96,9 +96,17 @@ def _check_image(path: Path, where):
 def read_prompt_file(path) -> list[Row]:
     """Every line of the JSON Lines file `path` as a `Row` (blank lines skipped); ValueError naming `path:line` and
     what is wrong (module docstring), or the file when it holds no line."""
+    return read_prompts(path)[0]
+
+
+def read_prompts(path) -> tuple[list[Row], str]:
+    """`read_prompt_file(path)` and the sha256 of what was read, from one read of the file: its bytes' sha256, then
+    each image's sha256 in order (a changed image changes it as a changed line does). What a resumable run records,
+    so the rows it answers are the ones its record names."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()
+        lines = data.decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"{str(path)!r}: cannot read it as UTF-8 text ({err})") from err
     rows = []
@@ -139,7 +147,8 @@ def read_prompt_file(path) -> list[Row]:
         rows.append(Row(messages, tuple(map(str, resolved)), tuple(_sha256(f) for f in resolved)))
     if not rows:
         raise ValueError(f"{str(path)!r} holds no prompt (one JSON object per line)")
-    return rows
+    digests = [hashlib.sha256(data).hexdigest(), *(d for row in rows for d in row.image_sha256)]
+    return rows, hashlib.sha256("\n".join(digests).encode()).hexdigest()
 
 
 def check_images(files, sha256) -> None:

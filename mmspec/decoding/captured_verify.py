@@ -89,7 +89,8 @@ class CapturedVerify:
         self.compiler, self.rows, self.width, self.device = compiler, int(rows), int(width), torch.device(device)
         self.philox = getattr(compiler, "rng", COMPILE_RNG) == "philox"
         self.keys = None  # philox: [rows, 2] one key per row of the call, made at the first sampled round
-        self.round = torch.zeros((), dtype=torch.long, device=self.device)  # philox: the counter
+        # philox: the round counter (a 0-d device tensor, an input of the graph); none with per-row generators
+        self.round = torch.zeros((), dtype=torch.long, device=self.device) if self.philox else None
 
     def covers(self, proposal: Proposal) -> bool:
         """A chain (or an empty proposal) no wider than the call's width: the rounds this object verifies."""

@@ -31,6 +31,7 @@ Saved (`torch.save`, loads with `weights_only=True`): `canvases uint8 [N, 64, 64
 """
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -108,10 +109,11 @@ def user_turn(question):
 def file_rows(prompts, num=None, seed=0, sampled_fraction=0.0):
     """The rows of a `--prompts` file (its first `num` lines; all by default): `workload_rows`' fields with
     `image_files` / `image_sha256` (per row) in place of `canvases`; a row is sampled with probability
-    `sampled_fraction` (drawn from a generator seeded `seed`), else answered greedily."""
+    `sampled_fraction` (drawn from a generator seeded `seed`), else answered greedily. `prompts`: the file, or its
+    rows as `read_prompt_file` returned them (the read `answers_flags` recorded)."""
     from mmspec.data.prompt_file import read_prompt_file
 
-    lines = read_prompt_file(prompts)[:num]
+    lines = (read_prompt_file(prompts) if isinstance(prompts, (str, os.PathLike)) else list(prompts))[:num]
     sampled = torch.rand(len(lines), generator=torch.Generator().manual_seed(seed)) < sampled_fraction
     return {
         "messages": [r.messages for r in lines],
@@ -192,18 +194,16 @@ def resolve_defaults(args):
     return args
 
 
-def answers_flags(args) -> dict:
+def answers_flags(args, prompts=None) -> dict:
     """`run_flags(args)`, where a `--prompts` file's sha256 covers its images too (each image's sha256, in order): a
-    resume after an image changed is refused like one after the file changed."""
+    resume after an image changed is refused like one after the file changed. `prompts`: what
+    `mmspec.data.prompt_file.read_prompts` returned for the file (read here when not given), so the flags record
+    the very read whose rows are answered."""
     flags = run_flags(args)
     if getattr(args, "prompts", None) is not None:
-        import hashlib
+        from mmspec.data.prompt_file import read_prompts
 
-        from mmspec.data.prompt_file import read_prompt_file
-
-        digests = [d for row in read_prompt_file(args.prompts) for d in row.image_sha256]
-        file_sha = flags["prompts"]["sha256"]
-        flags["prompts"]["sha256"] = hashlib.sha256("\n".join([file_sha, *digests]).encode()).hexdigest()
+        flags["prompts"]["sha256"] = (prompts or read_prompts(args.prompts))[1]
     return flags
 
 
@@ -214,9 +214,10 @@ def check_args(parser, args):
     (the file and line named), or a `--workload` is given too; else when the target is not a zoo VLM or reads
     another image size than the workload's canvases (the processor would resize them silently)."""
     from mmspec.data import canvases, grids
-    from mmspec.data.prompt_file import read_prompt_file
+    from mmspec.data.prompt_file import read_prompts
     from mmspec.models.hf.vlm_folder import ZOO, check_vlm_folder
 
+    prompts = None
     try:
         kind = check_vlm_folder(args.target)
     except ValueError as err:
@@ -227,7 +228,7 @@ def check_args(parser, args):
         if args.merge is not None:
             parser.error("argument --prompts: not allowed with --merge")
         try:
-            read_prompt_file(args.prompts)
+            prompts = read_prompts(args.prompts)
         except ValueError as err:
             parser.error(f"argument --prompts: {err}")
     resolve_defaults(args)
@@ -258,7 +259,7 @@ def check_args(parser, args):
         return
     if Path(args.out).is_file():
         try:
-            load_answers(Path(args.out), answers_flags(args))
+            load_answers(Path(args.out), answers_flags(args, prompts))
         except ValueError as err:
             parser.error(str(err))
 
@@ -332,7 +333,7 @@ def run(args):
     from tqdm.auto import tqdm
 
     from mmspec.data.canvases import to_pil
-    from mmspec.data.prompt_file import open_images
+    from mmspec.data.prompt_file import open_images, read_prompts
     from mmspec.models.hf.vlm_folder import load_target_vlm
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
 
@@ -346,15 +347,16 @@ def run(args):
         tmp.replace(out)
         logger.info("merged %d answers from %s into %s", len(record["rows"]), ", ".join(args.merge), out)
         return record
-    flags = answers_flags(args)
+    prompts = read_prompts(args.prompts) if args.prompts is not None else None  # one read: flags and rows
+    flags = answers_flags(args, prompts)
     done = load_answers(out, flags) if out.is_file() else {"rows": [], "prompt_lengths": []}
     done["run_flags"] = flags
     seed_everything(args.seed)
     if args.workload == FILE_WORKLOAD:
-        work = file_rows(args.prompts, args.num, args.seed, args.sampled_fraction)
+        work = file_rows(prompts[0], args.num, args.seed, args.sampled_fraction)
         total = len(work["messages"])
 
-        def row_images(r):  # hashed just now by read_prompt_file
+        def row_images(r):  # hashed just now by read_prompts
             return open_images(work["image_files"][r])
     else:
         work = workload_rows(args.workload, args.num, args.seed, args.sampled_fraction)

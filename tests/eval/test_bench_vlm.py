@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+import torch
 from vlm_fixtures import images, tiny_llava, tiny_processor, train_tiny_head
 
 from mmspec.eval import bench_vlm
@@ -79,4 +80,22 @@ def test_bench_vlm_packed_linear_runs_every_row_on_the_same_kernels():
     }
     assert all(entry["matches_plain"] for entry in b1.values())
     assert any(1 < rows <= 5 for rows in calls)  # a K = 4 verification went through the packed modules
+    assert not any(isinstance(m, PackedLinear) for m in pipe.model.modules())
+
+
+def test_bench_vlm_packed_linear_unpacks_when_a_row_raises():
+    """The pipeline handed in leaves unpacked also when the run fails after packing (here: an unknown head row)."""
+    from mmspec.models.packed_linear import PackedLinear, packing_available
+
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN CPU kernels")
+    target = tiny_llava(4, seed=1)
+    pipe = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=truncated_draft(target, 3))
+    parser = argparse.ArgumentParser()
+    bench_vlm.add_arguments(parser)
+    args = parser.parse_args(["--max-new-tokens", "4", "--prompt", "w1 w2", "--packed-linear", "--device", "cpu",
+                              "--methods", "plain"])  # fmt: skip
+    with pytest.raises(ValueError, match="unknown row"):
+        bench_vlm.run(args, pipe=pipe, canvases=images(1, seed=7), heads={"not-a-head": None})
+    assert any(isinstance(m, torch.nn.Linear) for m in pipe.model.modules())
     assert not any(isinstance(m, PackedLinear) for m in pipe.model.modules())

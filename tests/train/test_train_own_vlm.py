@@ -206,3 +206,27 @@ def test_targets_and_flags_that_cannot_work_are_usage_errors_before_loading(own,
     err = usage_error(train, ["vlm-eagle3", "--target", str(folder), "--data", str(prompts), "--out", str(tmp_path / "h")],
                        capsys)  # fmt: skip
     assert "argument --aux-layers: 2,2,1 (the default (2, L // 2, L - 3) for L = 4)" in err, err
+
+
+def test_answers_read_the_prompts_file_once_per_check_and_once_per_run(own, tmp_path, monkeypatch):
+    """`vlm-answers --prompts`: the usage check reads the file once and the run once, and the run's flags record the
+    read whose rows it answers (was: three reads a run, four on a resume, so a file edited between them could be
+    answered under another file's record)."""
+    import pathlib
+
+    _, prompts, _ = own
+    reads = []
+    for name in ("read_bytes", "read_text"):
+        real = getattr(pathlib.Path, name)
+
+        def counted(self, *a, _real=real, **k):
+            if self == prompts:
+                reads.append(name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(pathlib.Path, name, counted)
+    _answers(own, tmp_path / "answers.pt")
+    assert len(reads) == 2
+    reads.clear()
+    _answers(own, tmp_path / "answers.pt")  # a finished file: checked against its flags, then resumed (nothing left)
+    assert len(reads) == 2

@@ -15,7 +15,10 @@ prefill included: `SpecStats.step_compression`), ``host_reads_per_call`` (the wh
 ``ops_per_call``, ``ops_per_round`` (``target`` / ``drafter`` / ``engine`` / ``total``: dispatched aten ops inside
 the loop / rounds; each is a kernel launch on a GPU unless captured in a graph), ``launch_bound_speedup``
 (``tau / tau(plain) * ops_per_round.total(plain) / ops_per_round.total``: the speedup if every op cost the same
-launch time and nothing else, against plain at the same batch), and ``compile`` (batch 1 only:
+launch time and nothing else, against plain at the same batch), ``captured_ops_per_round`` (the same split with
+everything captured, ``enable_compile(backend="eager", verify=True)``: a graph's replay counts as one launch in the
+phase that calls it; null with ``captured_reason`` where the pipeline has no ``enable_compile`` or the capture
+failed), and ``compile`` (batch 1 only:
 ``torch._dynamo.explain`` of the target forward after ``pipe.enable_compile()``: ``graph_count``,
 ``graph_break_count``, ``break_reasons``; null with ``compile_reason`` where the pipeline has no
 ``enable_compile``).
@@ -250,6 +253,54 @@ def explain_compile(run, method, first_forward):
             "break_reasons": reasons, "compile_report": report}, None  # fmt: skip
 
 
+@contextlib.contextmanager
+def _graphs_as_launches():
+    """While counting: every captured graph (`mmspec.decoding.compiled.CompiledForward`) runs outside the dispatch
+    modes (dynamo does not trace under one) and counts as one op, a launch, in the phase of its caller."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+    from mmspec.counting import OpCount
+    from mmspec.decoding.compiled import CompiledForward
+
+    run = CompiledForward._run
+
+    def launch(self, args, kwargs):
+        counters = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, OpCount)]
+        with _disable_current_modes():
+            out = run(self, args, kwargs)
+        for counter in counters:
+            counter.by_phase[counter._phases[-1]] += 1
+        return out
+
+    CompiledForward._run = launch
+    try:
+        yield
+    finally:
+        CompiledForward._run = run
+
+
+def profile_captured(run, method, batch):
+    """Ops per round with everything captured (`enable_compile(backend="eager", verify=True)`: the target's and the
+    drafter's forwards and, for chains, Jacobi windows and plain decoding, the verification with its emit, each
+    graph one launch): (ops_per_round, None) or (None, reason). Dynamo traces (no code generation): the same graphs
+    a GPU would launch."""
+    pipe = run.pipes[method]
+    if not hasattr(pipe, "enable_compile"):
+        return None, f"{type(pipe).__name__} has no enable_compile"
+    try:
+        pipe.enable_compile(backend="eager", verify=True)
+        with _graphs_as_launches():
+            run.call(method, batch)  # every shape of the counted call compiles here
+            row = profile_call(run, method, batch)
+    except Exception as err:  # a compile failure is a finding to record, not a crash of the profile
+        return None, f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+    finally:
+        if hasattr(pipe, "disable_compile"):
+            pipe.disable_compile()
+        torch._dynamo.reset()
+    return {k: round(v, 2) for k, v in row["ops_per_round"].items()}, None
+
+
 def profile(
     pipelines, methods, batch_sizes, zoo, max_new_tokens=16, num_ar_steps=16, device="cpu", quiet=False, compile=True
 ):
@@ -273,6 +324,9 @@ def profile(
                     row["compile"], row["compile_reason"] = (
                         explain_compile(run, m, first) if compile else (None, "--no-compile")
                     )
+                row["captured_ops_per_round"], row["captured_reason"] = (
+                    profile_captured(run, m, b) if compile else (None, "--no-compile")
+                )
                 rows[p][m][str(b)] = row
                 if not quiet:
                     logger.info("%s %s b%d: %.1f reads/round, %.0f ops/round (target %.0f, drafter %.0f, engine "

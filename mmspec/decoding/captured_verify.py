@@ -1,4 +1,4 @@
-"""Captured verification: a chain round's verification and the emit that goes with it as one
+"""Captured verification: a chain's or a Jacobi window's round, its verification and the emit that goes with it, as one
 `torch.compile(fullgraph=True, dynamic=False)` graph (`pipe.enable_compile(verify=True)`, `docs/pipelines.md`,
 "Captured forwards").
 
@@ -25,8 +25,11 @@ the drafter's `max_width` every round (0 for plain AR decoding: one token from `
 proposal padded (its padding is never valid); the rows are `row_bucket`s of the call's first batch, as the
 forwards'. Padding rows verify (and append to) copies of row 0 and are cut off.
 
-Covered: chain proposals (no tree parents, no Jacobi re-draft) under any `mmspec.verify.AcceptanceRule` (exact,
-LANTERN, GSD), sampled or greedy, and plain AR decoding. Trees and Jacobi windows verify eagerly
+Covered: chain proposals under any `mmspec.verify.AcceptanceRule` (exact, LANTERN, GSD), sampled or greedy; plain AR
+decoding; and Jacobi windows (SJD, SCD, and LANTERN / GSD on Jacobi drafts): the verification, SJD's or SCD's
+re-draft and the next window as `mmspec.verify.jacobi.jacobi_from_uniforms` on ``3 W + 2`` uniforms per row (coins,
+the next token, the fresh re-drafts, the coupled residual re-drafts; `mmspec.verify.jacobi.jacobi_uniforms`), the
+window handed back to the drafter as a `JacobiResult`. Trees (EAGLE-2, SJD-PAC's Jacobi tree) verify eagerly
 (`mmspec.decoding.loop.verify_proposal`), as does everything when verification capture is off (the default).
 """
 
@@ -38,31 +41,39 @@ from mmspec.decoding.state import append_tokens
 from mmspec.methods import COMPILE_RNG
 from mmspec.philox import philox_uniforms, row_keys
 from mmspec.random import rand
-from mmspec.verify import VerifyResult
+from mmspec.verify import JacobiResult, VerifyResult
 from mmspec.verify.chain import chain_from_uniforms, closes_with_bonus
+from mmspec.verify.jacobi import jacobi_from_uniforms, jacobi_uniforms
 
 
 __all__ = ["CapturedVerify", "captured_round"]
 
 
 def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, buffer, count, ended, max_length, eos,
-                   keys=None, round_index=None):  # fmt: skip
-    """The traced function: `chain_from_uniforms`, then the round's tokens appended to the state's buffer
-    (`mmspec.decoding.state.append_tokens`, out of place). `draft_tokens` / `num_draft` None: no drafts (plain AR
-    decoding). `keys [rows, 2]` / `round_index` (0-d): the uniforms are Philox blocks made here instead of `uniforms`
-    (`mmspec.philox.philox_uniforms`). Returns (num_accepted, accept_mask, tokens, accept_prob, num_emitted, buffer, count, ended, num,
-    bonus, accepted): `bonus` the round closed with a token drawn from `p_target` itself (every valid draft accepted),
-    `accepted` the accepted drafts kept (`min(num_accepted, num)`, for the stats)."""
+                   keys=None, round_index=None, jacobi=None):  # fmt: skip
+    """The traced function: `chain_from_uniforms` (or, with `jacobi` a bool, `jacobi_from_uniforms` with that
+    coupling), then the round's tokens appended to the state's buffer (`mmspec.decoding.state.append_tokens`, out of
+    place). `draft_tokens` / `num_draft` None: no drafts (plain AR decoding). `keys [rows, 2]` / `round_index` (0-d):
+    the uniforms are Philox blocks made here instead of `uniforms` (`mmspec.philox.philox_uniforms`). Returns
+    (num_accepted, accept_mask, tokens, accept_prob, num_emitted, buffer, count, ended, num, bonus, accepted), then
+    for a Jacobi window (next_drafts, next_q, num_carried): `bonus` the round closed with a token drawn from
+    `p_target` itself (every valid draft accepted), `accepted` the accepted drafts kept (`min(num_accepted, num)`,
+    for the stats)."""
     if draft_tokens is None:
         draft_tokens = torch.zeros(p_target.shape[0], 0, dtype=torch.long, device=p_target.device)
+    width = draft_tokens.shape[1]
     if keys is not None:
-        uniforms = philox_uniforms(keys, round_index, draft_tokens.shape[1] + 1)
-    out = chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms)
+        uniforms = philox_uniforms(keys, round_index, width + 1 if jacobi is None else jacobi_uniforms(width))
+    if jacobi is None:
+        out = chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms)
+    else:
+        out = jacobi_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, jacobi)
     buffer, count, ended, num = append_tokens(buffer, count, ended, out.tokens, out.num_emitted, max_length, eos)
-    bonus = closes_with_bonus(out.num_accepted, num_draft, draft_tokens.shape[1])
+    bonus = closes_with_bonus(out.num_accepted, num_draft, width)
     accepted = torch.minimum(out.num_accepted, num)
     verified = (out.num_accepted, out.accept_mask, out.tokens, out.accept_prob, out.num_emitted)
-    return (*verified, buffer, count, ended, num, bonus, accepted)
+    window = () if jacobi is None else (out.next_drafts, out.next_q, out.num_carried)
+    return (*verified, buffer, count, ended, num, bonus, accepted, *window)
 
 
 def _pad_width(x, width):
@@ -93,15 +104,17 @@ class CapturedVerify:
         self.round = torch.zeros((), dtype=torch.long, device=self.device) if self.philox else None
 
     def covers(self, proposal: Proposal) -> bool:
-        """A chain (or an empty proposal) no wider than the call's width: the rounds this object verifies."""
-        return proposal.parents is None and proposal.jacobi_coupling is None and proposal.width <= self.width
+        """A chain, a Jacobi window (SJD / SCD / GSD on Jacobi drafts) or an empty proposal, no wider than the
+        call's width: the rounds this object verifies (trees, SJD-PAC's included, verify eagerly)."""
+        jacobi_ok = proposal.jacobi_coupling is None or proposal.q_draft is not None
+        return proposal.parents is None and jacobi_ok and proposal.width <= self.width
 
-    def uniforms(self, generator, live: int, rows: int):
-        """The round's ``[rows, W + 1]`` float64 uniforms: one draw of a single generator, or ``W + 1`` from each of
+    def uniforms(self, generator, live: int, rows: int, count: int):
+        """The round's ``[rows, count]`` float64 uniforms: one draw of a single generator, or `count` from each of
         the `live` rows' own generators (padding rows copy row 0's)."""
         if generator is None or isinstance(generator, torch.Generator):
-            return rand((rows, self.width + 1), generator, device=self.device, dtype=torch.float64)
-        return pad_rows(rand((live, self.width + 1), generator, device=self.device, dtype=torch.float64), rows)
+            return rand((rows, count), generator, device=self.device, dtype=torch.float64)
+        return pad_rows(rand((live, count), generator, device=self.device, dtype=torch.float64), rows)
 
     def __call__(self, rule, proposal: Proposal, p_target, state, greedy: bool):
         """Verify one round (as `mmspec.decoding.loop.verify_proposal`) and append its tokens to `state` (as
@@ -109,6 +122,8 @@ class CapturedVerify:
         tokens appended per row and the accepted drafts among them."""
         live, k = proposal.tokens.shape
         rows, width = row_bucket(live, self.rows), self.width
+        jacobi = proposal.jacobi_coupling
+        greedy = greedy and jacobi is None  # a Jacobi window always draws (as eager: its greedy p is one-hot)
         tokens, lengths = None, None  # plain AR decoding: no drafts (made in the graph)
         if width:
             tokens = pad_rows(_pad_width(proposal.tokens, width), rows)
@@ -122,21 +137,35 @@ class CapturedVerify:
                 self.keys[state.ids] = row_keys(state.generator, live, self.device)
             keys = pad_rows(self.keys[state.ids], rows)
         elif not greedy:
-            uniforms = self.uniforms(state.generator, live, rows)
+            count = width + 1 if jacobi is None else jacobi_uniforms(width)
+            uniforms = self.uniforms(state.generator, live, rows, count)
         state.reserve(width + 1)
         held = [pad_rows(x, rows) for x in (state.tokens, state.count, state.ended)]
         run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
+        window = {} if jacobi is None else {"jacobi": bool(jacobi)}
         if keys is None:
-            out = run(rule, tokens, p, q, lengths, uniforms, *held, state.max_length, state.eos)
+            out = run(rule, tokens, p, q, lengths, uniforms, *held, state.max_length, state.eos, **window)
         else:
-            out = run(rule, tokens, p, q, lengths, None, *held, state.max_length, state.eos, keys, self.round)
+            out = run(rule, tokens, p, q, lengths, None, *held, state.max_length, state.eos, keys, self.round,
+                      **window)  # fmt: skip
             self.round = self.round + 1
         if rows > live:
             out = [x[:live] for x in out]
-        num_accepted, accept_mask, chosen, accept_prob, num_emitted, buffer, count, ended, num, bonus, accepted = out
+        verified, window = out[:11], out[11:]
+        num_accepted, accept_mask, chosen, accept_prob, num_emitted, buffer, count, ended, num, bonus, accepted = (
+            verified
+        )
         if width > k:
             accept_mask, chosen, accept_prob = accept_mask[:, :k], chosen[:, : k + 1], accept_prob[:, :k]
         state.tokens, state.ended = buffer, ended
         state.log_round(k + 1, count, num, num_accepted, bonus)
-        result = VerifyResult(num_accepted, accept_mask, chosen, accept_prob=accept_prob, num_emitted=num_emitted)
+        verified = (num_accepted, accept_mask, chosen)
+        if jacobi is None:
+            result = VerifyResult(*verified, accept_prob=accept_prob, num_emitted=num_emitted)
+        else:  # the carried drafts sit in the first k - n columns: the window the drafter keeps is k wide, as eager's
+            next_drafts, next_q, num_carried = window
+            if width > k:
+                next_drafts, next_q = next_drafts[:, :k], next_q[:, :k]
+            result = JacobiResult(*verified, accept_prob=accept_prob, num_emitted=num_emitted,
+                                  next_drafts=next_drafts, next_q=next_q, num_carried=num_carried)  # fmt: skip
         return result, num, accepted

@@ -126,7 +126,13 @@ class CompiledForward:
         args, kwargs = tuple(dense(a) for a in args), {k: dense(v) for k, v in kwargs.items()}
         shape = self.signature(args, kwargs)
         if shape in self.shapes:  # compiled before: no scoped settings (a config patch costs tens of microseconds of
-            return self._run(args, kwargs)  # host time, in every call of every round)
+            try:  # host time, in every call of every round)
+                return self._run(args, kwargs)
+            except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as err:
+                if not isinstance(err, torch._dynamo.exc.FailOnRecompileLimitHit) and "recompile" not in str(err):
+                    raise
+                # dynamo's caches were reset since (`torch._dynamo.reset`, `_dynamo.explain`), and this wrapper had
+                # more shapes than dynamo's default limit: compile it again under this call's limit (a recompile)
         self.shapes.add(shape)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             return self._run(args, kwargs)

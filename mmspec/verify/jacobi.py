@@ -11,14 +11,15 @@ import torch
 from torch import Tensor
 
 from mmspec.random import Generators, rand
-from mmspec.sampling import sample
-from mmspec.verify.chain import run_chain
+from mmspec.sampling import inverse_cdf, prob_dtype, sample
+from mmspec.verify.chain import assemble_chain, decide_chain, run_chain, safe_tokens
+from mmspec.verify.checks import num_draft_mask
 from mmspec.verify.registry import resolve_rule
 from mmspec.verify.results import JacobiResult
 from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
 
 
-__all__ = ["carry_window", "coupled_redraft", "verify_jacobi"]
+__all__ = ["carry_window", "coupled_redraft", "jacobi_from_uniforms", "jacobi_uniforms", "verify_jacobi"]
 
 
 def verify_jacobi(
@@ -105,6 +106,7 @@ def coupled_redraft(
     coupling: bool = True,
     coins: Tensor | None = None,
     accept_prob: Tensor | None = None,
+    uniforms: Tensor | None = None,
 ) -> Tensor:
     """The Jacobi re-draft of every window position from this round's distributions: SJD's independent samples, or
     SCD's coupled re-draft (Speculative Coupled Decoding / MC-SJD, So et al., arXiv 2510.24211), which keeps each
@@ -126,10 +128,17 @@ def coupled_redraft(
         generator: one ``torch.Generator`` or one per row; coupling: SCD (True) or SJD (False).
         coins: ``[B, K]`` uniforms to re-use (default: drawn here); accept_prob: ``[B, K]`` the exact acceptance
             probability ``min(1, p/q)`` at the drafts, when already computed (default: computed here).
+        uniforms: ``[B, 2K+1]`` float64 uniforms drawn beforehand (then `generator` is not used, and `coins` must
+            be given with coupling): ``[:, :K+1]`` the fresh samples', ``[:, K+1:]`` the residual samples', each
+            token the inverse CDF of its distribution at its uniform (`mmspec.sampling.inverse_cdf`): what a
+            captured graph runs (`jacobi_from_uniforms`).
 
     Returns: ``[B, K+1]`` one re-draft per window position."""
     batch, k = drafts.shape
-    redraft = sample(p, generator, counts=lengths + 1)  # [B, K+1] fresh
+    if uniforms is None:
+        redraft = sample(p, generator, counts=lengths + 1)  # [B, K+1] fresh
+    else:
+        redraft = inverse_cdf(p, uniforms[:, : k + 1, None])
     if not coupling or k == 0:
         return redraft
     if coins is None:
@@ -137,10 +146,61 @@ def coupled_redraft(
     if accept_prob is None:
         accept_prob = Exact().accept(p[:, :k], q, drafts)
     keep = coins < accept_prob  # [B, K]
-    moved = sample(residual_probs(p[:, :k], q, drafts), generator, counts=lengths)  # [B, K]
+    moved = residual_probs(p[:, :k], q, drafts)
+    if uniforms is None:
+        moved = sample(moved, generator, counts=lengths)  # [B, K]
+    else:
+        moved = inverse_cdf(moved, uniforms[:, k + 1 :, None])
     coupled = torch.where(keep, drafts, moved)
     has_old = torch.arange(k, device=p.device) < lengths[:, None]  # an old draft to couple with
     return torch.cat([torch.where(has_old, coupled, redraft[:, :k]), redraft[:, k:]], dim=1)
+
+
+def jacobi_uniforms(width: int) -> int:
+    """Uniforms per row a Jacobi round of `width` drafts takes in `jacobi_from_uniforms`: ``3 * width + 2``."""
+    return 3 * int(width) + 2
+
+
+def jacobi_from_uniforms(
+    rule: AcceptanceRule,
+    draft_tokens: Tensor,
+    p_target: Tensor,
+    q_draft: Tensor,
+    num_draft: Tensor,
+    uniforms: Tensor,
+    coupling: bool,
+) -> JacobiResult:
+    """`verify_jacobi` (unvalidated) as a pure tensor function of pre-drawn uniforms: what a captured graph runs
+    (`mmspec.decoding.captured_verify`), SJD (Teng et al., arXiv 2410.01699) and, with `coupling`, SCD's coupled
+    re-draft (So et al., arXiv 2510.24211), under any acceptance rule (GSD: `Grouped`).
+
+    ``uniforms [B, 3K + 2]`` (float64, `jacobi_uniforms`): ``[:, :K]`` the acceptance coins (SCD re-uses them for
+    the coupling, as `verify_jacobi` does), ``[:, K]`` the next token's draw from the residual or bonus distribution,
+    ``[:, K+1 : 2K+2]`` the fresh re-draft of every window position, ``[:, 2K+2:]`` the coupled residual re-drafts;
+    each token the inverse CDF of its distribution at its uniform. The law of `verify_jacobi`, another random stream
+    (one draw per generator and round instead of per-row counts). Greedy decoding needs no other path: its
+    ``p_target`` is one-hot, which any uniform maps to its argmax."""
+    batch, k = draft_tokens.shape
+    p = p_target.to(prob_dtype(p_target.dtype))
+    q = q_draft.to(p.dtype)
+    lengths, valid = num_draft_mask(num_draft, batch, k, p.device)
+    tokens = safe_tokens(draft_tokens, valid, p.shape[-1])  # [B, K]
+    coins = uniforms[:, :k]
+    accept_prob, n, dist = decide_chain(rule, p, q, tokens, lengths, valid, coins)
+    result = assemble_chain(draft_tokens, n, inverse_cdf(dist, uniforms[:, k : k + 1]), accept_prob)
+    exact_accept = accept_prob if type(rule) is Exact else None
+    redraft = coupled_redraft(p, q, tokens, lengths, None, coupling=coupling, coins=coins, accept_prob=exact_accept,
+                              uniforms=uniforms[:, k + 1 :])  # fmt: skip
+    next_drafts, next_q, num_carried = carry_window(redraft, p, n, lengths)
+    return JacobiResult(
+        num_accepted=result.num_accepted,
+        accept_mask=result.accept_mask,
+        tokens=result.tokens,
+        accept_prob=result.accept_prob,
+        next_drafts=next_drafts,
+        next_q=next_q,
+        num_carried=num_carried,
+    )
 
 
 def carry_window(redraft: Tensor, p: Tensor, num_accepted: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -43,3 +43,20 @@ def test_only_graph_capturing_modes_on_cuda_take_the_owned_path():
     assert not CompiledForward(fn, "t", "max-autotune-no-cudagraphs", None, cuda).cudagraphs
     assert not CompiledForward(fn, "t", None, "eager", cuda).cudagraphs
     assert not CompiledForward(fn, "t", None, None, "cpu").cudagraphs
+
+
+def test_a_dynamo_reset_recompiles_seen_shapes_instead_of_failing():
+    """A `CompiledForward` with more shapes than dynamo's default recompile limit (8): after `torch._dynamo.reset()`
+    (what `_dynamo.explain` does) its seen shapes compile again under its own limit, counted as recompiles, instead
+    of failing fullgraph's hard recompile limit (was: `FailOnRecompileLimitHit` at the ninth seen shape)."""
+    from mmspec.decoding.compiled import CompiledForward
+
+    forward = CompiledForward(lambda x: x * 2 + 1, "reset", backend="eager")
+    shapes = range(1, 11)
+    for n in shapes:
+        assert torch.equal(forward(torch.ones(n)), torch.full((n,), 3.0))
+    torch._dynamo.reset()
+    for n in shapes:
+        assert torch.equal(forward(torch.ones(n)), torch.full((n,), 3.0))
+    report = forward.report()
+    assert report["shapes"] == 10 and report["recompiles"] > 0, report

@@ -1,6 +1,7 @@
 """`mmspec bench profile`: the JSON's structure and its exact invariants on the zoo (few tokens)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -40,8 +41,29 @@ def test_rows_and_invariants(report):
                     assert ops["drafter"] > 0
             first = by_batch["1"]
             assert first["compile"] is None and first["compile_reason"] == "--no-compile"
+            assert first["captured_ops_per_round"] is None and first["captured_reason"] == "--no-compile"
     # plain image decoding: one target forward per image token after the prefill
     assert rows["ar-image"]["plain"]["1"]["rounds"] == 64 - 1
+
+
+def test_captured_rounds_are_graph_launches_on_the_zoo():
+    """`profile_captured` (the `captured_ops_per_round` column): with everything captured, a Jacobi round (SCD) and
+    plain's step keep the loop's bookkeeping only in the engine (the verification is one launch), and the target's
+    forward is a launch plus its eager inputs, far below the eager counts; the pipeline leaves uncompiled."""
+    import torch
+
+    from mmspec.eval.bench_profile import profile_call, profile_captured
+    from mmspec.eval.zoo_runs import build
+
+    run = build("ar-image", Path(__file__).resolve().parents[2] / "assets", "cpu", ["plain", "jacobi"])
+    for method in ("plain", "jacobi"):
+        with torch.no_grad():
+            eager = profile_call(run, method, 1)["ops_per_round"]
+            captured, reason = profile_captured(run, method, 1)
+        assert reason is None and set(captured) == {"target", "drafter", "engine", "total"}
+        assert captured["engine"] <= 32 < eager["engine"] - 20, (method, captured, eager)  # eager: 56 / 155
+        assert captured["target"] <= 12 < eager["target"] / 10, (method, captured, eager)  # eager: 648
+        assert run.pipes[method].compile_report() == {}
 
 
 def test_wrappers_are_restored(report):

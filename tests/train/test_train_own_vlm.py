@@ -219,9 +219,9 @@ def test_answers_read_the_prompts_file_once_per_check_and_once_per_run(own, tmp_
     for name in ("read_bytes", "read_text"):
         real = getattr(pathlib.Path, name)
 
-        def counted(self, *a, _real=real, **k):
+        def counted(self, *a, _real=real, _name=name, **k):
             if self == prompts:
-                reads.append(name)
+                reads.append(_name)
             return _real(self, *a, **k)
 
         monkeypatch.setattr(pathlib.Path, name, counted)

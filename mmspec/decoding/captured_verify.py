@@ -1,4 +1,5 @@
-"""Captured verification: a chain's or a Jacobi window's round, its verification and the emit that goes with it, as one
+"""Captured verification: a chain's, a Jacobi window's or a tree's round, its verification and the emit that goes with
+it, as one
 `torch.compile(fullgraph=True, dynamic=False)` graph (`pipe.enable_compile(verify=True)`, `docs/pipelines.md`,
 "Captured forwards").
 
@@ -29,8 +30,11 @@ Covered: chain proposals under any `mmspec.verify.AcceptanceRule` (exact, LANTER
 decoding; and Jacobi windows (SJD, SCD, and LANTERN / GSD on Jacobi drafts): the verification, SJD's or SCD's
 re-draft and the next window as `mmspec.verify.jacobi.jacobi_from_uniforms` on ``3 W + 2`` uniforms per row (coins,
 the next token, the fresh re-drafts, the coupled residual re-drafts; `mmspec.verify.jacobi.jacobi_uniforms`), the
-window handed back to the drafter as a `JacobiResult`. Trees (EAGLE-2, SJD-PAC's Jacobi tree) verify eagerly
-(`mmspec.decoding.loop.verify_proposal`), as does everything when verification capture is off (the default).
+window handed back to the drafter as a `JacobiResult`; and trees with deterministic children and host bounds
+(EAGLE-2 trees of an EAGLE head or a draft LM: `mmspec.verify.tree.tree_from_uniforms` on the bounds' grid of coins +
+1 uniform per row, the tree padded with absent nodes, the path cut to the bounds' depth). SJD-PAC's Jacobi tree
+verifies eagerly (`mmspec.decoding.loop.verify_proposal`), as does everything when verification capture is off (the
+default).
 """
 
 import torch
@@ -44,15 +48,17 @@ from mmspec.random import rand
 from mmspec.verify import JacobiResult, VerifyResult
 from mmspec.verify.chain import chain_from_uniforms, closes_with_bonus
 from mmspec.verify.jacobi import jacobi_from_uniforms, jacobi_uniforms
+from mmspec.verify.tree import tree_from_uniforms, tree_uniforms
 
 
 __all__ = ["CapturedVerify", "captured_round"]
 
 
 def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, buffer, count, ended, max_length, eos,
-                   keys=None, round_index=None, jacobi=None):  # fmt: skip
+                   keys=None, round_index=None, jacobi=None, tree_parents=None, bounds=None):  # fmt: skip
     """The traced function: `chain_from_uniforms` (or, with `jacobi` a bool, `jacobi_from_uniforms` with that
-    coupling), then the round's tokens appended to the state's buffer (`mmspec.decoding.state.append_tokens`, out of
+    coupling; with `tree_parents [B, N]`, `mmspec.verify.tree.tree_from_uniforms` within the host `bounds`), then the
+    round's tokens appended to the state's buffer (`mmspec.decoding.state.append_tokens`, out of
     place). `draft_tokens` / `num_draft` None: no drafts (plain AR decoding). `keys [rows, 2]` / `round_index` (0-d):
     the uniforms are Philox blocks made here instead of `uniforms` (`mmspec.philox.philox_uniforms`). Returns
     (num_accepted, accept_mask, tokens, accept_prob, num_emitted, buffer, count, ended, num, bonus, accepted), then
@@ -63,25 +69,40 @@ def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, b
         draft_tokens = torch.zeros(p_target.shape[0], 0, dtype=torch.long, device=p_target.device)
     width = draft_tokens.shape[1]
     if keys is not None:
-        uniforms = philox_uniforms(keys, round_index, width + 1 if jacobi is None else jacobi_uniforms(width))
-    if jacobi is None:
+        uniforms = philox_uniforms(keys, round_index, uniform_count(width, jacobi, bounds))
+    if tree_parents is not None:
+        out = tree_from_uniforms(rule, draft_tokens, tree_parents, p_target, bounds, uniforms)
+    elif jacobi is None:
         out = chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms)
     else:
         out = jacobi_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, jacobi)
     buffer, count, ended, num = append_tokens(buffer, count, ended, out.tokens, out.num_emitted, max_length, eos)
-    bonus = closes_with_bonus(out.num_accepted, num_draft, width)
+    if tree_parents is None:
+        bonus = closes_with_bonus(out.num_accepted, num_draft, width)
+    else:  # the accepted path ended at a node with no present child: its token came from p_target itself
+        last = out.path.gather(1, out.num_accepted[:, None])  # [B, 1] p_target row (0 = root, 1 + node)
+        bonus = ~(((tree_parents + 1) == last) & (draft_tokens >= 0)).any(1)
     accepted = torch.minimum(out.num_accepted, num)
     verified = (out.num_accepted, out.accept_mask, out.tokens, out.accept_prob, out.num_emitted)
-    window = () if jacobi is None else (out.next_drafts, out.next_q, out.num_carried)
-    return (*verified, buffer, count, ended, num, bonus, accepted, *window)
+    extra = (out.next_drafts, out.next_q, out.num_carried) if jacobi is not None else ()
+    extra = (out.path,) if tree_parents is not None else extra
+    return (*verified, buffer, count, ended, num, bonus, accepted, *extra)
 
 
-def _pad_width(x, width):
-    """`x [B, K, ...]` padded with zeros to `width` columns (one op; never valid, never read as a distribution);
-    None stays None."""
+def uniform_count(width: int, jacobi=None, bounds=None) -> int:
+    """Uniforms per row of a captured round: a chain's ``W + 1``, a Jacobi window's ``3 W + 2``, a tree's grid of
+    coins + 1."""
+    if bounds is not None:
+        return tree_uniforms(bounds)
+    return width + 1 if jacobi is None else jacobi_uniforms(width)
+
+
+def _pad_width(x, width, value=0):
+    """`x [B, K, ...]` padded with `value` (zeros) to `width` columns (one op; never valid, never read as a
+    distribution); None stays None."""
     if x is None or x.shape[1] >= width:
         return x
-    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]), value=value)
 
 
 class CapturedVerify:
@@ -106,8 +127,11 @@ class CapturedVerify:
     def covers(self, proposal: Proposal) -> bool:
         """A chain, a Jacobi window (SJD / SCD / GSD on Jacobi drafts) or an empty proposal, no wider than the
         call's width: the rounds this object verifies (trees, SJD-PAC's included, verify eagerly)."""
-        jacobi_ok = proposal.jacobi_coupling is None or proposal.q_draft is not None
-        return proposal.parents is None and jacobi_ok and proposal.width <= self.width
+        if proposal.width > self.width:
+            return False
+        if proposal.parents is not None:  # EAGLE-2 / draft-LM trees: deterministic children within host bounds
+            return proposal.jacobi_coupling is None and proposal.q_draft is None and proposal.bounds is not None
+        return proposal.jacobi_coupling is None or proposal.q_draft is not None
 
     def uniforms(self, generator, live: int, rows: int, count: int):
         """The round's ``[rows, count]`` float64 uniforms: one draw of a single generator, or `count` from each of
@@ -124,9 +148,12 @@ class CapturedVerify:
         rows, width = row_bucket(live, self.rows), self.width
         jacobi = proposal.jacobi_coupling
         greedy = greedy and jacobi is None  # a Jacobi window always draws (as eager: its greedy p is one-hot)
+        tree = proposal.parents is not None
+        bounds = tuple(int(b) for b in proposal.bounds) if tree else None
         tokens, lengths = None, None  # plain AR decoding: no drafts (made in the graph)
         if width:
-            tokens = pad_rows(_pad_width(proposal.tokens, width), rows)
+            # a tree's padding nodes are absent (-1) children of the root; a chain's are past its length
+            tokens = pad_rows(_pad_width(proposal.tokens, width, -1 if tree else 0), rows)
             lengths = pad_rows(proposal.num_draft, rows, fill=0)
         p = pad_rows(_pad_width(p_target, width + 1), rows)
         q = pad_rows(_pad_width(proposal.q_draft, width), rows)
@@ -137,12 +164,14 @@ class CapturedVerify:
                 self.keys[state.ids] = row_keys(state.generator, live, self.device)
             keys = pad_rows(self.keys[state.ids], rows)
         elif not greedy:
-            count = width + 1 if jacobi is None else jacobi_uniforms(width)
-            uniforms = self.uniforms(state.generator, live, rows, count)
+            uniforms = self.uniforms(state.generator, live, rows, uniform_count(width, jacobi, bounds))
         state.reserve(width + 1)
         held = [pad_rows(x, rows) for x in (state.tokens, state.count, state.ended)]
         run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
         window = {} if jacobi is None else {"jacobi": bool(jacobi)}
+        if tree:
+            parents = proposal.parents.expand(live, k) if proposal.parents.ndim == 1 else proposal.parents
+            window = {"tree_parents": pad_rows(_pad_width(parents, width, -1), rows), "bounds": bounds}
         if keys is None:
             out = run(rule, tokens, p, q, lengths, uniforms, *held, state.max_length, state.eos, **window)
         else:
@@ -156,11 +185,18 @@ class CapturedVerify:
             verified
         )
         if width > k:
-            accept_mask, chosen, accept_prob = accept_mask[:, :k], chosen[:, : k + 1], accept_prob[:, :k]
+            accept_mask, accept_prob = accept_mask[:, :k], accept_prob[:, :k]
+            chosen = chosen if tree else chosen[:, : k + 1]
         state.tokens, state.ended = buffer, ended
-        state.log_round(k + 1, count, num, num_accepted, bonus)
+        state.log_round(min(bounds[0], k) + 1 if tree else k + 1, count, num, num_accepted, bonus)
         verified = (num_accepted, accept_mask, chosen)
-        if jacobi is None:
+        if tree:  # the path and its tokens as deep as the proposal's tree can be (the bounds', as eager off the CPU)
+            (path,) = window
+            depth = min(bounds[0], k) + 1
+            chosen, path = chosen[:, :depth], path[:, :depth]
+            result = VerifyResult(num_accepted, accept_mask, chosen, path=path, accept_prob=accept_prob,
+                                  num_emitted=num_emitted)  # fmt: skip
+        elif jacobi is None:
             result = VerifyResult(*verified, accept_prob=accept_prob, num_emitted=num_emitted)
         else:  # the carried drafts sit in the first k - n columns: the window the drafter keeps is k wide, as eager's
             next_drafts, next_q, num_carried = window

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mmspec.counting import host_checks_enabled
 from mmspec.random import Generators, check_generator, num_rows, rand
-from mmspec.sampling import prob_dtype, sample
+from mmspec.sampling import inverse_cdf, prob_dtype, sample
 from mmspec.verify.checks import (
     Checks,
     check_choice,
@@ -31,13 +31,18 @@ from mmspec.verify.results import VerifyResult
 from mmspec.verify.rules import AcceptanceRule
 
 
-__all__ = ["TREE_MODES", "verify_tree"]
+__all__ = ["TREE_MODES", "tree_from_uniforms", "tree_uniforms", "verify_tree"]
 
 TREE_MODES = ("deterministic", "iid", "without_replacement")
 
 
 def _tree_children(
-    parents: Tensor, present: Tensor, validate: bool, checks: Checks, bounds: tuple[int, int] | None = None
+    parents: Tensor,
+    present: Tensor,
+    validate: bool,
+    checks: Checks,
+    bounds: tuple[int, int] | None = None,
+    traced: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """The tree's structure in a fixed number of batched ops (no per-node or per-level loop).
 
@@ -46,7 +51,8 @@ def _tree_children(
     [B, N, N]` (`[b, i, j]`: j is i or an ancestor of i); `earlier [B, N, N]` (`[b, i, j]`: j is an earlier present
     sibling of i); max depth`)`. One host sync (validation flags + loop bounds) -- none where `bounds` (host-known
     upper bounds on the depth and the children per node) are given, nothing is validated and a read is not free (an
-    accelerator): the bounds are then used as they are (the extra steps try no child)."""
+    accelerator) or the call is `traced` (a captured graph, which reads nothing): the bounds are then used as they
+    are (the extra steps try no child)."""
     batch, n = present.shape
     device = parents.device
     node = torch.arange(n, device=device)
@@ -68,7 +74,7 @@ def _tree_children(
         rel = torch.bmm(rel, rel).clamp_(max=1)
     ancestry = rel > 0
     depth = ancestry.sum(-1)
-    if bounds is not None and not validate and not host_checks_enabled(device):
+    if bounds is not None and not validate and (traced or not host_checks_enabled(device)):
         depth_bound, width = min(int(bounds[0]), n), min(int(bounds[1]), n)
     else:
         zero = torch.zeros((), dtype=torch.long, device=device)
@@ -85,6 +91,44 @@ def _tree_children(
     children.scatter_(1, flat, torch.where(present, node, -1).expand(batch, n).contiguous())
     children = children.view(batch, n + 1, width + 1)[..., :width]
     return parents, children, rank, depth, ancestry, earlier, depth_bound
+
+
+def tree_uniforms(bounds: tuple[int, int]) -> int:
+    """Uniforms per row a tree round with host bounds ``(depth, children per node)`` takes in `tree_from_uniforms`:
+    the grid of coins, then the emitted token's."""
+    return int(bounds[0]) * int(bounds[1]) + 1
+
+
+def tree_from_uniforms(
+    rule: AcceptanceRule,
+    tree_tokens: Tensor,
+    parents: Tensor,
+    p_target: Tensor,
+    bounds: tuple[int, int],
+    uniforms: Tensor | None,
+) -> VerifyResult:
+    """`verify_tree` (``mode="deterministic"``: EAGLE-2's top-k children, point-mass drafts; unvalidated; the tree
+    bounded by the host-known `bounds`) as a pure tensor function of pre-drawn uniforms: what a captured graph runs
+    (`mmspec.decoding.captured_verify`). Recursive rejection over siblings as `verify_tree` (Chen et al. 2023;
+    SpecInfer; EAGLE-2's ``evaluate_posterior``) with `rule`.
+
+    ``uniforms [B, tree_uniforms(bounds)]`` (float64; None: greedy decoding): node i takes the coin of (its depth,
+    its rank among its siblings) from the row's grid, the emitted token is the inverse CDF of its distribution at
+    the last uniform: the per-row-generator layout of `verify_tree`, so the law is `verify_tree`'s (each coin used
+    once), drawn in one go. Absent nodes (-1) are never tried."""
+    batch, n = tree_tokens.shape
+    if parents.ndim == 1:
+        parents = parents[None].expand(batch, n)
+    p = p_target.to(prob_dtype(p_target.dtype))
+    present = tree_tokens >= 0
+    tokens = tree_tokens.clamp(0, p.shape[-1] - 1)
+    bounds = (int(bounds[0]), int(bounds[1]))
+    parents, children, rank, depth, ancestry, earlier, max_depth = _tree_children(
+        parents.to(torch.long), present, False, Checks(), bounds, traced=True
+    )
+    greedy = uniforms is None
+    return _all_nodes(rule, "deterministic", greedy, tokens, present, parents, children, rank, depth, ancestry,
+                      earlier, p, None, None, max_depth, None, None if greedy else bounds, uniforms)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
@@ -228,7 +272,7 @@ def verify_tree(
 
 
 def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,
-               generator, max_depth, has=None, grid=None):  # fmt: skip
+               generator, max_depth, has=None, grid=None, uniforms=None):  # fmt: skip
     """`verify_tree` for every node at once: a fixed number of batched ops per sibling slot (no walk per level).
 
     Each node's acceptance probability given that its earlier siblings were rejected is the rule's step on its
@@ -242,7 +286,9 @@ def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, dep
     Per-row generators (`grid = (depth bound, children bound)`, host-known): every row draws the whole grid of coins
     from its own generator, whatever its tree and the other rows' trees, and node i takes the coin of (its depth,
     its rank) -- i.i.d. uniforms used once each, so the law is the walk's, and a row's stream never depends on its
-    batch.
+    batch. `uniforms [B, grid[0] * grid[1] + 1]` (float64, with `grid`): the grid of coins and the emitted token's
+    uniform drawn beforehand (no generator: `tree_from_uniforms`, a captured graph); the token is then the inverse CDF
+    of its distribution at that uniform.
     """
     batch, n1, vocab = p.shape
     n = n1 - 1
@@ -285,7 +331,10 @@ def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, dep
     if greedy:
         ok = present & (a_node > 0)
     elif grid is not None:  # per-row generators: each row's own grid of coins
-        coins = rand((batch, grid[0] * grid[1]), generator, device=device, dtype=p.dtype)
+        if uniforms is None:
+            coins = rand((batch, grid[0] * grid[1]), generator, device=device, dtype=p.dtype)
+        else:
+            coins = uniforms[:, : grid[0] * grid[1]]
         step = ((depth - 1) * grid[1] + rank).clamp(0, max(grid[0] * grid[1] - 1, 0))
         ok = present & (coins.gather(1, step) < a_node)
     elif max_depth * width:
@@ -308,7 +357,12 @@ def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, dep
     out = blank.scatter(1, column, tokens.long())  # out[:, 1 + k]: the token of path row k + 1
     last = path.gather(1, num_acc[:, None])  # [B, 1] p_target row of the last accepted node (0 = root)
     final = resid.gather(1, last[..., None].expand(batch, 1, vocab)).squeeze(1)  # [B, V]
-    next_token = final.argmax(-1) if greedy else sample(final, generator)
+    if greedy:
+        next_token = final.argmax(-1)
+    elif uniforms is not None:
+        next_token = inverse_cdf(final, uniforms[:, -1:])
+    else:
+        next_token = sample(final, generator)
     out = out.scatter(1, num_acc[:, None] + 1, next_token[:, None])
     return VerifyResult(
         num_accepted=num_acc,

@@ -37,6 +37,7 @@ METHODS = {
     "plain": dict(acceptance="none"),
     "sjd": dict(acceptance="jacobi", jacobi_window=4, coupling=False),
     "scd": dict(acceptance="jacobi", jacobi_window=4),
+    "eagle-tree": dict(acceptance="exact", drafter="eagle", tree_nodes=6, tree_depth=3, tree_top_k=2),
 }
 SAMPLED = {"gsd": dict(acceptance="grouped")}  # a sampling rule: no greedy form
 # method -> eager ops of a round's captured verification + emit at batch 1 (eager: 59 + 15 for the chain, 13 + 15 for
@@ -44,11 +45,12 @@ SAMPLED = {"gsd": dict(acceptance="grouped")}  # a sampling rule: no greedy form
 # width near the image's end adds its padding (tokens, p_target, q_draft: 3) and the cut back (3; a Jacobi window's
 # next drafts and their laws: 2 more); the first round widens the state's buffer once (2). GSD's default window
 # (32) is wider than this 16-token image: every round is padded
-VERIFY_OPS = {"eagle-chain": 8, "plain": 4, "sjd": 12, "scd": 12, "gsd": 12}
+VERIFY_OPS = {"eagle-chain": 8, "plain": 4, "sjd": 12, "scd": 12, "gsd": 12, "eagle-tree": 12}
 # method -> the engine's other ops per round (the loop's compaction read, the cache commit, the pending tokens, the
-# stats), as measured (25.4, 27.3, 25.7 for the Jacobi windows, at batch 1) + slack; these stay eager (eager loop:
-# 101.6 for the chain in all, 131.9 for SJD, 269.5 for GSD: tests/decoding/test_engine_ops.py)
-ENGINE_OPS_CAPTURED = {"eagle-chain": 27, "plain": 29, "sjd": 27, "scd": 27, "gsd": 27}
+# stats), as measured (25.4, 27.3, 25.7 for the Jacobi windows, 57.4 for the tree, whose root prepending and
+# path commit stay eager, at batch 1) + slack (eager loop: 101.6 for the chain in all, 131.9 for SJD, 269.5 for
+# GSD, 227.9 for the tree: tests/decoding/test_engine_ops.py)
+ENGINE_OPS_CAPTURED = {"eagle-chain": 27, "plain": 29, "sjd": 27, "scd": 27, "gsd": 27, "eagle-tree": 60}
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +252,45 @@ def test_captured_jacobi_law(chi2_pvalue, rng, coupling):
     assert abs(repeat - want) < 5 * (want * (1 - want) / int(rows.sum())) ** 0.5, (repeat, want)
 
 
+@pytest.mark.parametrize("rng", ["generator", "philox"])
+def test_captured_tree_law(chi2_pvalue, rng):
+    """Monte Carlo through `CapturedVerify` for EAGLE-2-style trees (deterministic children, exact rule): 200k rows
+    of ragged trees (three shapes per-row, a chain of depth 5 among them, random absent nodes with their subtrees,
+    duplicate siblings possible) of 5 nodes against a call width of 7 (padded with absent nodes), bounds (5, 3). The
+    first emitted token follows p1 and the first two p1(y1) p2(y2 | y1) (chi-square p > 1e-4), as
+    tests/verify/test_verify_tree.py's eager test; absent nodes are never accepted."""
+    n, v, gen = 200_000, 5, torch.Generator().manual_seed(31)
+    law = torch.Generator().manual_seed(5)
+    p1, p2, p3 = (torch.rand(shape, generator=law).pow(3) for shape in ((v,), (v, v), (v, v, v)))
+    p1, p2, p3 = (x / x.sum(-1, keepdim=True) for x in (p1, p2, p3))
+    shapes = torch.tensor([[-1, -1, -1, 0, 0], [-1, 0, 1, 2, 3], [-1, -1, 0, 0, 1]])
+    parents = shapes[torch.randint(0, 3, (n,), generator=gen)]
+    tok = torch.randint(0, v, (n, 5), generator=gen)
+    absent = torch.rand(n, 5, generator=gen) < 0.2
+    for i in range(5):  # absent nodes take their subtree with them
+        par = parents[:, i]
+        absent[:, i] |= (par >= 0) & absent.gather(1, par.clamp(min=0)[:, None]).squeeze(1)
+    tok = torch.where(absent, -1, tok)
+    first = torch.zeros(n, 5, dtype=torch.long)  # the path's first token: p(. | path) = p2 at depth 1, p3 below
+    nodes = []
+    for i in range(5):
+        par, t = parents[:, i], tok[:, i].clamp(min=0)
+        first[:, i] = torch.where(par < 0, t, first.gather(1, par.clamp(min=0)[:, None]).squeeze(1))
+        nodes.append(torch.where((par < 0)[:, None], p2[t], p3[first[:, i], t]))
+    p_target = torch.stack([p1.expand(n, v)] + nodes, dim=1)
+    verify = CapturedVerify(Compiler(backend="eager", verify=True, rng=rng), n, 7, "cpu")
+    state = SequenceState(torch.zeros(n, dtype=torch.long), 8, generator=gen)
+    res, num, _ = verify(
+        Exact(), Proposal(tok, (tok >= 0).sum(1), parents=parents, bounds=(5, 3)), p_target, state, greedy=False
+    )
+    assert res.tokens.shape == (n, 6) and res.path.shape == (n, 6) and res.accept_mask.shape == (n, 5)
+    assert torch.equal(num, res.num_emitted) and not res.accept_mask[absent].any()
+    y1 = res.tokens[:, 0]
+    y2 = torch.where(res.num_accepted >= 1, res.tokens[:, 1], torch.multinomial(p2[y1], 1, generator=gen)[:, 0])
+    assert chi2_pvalue(y1, p1) > 1e-4
+    assert chi2_pvalue(y1 * v + y2, (p1[:, None] * p2).flatten()) > 1e-4
+
+
 def test_jacobi_windows_keep_rows_batch_independent(captured, captured_philox):
     """Sampled SCD with per-row generators, captured: row 2 of a batch of 3 is the same image alone."""
     for pipe in (captured, captured_philox):
@@ -348,7 +389,8 @@ def test_engine_ops_and_host_reads_per_round(captured, method, monkeypatch):
 
 def test_vlm_ragged_batch_with_eos_equals_eager():
     """The VLM pipeline (tiny LLaVA, seed 1: rows 0 and 1 end at EOS early, so the graph's EOS cut and compaction are
-    exercised), greedy, a ragged batch of 4: the draft LM's chain gives eager's ids, no recompile."""
+    exercised), greedy, a ragged batch of 4: the draft LM's chain and its EAGLE-2 tree give eager's ids, no
+    recompile."""
     from vlm_fixtures import images, prompts, tiny_llava, tiny_processor
 
     from mmspec.models.hf.draft import truncated_draft
@@ -358,9 +400,13 @@ def test_vlm_ragged_batch_with_eos_equals_eager():
     pipe = SpeculativeVLMPipeline(target, tiny_processor(), draft_model=truncated_draft(target, 3))
     pipe.set_progress_bar_config(disable=True)
     kw = dict(images=images(4), prompt=prompts(4), max_new_tokens=30, output_type="ids", do_sample=False)
+    tree = dict(tree_depth=3, tree_top_k=2, tree_nodes=6)
     want = pipe(**kw, acceptance="exact", drafter="model").sequences
+    want_tree = pipe(**kw, acceptance="exact", drafter="model", **tree).sequences
+    assert torch.equal(want_tree, want)
     pipe._compiler = VerifyOnly(backend="eager", verify=True)
     assert torch.equal(pipe(**kw, acceptance="exact", drafter="model").sequences, want)
+    assert torch.equal(pipe(**kw, acceptance="exact", drafter="model", **tree).sequences, want)
     assert pipe.compile_report()["verify"]["recompiles"] == 0
     assert (want[:2] == -1).any(1).all() and (want[2:] >= 0).all()  # rows 0 and 1 ended early
 

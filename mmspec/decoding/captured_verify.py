@@ -1,5 +1,5 @@
-"""Captured verification: a chain's, a Jacobi window's or a tree's round, its verification and the emit that goes with
-it, as one
+"""Captured verification: a chain's, a Jacobi window's or a tree's round (SJD-PAC's included), its verification and the
+emit that goes with it, as one
 `torch.compile(fullgraph=True, dynamic=False)` graph (`pipe.enable_compile(verify=True)`, `docs/pipelines.md`,
 "Captured forwards").
 
@@ -32,9 +32,11 @@ re-draft and the next window as `mmspec.verify.jacobi.jacobi_from_uniforms` on `
 the next token, the fresh re-drafts, the coupled residual re-drafts; `mmspec.verify.jacobi.jacobi_uniforms`), the
 window handed back to the drafter as a `JacobiResult`; and trees with deterministic children and host bounds
 (EAGLE-2 trees of an EAGLE head or a draft LM: `mmspec.verify.tree.tree_from_uniforms` on the bounds' grid of coins +
-1 uniform per row, the tree padded with absent nodes, the path cut to the bounds' depth). SJD-PAC's Jacobi tree
-verifies eagerly (`mmspec.decoding.loop.verify_proposal`), as does everything when verification capture is off (the
-default).
+1 uniform per row, the tree padded with absent nodes, the path cut to the bounds' depth); and SJD-PAC's Jacobi tree
+at its full host layout (`mmspec.verify.jacobi_tree.verify_jacobi_tree` with `jacobi_tree_uniforms` per row: the
+tree part's grid of coins, its chain tail's, the main branch's coupled re-draft; a round whose tree the image's end
+cut short verifies eagerly, `mmspec.decoding.loop.verify_proposal`, as does everything when verification capture is
+off, the default).
 """
 
 import torch
@@ -48,6 +50,7 @@ from mmspec.random import rand
 from mmspec.verify import JacobiResult, VerifyResult
 from mmspec.verify.chain import chain_from_uniforms, closes_with_bonus
 from mmspec.verify.jacobi import jacobi_from_uniforms, jacobi_uniforms
+from mmspec.verify.jacobi_tree import jacobi_tree_uniforms, verify_jacobi_tree
 from mmspec.verify.tree import tree_from_uniforms, tree_uniforms
 
 
@@ -55,10 +58,10 @@ __all__ = ["CapturedVerify", "captured_round"]
 
 
 def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, buffer, count, ended, max_length, eos,
-                   keys=None, round_index=None, jacobi=None, tree_parents=None, bounds=None):  # fmt: skip
+                   keys=None, round_index=None, jacobi=None, tree_parents=None, bounds=None, layout=None):  # fmt: skip
     """The traced function: `chain_from_uniforms` (or, with `jacobi` a bool, `jacobi_from_uniforms` with that
-    coupling; with `tree_parents [B, N]`, `mmspec.verify.tree.tree_from_uniforms` within the host `bounds`), then the
-    round's tokens appended to the state's buffer (`mmspec.decoding.state.append_tokens`, out of
+    coupling; with `tree_parents [B, N]`, `mmspec.verify.tree.tree_from_uniforms` within the host `bounds`, or with a
+    host `layout` too, SJD-PAC's `mmspec.verify.jacobi_tree.verify_jacobi_tree`), then the round's tokens appended to the state's buffer (`mmspec.decoding.state.append_tokens`, out of
     place). `draft_tokens` / `num_draft` None: no drafts (plain AR decoding). `keys [rows, 2]` / `round_index` (0-d):
     the uniforms are Philox blocks made here instead of `uniforms` (`mmspec.philox.philox_uniforms`). Returns
     (num_accepted, accept_mask, tokens, accept_prob, num_emitted, buffer, count, ended, num, bonus, accepted), then
@@ -69,8 +72,11 @@ def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, b
         draft_tokens = torch.zeros(p_target.shape[0], 0, dtype=torch.long, device=p_target.device)
     width = draft_tokens.shape[1]
     if keys is not None:
-        uniforms = philox_uniforms(keys, round_index, uniform_count(width, jacobi, bounds))
-    if tree_parents is not None:
+        uniforms = philox_uniforms(keys, round_index, uniform_count(width, jacobi, bounds, layout))
+    if layout is not None:
+        out = verify_jacobi_tree(draft_tokens, tree_parents[0], p_target, q_draft, generator=None, coupling=jacobi,
+                                 rule=rule, validate=False, layout=list(layout), uniforms=uniforms)  # fmt: skip
+    elif tree_parents is not None:
         out = tree_from_uniforms(rule, draft_tokens, tree_parents, p_target, bounds, uniforms)
     elif jacobi is None:
         out = chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms)
@@ -84,14 +90,17 @@ def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, b
         bonus = ~(((tree_parents + 1) == last) & (draft_tokens >= 0)).any(1)
     accepted = torch.minimum(out.num_accepted, num)
     verified = (out.num_accepted, out.accept_mask, out.tokens, out.accept_prob, out.num_emitted)
-    extra = (out.next_drafts, out.next_q, out.num_carried) if jacobi is not None else ()
-    extra = (out.path,) if tree_parents is not None else extra
+    extra = (out.path,) if tree_parents is not None else ()
+    if jacobi is not None:
+        extra = (*extra, out.next_drafts, out.next_q, out.num_carried)
     return (*verified, buffer, count, ended, num, bonus, accepted, *extra)
 
 
-def uniform_count(width: int, jacobi=None, bounds=None) -> int:
+def uniform_count(width: int, jacobi=None, bounds=None, layout=None) -> int:
     """Uniforms per row of a captured round: a chain's ``W + 1``, a Jacobi window's ``3 W + 2``, a tree's grid of
-    coins + 1."""
+    coins + 1, a Jacobi tree's `jacobi_tree_uniforms`."""
+    if layout is not None:
+        return jacobi_tree_uniforms(layout)
     if bounds is not None:
         return tree_uniforms(bounds)
     return width + 1 if jacobi is None else jacobi_uniforms(width)
@@ -129,8 +138,10 @@ class CapturedVerify:
         call's width: the rounds this object verifies (trees, SJD-PAC's included, verify eagerly)."""
         if proposal.width > self.width:
             return False
+        if proposal.parents is not None and proposal.jacobi_coupling is not None:  # SJD-PAC: its full host layout
+            return proposal.layout is not None and proposal.q_draft is not None and proposal.width == self.width
         if proposal.parents is not None:  # EAGLE-2 / draft-LM trees: deterministic children within host bounds
-            return proposal.jacobi_coupling is None and proposal.q_draft is None and proposal.bounds is not None
+            return proposal.q_draft is None and proposal.bounds is not None
         return proposal.jacobi_coupling is None or proposal.q_draft is not None
 
     def uniforms(self, generator, live: int, rows: int, count: int):
@@ -149,7 +160,8 @@ class CapturedVerify:
         jacobi = proposal.jacobi_coupling
         greedy = greedy and jacobi is None  # a Jacobi window always draws (as eager: its greedy p is one-hot)
         tree = proposal.parents is not None
-        bounds = tuple(int(b) for b in proposal.bounds) if tree else None
+        layout = tuple(int(x) for x in proposal.layout) if tree and jacobi is not None else None
+        bounds = tuple(int(b) for b in proposal.bounds) if tree and layout is None else None
         tokens, lengths = None, None  # plain AR decoding: no drafts (made in the graph)
         if width:
             # a tree's padding nodes are absent (-1) children of the root; a chain's are past its length
@@ -164,14 +176,16 @@ class CapturedVerify:
                 self.keys[state.ids] = row_keys(state.generator, live, self.device)
             keys = pad_rows(self.keys[state.ids], rows)
         elif not greedy:
-            uniforms = self.uniforms(state.generator, live, rows, uniform_count(width, jacobi, bounds))
+            uniforms = self.uniforms(state.generator, live, rows, uniform_count(width, jacobi, bounds, layout))
         state.reserve(width + 1)
         held = [pad_rows(x, rows) for x in (state.tokens, state.count, state.ended)]
         run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
         window = {} if jacobi is None else {"jacobi": bool(jacobi)}
         if tree:
             parents = proposal.parents.expand(live, k) if proposal.parents.ndim == 1 else proposal.parents
-            window = {"tree_parents": pad_rows(_pad_width(parents, width, -1), rows), "bounds": bounds}
+            window = {**window, "tree_parents": pad_rows(_pad_width(parents, width, -1), rows), "bounds": bounds}
+            if layout is not None:
+                window["layout"] = layout
         if keys is None:
             out = run(rule, tokens, p, q, lengths, uniforms, *held, state.max_length, state.eos, **window)
         else:
@@ -188,9 +202,14 @@ class CapturedVerify:
             accept_mask, accept_prob = accept_mask[:, :k], accept_prob[:, :k]
             chosen = chosen if tree else chosen[:, : k + 1]
         state.tokens, state.ended = buffer, ended
-        state.log_round(min(bounds[0], k) + 1 if tree else k + 1, count, num, num_accepted, bonus)
+        widest = chosen.shape[1] if layout is not None else min(bounds[0], k) + 1 if tree else k + 1
+        state.log_round(widest, count, num, num_accepted, bonus)
         verified = (num_accepted, accept_mask, chosen)
-        if tree:  # the path and its tokens as deep as the proposal's tree can be (the bounds', as eager off the CPU)
+        if layout is not None:  # SJD-PAC: the path, then the main branch's carried window (never padded)
+            path, next_drafts, next_q, num_carried = window
+            result = JacobiResult(*verified, path=path, accept_prob=accept_prob, num_emitted=num_emitted,
+                                  next_drafts=next_drafts, next_q=next_q, num_carried=num_carried)  # fmt: skip
+        elif tree:  # the path and its tokens as deep as the proposal's tree can be (the bounds', as eager off the CPU)
             (path,) = window
             depth = min(bounds[0], k) + 1
             chosen, path = chosen[:, :depth], path[:, :depth]

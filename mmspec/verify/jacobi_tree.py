@@ -26,15 +26,15 @@ import torch
 from torch import Tensor
 
 from mmspec.random import Generators
-from mmspec.verify.chain import verify_chain
+from mmspec.verify.chain import chain_from_uniforms, verify_chain
 from mmspec.verify.jacobi import carry_window, coupled_redraft
 from mmspec.verify.registry import resolve_rule
 from mmspec.verify.results import JacobiResult, VerifyResult
 from mmspec.verify.rules import AcceptanceRule
-from mmspec.verify.tree import verify_tree
+from mmspec.verify.tree import tree_uniforms, verify_tree
 
 
-__all__ = ["main_branch", "verify_jacobi_tree"]
+__all__ = ["jacobi_tree_uniforms", "main_branch", "verify_jacobi_tree"]
 
 
 def main_branch(parents: Tensor | list[int]) -> list[int]:
@@ -55,11 +55,11 @@ def main_branch(parents: Tensor | list[int]) -> list[int]:
 def _layout_bounds(layout: tuple[int, ...]) -> tuple[int, int]:
     """``(max depth, max children per node)`` of a host layout (depth 1 = a child of the pending token): the
     `verify_tree` loop bounds, computed once per layout."""
-    depth, kids = [], {}
+    depth, kids = [], [0] * (len(layout) + 1)  # kids[par + 1]: children of node par (the pending token's first)
     for par in layout:
         depth.append(1 if par < 0 else depth[par] + 1)
-        kids[par] = kids.get(par, 0) + 1
-    return max(depth, default=0), max(kids.values(), default=0)
+        kids[par + 1] += 1
+    return (max(depth) if depth else 0), max(kids)  # plain lists: a captured round traces this
 
 
 def _chain_tail(layout: list[int], main: list[int]) -> int:
@@ -93,33 +93,60 @@ def _index_tensors(layout: tuple[int, ...], main: tuple[int, ...], tail: int, de
 _cached_index_tensors = functools.lru_cache(maxsize=64)(_index_tensors)
 
 
+def _uncached_in_graph(fn):
+    """`fn` (an `lru_cache`d pure function of host values), or what it wraps while dynamo traces a captured round
+    (which would ignore the cache and warn)."""
+    return fn.__wrapped__ if torch.compiler.is_compiling() else fn
+
+
+def jacobi_tree_uniforms(layout) -> int:
+    """Uniforms per row a captured SJD-PAC round over the host `layout` takes (`verify_jacobi_tree(uniforms=...)`):
+    the tree part's grid of coins + its emitted token's, the chain tail's coins + its next token's, then the
+    main branch's re-draft: ``L`` coupling coins, ``L + 1`` fresh samples, ``L`` residual samples."""
+    layout = list(layout)
+    main = main_branch(layout)
+    tail = _chain_tail(layout, main)
+    n0 = len(layout) - tail
+    bounds = _uncached_in_graph(_layout_bounds)(tuple(layout[:n0]))
+    return tree_uniforms(bounds) + (tail + 1 if tail else 0) + 3 * len(main) + 1
+
+
 def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, rule, validate, layout_list=None,
-                            index=None):  # fmt: skip
+                            index=None, uniforms=None):  # fmt: skip
     """`verify_tree` (without replacement) over the whole Jacobi tree, computed as the tree part followed, for the
     rows whose path reached the main node the chain hangs from (the anchor), by `verify_chain` over the chain: the
     same recursion (a chain is a tree of single children), without a Python step per chain node and sibling slot.
-    The tree part's emitted token of the rows that go on into the chain is discarded (an independent draw)."""
+    The tree part's emitted token of the rows that go on into the chain is discarded (an independent draw).
+    `uniforms`: drawn beforehand (`jacobi_tree_uniforms`' first columns: the tree part's, then the chain's)."""
     batch, n = tokens.shape
     layout_list = layout.tolist() if layout_list is None else layout_list
     tail = _chain_tail(layout_list, main)
     if tail == 0:
         return verify_tree(tokens, layout, p_target, q_draft, mode="without_replacement", generator=generator,
-                           rule=rule, validate=validate, bounds=_layout_bounds(tuple(layout_list)),
-                           layout=tuple(layout_list))  # fmt: skip
+                           rule=rule, validate=validate, bounds=_uncached_in_graph(_layout_bounds)(tuple(layout_list)),
+                           layout=tuple(layout_list), uniforms=uniforms)  # fmt: skip
     n0 = n - tail  # tree-part nodes
     anchor = main[len(main) - tail - 1]  # the main node the chain hangs from
     depth = len(main) - tail  # its depth
+    bounds = _uncached_in_graph(_layout_bounds)(tuple(layout_list[:n0]))
+    u_tree = u_chain = None
+    if uniforms is not None:
+        u_tree, u_chain = uniforms[:, : tree_uniforms(bounds)], uniforms[:, tree_uniforms(bounds) :]
     tree = verify_tree(tokens[:, :n0], layout[:n0], p_target[:, : n0 + 1], q_draft[:, :n0],
                        mode="without_replacement", generator=generator, rule=rule, validate=validate,
-                       bounds=_layout_bounds(tuple(layout_list[:n0])), layout=tuple(layout_list[:n0]))  # fmt: skip
+                       bounds=bounds, layout=tuple(layout_list[:n0]), uniforms=u_tree)  # fmt: skip
     reached = tree.path.gather(1, tree.num_accepted[:, None])[:, 0] == anchor + 1  # [B]
     chain_tokens = tokens[:, n0:]
     present = (chain_tokens >= 0).long().cumprod(1).sum(1)
     if index is None:
         index = _index_tensors(tuple(layout_list), tuple(main), tail, p_target.device)
     rows, chain_nodes = index[2], index[3]
-    chain = verify_chain(rule, chain_tokens.clamp(min=0), p_target.index_select(1, rows), q_draft[:, n0:], generator=generator,
-                         num_draft=present * reached, validate=validate)  # fmt: skip
+    if u_chain is None:
+        chain = verify_chain(rule, chain_tokens.clamp(min=0), p_target.index_select(1, rows), q_draft[:, n0:],
+                             generator=generator, num_draft=present * reached, validate=validate)  # fmt: skip
+    else:
+        chain = chain_from_uniforms(rule, chain_tokens.clamp(min=0), p_target.index_select(1, rows), q_draft[:, n0:],
+                                    present * reached, u_chain)  # fmt: skip
     width = depth + tail + 1
     out = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
     path = torch.full((batch, width), -1, dtype=torch.long, device=tokens.device)
@@ -154,6 +181,7 @@ def verify_jacobi_tree(
     rule: AcceptanceRule | None = None,
     validate: bool = True,
     layout: list[int] | None = None,
+    uniforms: Tensor | None = None,
 ) -> JacobiResult:
     """One SJD-PAC step: verify a Jacobi tree, then re-draft the main branch (module docstring).
 
@@ -172,6 +200,10 @@ def verify_jacobi_tree(
             samples (SJD); rule: the acceptance rule (default `Exact`); validate: as `verify_tree`.
         layout: the layout ``parents[0]`` as a host list, when the caller has it (the drafter built it): then the
             step reads nothing from the device for the tree's shape (main branch, loop bounds).
+        uniforms: ``[B, jacobi_tree_uniforms(layout)]`` float64 uniforms drawn beforehand (with `layout` and
+            ``validate=False``; `generator` unused): every draw of the step, each token the inverse CDF of its law at
+            its uniform -- what a captured graph runs (`mmspec.decoding.captured_verify`). The same law, another
+            stream.
 
     Returns:
         `JacobiResult` with ``path`` (as `verify_tree`: rows of ``p_target`` on the accepted path, for the target's
@@ -189,9 +221,15 @@ def verify_jacobi_tree(
     main_list = main_branch(layout_list)
     # the layout's index tensors: once per layout when the drafter gave it as a host list
     key = (tuple(layout_list), tuple(main_list), _chain_tail(layout_list, main_list), tree_tokens.device)
-    index = _index_tensors(*key) if layout is None else _cached_index_tensors(*key)
+    index = _index_tensors(*key) if layout is None else _uncached_in_graph(_cached_index_tensors)(*key)
+    u_verify = u_redraft = None
+    if uniforms is not None:
+        if layout is None or validate:
+            raise ValueError("uniforms need the host layout and validate=False (a captured round reads nothing)")
+        split = jacobi_tree_uniforms(layout_list) - (3 * len(main_list) + 1)
+        u_verify, u_redraft = uniforms[:, :split], uniforms[:, split:]
     res = _verify_tree_then_chain(tree_tokens, parents_row, main_list, p_target, q_draft, generator, rule, validate,
-                                  layout_list, index)  # fmt: skip
+                                  layout_list, index, u_verify)  # fmt: skip
     main, rows = index[0], index[1]  # [L] main-branch nodes, [L+1] p rows for positions 1 .. L+1
     drafts = tree_tokens.index_select(1, main)  # [B, L]
     # a row's main branch ends at its first absent main node
@@ -202,7 +240,12 @@ def verify_jacobi_tree(
     q_main = q_draft.to(p.dtype).index_select(1, main)  # [B, L, V]
 
     # adaptive continuation: SCD's coupled re-draft (fresh coins: the verifier never tried these nodes)
-    redraft = coupled_redraft(p_main, q_main, d_main, lengths, generator, coupling=coupling)  # [B, L+1]
+    if u_redraft is None:
+        redraft = coupled_redraft(p_main, q_main, d_main, lengths, generator, coupling=coupling)  # [B, L+1]
+    else:  # the coupling's coins, then the fresh and residual samples' uniforms
+        size = len(main_list)
+        redraft = coupled_redraft(p_main, q_main, d_main, lengths, None, coupling=coupling,
+                                  coins=u_redraft[:, :size], uniforms=u_redraft[:, size:])  # fmt: skip
     next_drafts, next_q, num_carried = carry_window(redraft, p_main, res.num_accepted, lengths)
     return JacobiResult(
         num_accepted=res.num_accepted,

@@ -141,7 +141,12 @@ def _layout_structure(layout: tuple[int, ...], bounds: tuple[int, int], device: 
     present = torch.ones((1, n), dtype=torch.bool, device=device)
     with torch.inference_mode(False):
         parents, children, rank, depth, ancestry, earlier, _ = _tree_children(
-            parents, present, False, Checks(), bounds
+            parents,
+            present,
+            False,
+            Checks(),
+            bounds,
+            traced=True,  # the bounds as given: no read, also in a graph
         )
     return parents, children, rank, depth, ancestry, earlier
 
@@ -161,6 +166,7 @@ def verify_tree(
     validate: bool = True,
     bounds: tuple[int, int] | None = None,
     layout: tuple[int, ...] | None = None,
+    uniforms: Tensor | None = None,
     **knobs,
 ) -> VerifyResult:
     """Tree verification by recursive rejection sampling over siblings (module docstring).
@@ -201,6 +207,10 @@ def verify_tree(
         layout: optional host tuple equal to every row of ``parents``, whose sibling sets have their absent nodes
             last (SJD-PAC's drafter): with `bounds`, ``validate=False`` and one generator on an accelerator, the
             tree's structure comes from a per-layout cache instead of being rebuilt (the same result).
+        uniforms: ``[B, tree_uniforms(bounds)]`` float64 uniforms drawn beforehand (needs `bounds` and
+            ``validate=False``; `generator` unused): the per-row grid of coins and the emitted token's uniform, read
+            nothing from the device (what a captured graph runs: `tree_from_uniforms`, SJD-PAC's
+            `mmspec.verify.jacobi_tree.verify_jacobi_tree`). The same law; the layout of per-row generators.
 
     Returns:
         `VerifyResult` with ``path [B, D+1]`` (rows of ``p_target``: 0 = root, then ``1 + node`` per accepted
@@ -251,24 +261,33 @@ def verify_tree(
     # per-row generators draw a fixed grid of coins per row, sized by the host-known bounds (`_all_nodes`); without
     # bounds, the walk down the tree draws only where a row tries a child
     grid = None if greedy or num_rows(generator) is None or bounds is None else (int(bounds[0]), int(bounds[1]))
-    cached = layout is not None and bounds is not None and not validate and not host_checks_enabled(p.device)
+    traced = uniforms is not None and not greedy
+    if traced:
+        if bounds is None or validate:
+            raise ValueError("uniforms need the tree's bounds and validate=False (a captured round reads nothing)")
+        grid = (int(bounds[0]), int(bounds[1]))
+    cached = (
+        layout is not None and bounds is not None and not validate and (traced or not host_checks_enabled(p.device))
+    )
     if cached:  # the layout's structure, once; a round's absent nodes (last among their siblings) masked here
-        structure = _layout_structure(tuple(layout), (int(bounds[0]), int(bounds[1])), p.device)
+        structure = (_layout_structure.__wrapped__ if torch.compiler.is_compiling() else _layout_structure)(
+            tuple(layout), (int(bounds[0]), int(bounds[1])), p.device
+        )  # traced directly in a captured round (dynamo would ignore the cache and warn)
         parents, children, rank, depth, ancestry, earlier = (t.expand(batch, *t.shape[1:]) for t in structure)
         max_depth = min(int(bounds[0]), n)
         width = children.shape[-1]
         has = (children >= 0) & present.gather(1, children.clamp(min=0).view(batch, -1)).view(batch, n + 1, width)
         return _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier,
-                          p, q, generator, max_depth, has, grid)  # fmt: skip
+                          p, q, generator, max_depth, has, grid, uniforms if traced else None)  # fmt: skip
     parents, children, rank, depth, ancestry, earlier, max_depth = _tree_children(
-        parents, present, validate, checks, bounds
+        parents, present, validate, checks, bounds, traced
     )
     if not greedy and num_rows(generator) is not None and grid is None:
         # per-row generators and no bounds: a row draws a coin only for the children it tries, so its stream
         # depends on the outcomes; the walk down the tree, one sibling at a time
         return _walk(rule, mode, tokens, children, p, q, generator, max_depth)
     return _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,
-                      generator, max_depth, None, grid)  # fmt: skip
+                      generator, max_depth, None, grid, uniforms if traced else None)  # fmt: skip
 
 
 def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,

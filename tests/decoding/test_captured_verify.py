@@ -38,6 +38,7 @@ METHODS = {
     "sjd": dict(acceptance="jacobi", jacobi_window=4, coupling=False),
     "scd": dict(acceptance="jacobi", jacobi_window=4),
     "eagle-tree": dict(acceptance="exact", drafter="eagle", tree_nodes=6, tree_depth=3, tree_top_k=2),
+    "sjd-pac": dict(acceptance="jacobi", jacobi_window=4, jacobi_tree_width=2, jacobi_tree_depth=3),
 }
 SAMPLED = {"gsd": dict(acceptance="grouped")}  # a sampling rule: no greedy form
 # method -> eager ops of a round's captured verification + emit at batch 1 (eager: 59 + 15 for the chain, 13 + 15 for
@@ -45,12 +46,21 @@ SAMPLED = {"gsd": dict(acceptance="grouped")}  # a sampling rule: no greedy form
 # width near the image's end adds its padding (tokens, p_target, q_draft: 3) and the cut back (3; a Jacobi window's
 # next drafts and their laws: 2 more); the first round widens the state's buffer once (2). GSD's default window
 # (32) is wider than this 16-token image: every round is padded
-VERIFY_OPS = {"eagle-chain": 8, "plain": 4, "sjd": 12, "scd": 12, "gsd": 12, "eagle-tree": 12}
+VERIFY_OPS = {"eagle-chain": 8, "plain": 4, "sjd": 12, "scd": 12, "gsd": 12, "eagle-tree": 12, "sjd-pac": 4}
 # method -> the engine's other ops per round (the loop's compaction read, the cache commit, the pending tokens, the
 # stats), as measured (25.4, 27.3, 25.7 for the Jacobi windows, 57.4 for the tree, whose root prepending and
-# path commit stay eager, at batch 1) + slack (eager loop: 101.6 for the chain in all, 131.9 for SJD, 269.5 for
-# GSD, 227.9 for the tree: tests/decoding/test_engine_ops.py)
-ENGINE_OPS_CAPTURED = {"eagle-chain": 27, "plain": 29, "sjd": 27, "scd": 27, "gsd": 27, "eagle-tree": 60}
+# path commit stay eager, 86.2 for SJD-PAC, whose last round is eager, at batch 1) + slack (eager loop: 101.6 for
+# the chain in all, 131.9 for SJD, 269.5 for GSD, 227.9 for the tree, 404.5 for SJD-PAC:
+# tests/decoding/test_engine_ops.py)
+ENGINE_OPS_CAPTURED = {
+    "eagle-chain": 27,
+    "plain": 29,
+    "sjd": 27,
+    "scd": 27,
+    "gsd": 27,
+    "eagle-tree": 60,
+    "sjd-pac": 90,
+}
 
 
 @pytest.fixture(scope="module")
@@ -378,13 +388,16 @@ def test_engine_ops_and_host_reads_per_round(captured, method, monkeypatch):
             with HostReads():
                 out = run(captured, method, [0, 1, 2], per_row=True)
     engine, rounds = row["ops_per_round"]["engine"], row["rounds"]
-    assert rounds >= 2 and len(counted_ops) == rounds, (rounds, counted_ops)
+    # SJD-PAC's last round, its tree cut short by the image's end, verifies eagerly
+    assert rounds >= 2 and len(counted_ops) == rounds - (method == "sjd-pac"), (rounds, counted_ops)
     assert max(counted_ops) <= VERIFY_OPS[method], f"{method}: {counted_ops}"
     assert method in SAMPLED or counted_ops.count(2) > rounds // 2, f"{method}: {counted_ops}"  # most rounds: 2
     assert engine <= ENGINE_OPS_CAPTURED[method], f"{method}: {engine:.1f} engine ops per round besides verification"
     # test_host_reads' budget of these methods: one read per round, 8 per call outside the rounds
     assert row["host_reads_per_call"] <= rounds + 8, row["host_reads_where"]
-    assert len(verify_reads) >= rounds + max(out.stats.rounds) and not any(verify_reads), verify_reads
+    # every captured round counted (SJD-PAC: the rounds its tree was whole; its last rounds verify eagerly)
+    floor = rounds - 1 + max(out.stats.rounds) // 2 if method == "sjd-pac" else rounds + max(out.stats.rounds)
+    assert len(verify_reads) >= floor and not any(verify_reads), verify_reads
 
 
 def test_vlm_ragged_batch_with_eos_equals_eager():

@@ -76,11 +76,12 @@ class ToyTarget:
         self.code, self.n = self.code[index], self.n[index]
 
 
-def _run(tables, drafter, gen, rows=N_ROWS):
+def _run(tables, drafter, gen, rows=N_ROWS, compiler=None):
     """Decode ``rows`` sequences of T tokens after x_0 = 0 with the engine; returns (sequences [rows, T], stats,
-    state)."""
+    state). `compiler`: the target's (`enable_compile(verify=True)`'s captured verification)."""
     state = SequenceState(torch.zeros(rows, dtype=torch.long), T + 1, generator=gen)
     target = ToyTarget(tables, rows)
+    target.compiler = compiler
     stats = SpecStats(rows)
     drafter.prefill(state, None)
     decode(target, drafter, Exact(), state, Guidance(SamplingParams()), stats)
@@ -109,6 +110,25 @@ def test_sjd_pac_engine_is_lossless_on_the_toy_ar(width, init, coupling, make_ge
     drafter = ProactiveJacobiDrafter(V, window=4, width=width, depth=3, init=init, coupling=coupling)
     seqs, stats, _ = _run(tables, drafter, make_generator(11 + width))
     assert (seqs >= 0).all()
+    assert chi2_pvalue(_codes(seqs), _joint(tables)) > 1e-4
+
+
+@pytest.mark.parametrize("rng", ["generator", "philox"])
+def test_captured_sjd_pac_engine_is_lossless_on_the_toy_ar(rng, make_generator, chi2_pvalue, monkeypatch):
+    """The same proof with the round captured (`enable_compile(verify=True)`: the Jacobi tree's verification, its
+    chain tail, the main branch's coupled re-draft and the emit in one graph on uniforms drawn at once, or made in
+    the graph by Philox): the joint law of the sequences is still the model's, and the graph ran the rounds."""
+    from mmspec.decoding.captured_verify import CapturedVerify
+    from mmspec.decoding.compiled import Compiler
+
+    calls = []
+    call = CapturedVerify.__call__
+    monkeypatch.setattr(CapturedVerify, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
+    tables = _tables(0, stickiness=0.6)
+    drafter = ProactiveJacobiDrafter(V, window=4, width=3, depth=3, init="random", coupling=True)
+    compiler = Compiler(backend="eager", verify=True, rng=rng)
+    seqs, stats, _ = _run(tables, drafter, make_generator(17), compiler=compiler)
+    assert (seqs >= 0).all() and len(calls) > 0 and compiler.report()["verify"]["recompiles"] == 0
     assert chi2_pvalue(_codes(seqs), _joint(tables)) > 1e-4
 
 

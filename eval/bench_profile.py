@@ -225,6 +225,23 @@ def _patched_module(module, name, wrapper_of):
         setattr(module, name, original)
 
 
+@contextlib.contextmanager
+def _compiled(pipe, **knobs):
+    """`pipe.enable_compile(**knobs)` for the block; eager again after it, dynamo's caches reset."""
+    try:
+        pipe.enable_compile(**knobs)
+        yield
+    finally:
+        if hasattr(pipe, "disable_compile"):
+            pipe.disable_compile()
+        torch._dynamo.reset()
+
+
+def _failure(err) -> str:
+    """A compile failure as the report records it (type and the message's first 300 characters)."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+
+
 def explain_compile(run, method, first_forward):
     """Graphs and breaks under compile: (fields, None) or (None, reason). `torch._dynamo.explain` of the eager
     target forward of the counted call (its first round), then one call under `enable_compile(backend="eager")`
@@ -239,15 +256,11 @@ def explain_compile(run, method, first_forward):
         with forced_accelerator():  # the accelerator path: the CPU-only checks' reads would break the graph
             explained = torch._dynamo.explain(fn)(*a, **k)
         torch._dynamo.reset()
-        pipe.enable_compile(backend="eager")
-        run.call(method, 1)
-        report = pipe.compile_report() if hasattr(pipe, "compile_report") else None
+        with _compiled(pipe, backend="eager"):
+            run.call(method, 1)
+            report = pipe.compile_report() if hasattr(pipe, "compile_report") else None
     except Exception as err:  # a compile failure is a finding to record, not a crash of the profile
-        return None, f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-    finally:
-        if hasattr(pipe, "disable_compile"):
-            pipe.disable_compile()
-        torch._dynamo.reset()
+        return None, _failure(err)
     reasons = [str(getattr(b, "reason", b)) for b in explained.break_reasons][:10]
     return {"graph_count": explained.graph_count, "graph_break_count": explained.graph_break_count,
             "break_reasons": reasons, "compile_report": report}, None  # fmt: skip
@@ -288,16 +301,11 @@ def profile_captured(run, method, batch):
     if not hasattr(pipe, "enable_compile"):
         return None, f"{type(pipe).__name__} has no enable_compile"
     try:
-        pipe.enable_compile(backend="eager", verify=True)
-        with _graphs_as_launches():
+        with _compiled(pipe, backend="eager", verify=True), _graphs_as_launches():
             run.call(method, batch)  # every shape of the counted call compiles here
             row = profile_call(run, method, batch)
     except Exception as err:  # a compile failure is a finding to record, not a crash of the profile
-        return None, f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-    finally:
-        if hasattr(pipe, "disable_compile"):
-            pipe.disable_compile()
-        torch._dynamo.reset()
+        return None, _failure(err)
     return {k: round(v, 2) for k, v in row["ops_per_round"].items()}, None
 
 

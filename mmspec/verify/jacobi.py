@@ -84,16 +84,7 @@ def verify_jacobi(
     exact_accept = chain.accept_prob if type(rule) is Exact else None
     redraft = coupled_redraft(p, q, tokens, lengths, generator, coupling=coupling, coins=chain.coins,
                               accept_prob=exact_accept)  # fmt: skip
-    next_drafts, next_q, num_carried = carry_window(redraft, p, n, lengths)
-    return JacobiResult(
-        num_accepted=result.num_accepted,
-        accept_mask=result.accept_mask,
-        tokens=result.tokens,
-        accept_prob=result.accept_prob,
-        next_drafts=next_drafts,
-        next_q=next_q,
-        num_carried=num_carried,
-    )
+    return JacobiResult.carrying(result, *carry_window(redraft, p, n, lengths))
 
 
 def coupled_redraft(
@@ -191,16 +182,7 @@ def jacobi_from_uniforms(
     exact_accept = accept_prob if type(rule) is Exact else None
     redraft = coupled_redraft(p, q, tokens, lengths, None, coupling=coupling, coins=coins, accept_prob=exact_accept,
                               uniforms=uniforms[:, k + 1 :])  # fmt: skip
-    next_drafts, next_q, num_carried = carry_window(redraft, p, n, lengths)
-    return JacobiResult(
-        num_accepted=result.num_accepted,
-        accept_mask=result.accept_mask,
-        tokens=result.tokens,
-        accept_prob=result.accept_prob,
-        next_drafts=next_drafts,
-        next_q=next_q,
-        num_carried=num_carried,
-    )
+    return JacobiResult.carrying(result, *carry_window(redraft, p, n, lengths))
 
 
 def carry_window(redraft: Tensor, p: Tensor, num_accepted: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:

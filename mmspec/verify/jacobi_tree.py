@@ -246,14 +246,4 @@ def verify_jacobi_tree(
         size = len(main_list)
         redraft = coupled_redraft(p_main, q_main, d_main, lengths, None, coupling=coupling,
                                   coins=u_redraft[:, :size], uniforms=u_redraft[:, size:])  # fmt: skip
-    next_drafts, next_q, num_carried = carry_window(redraft, p_main, res.num_accepted, lengths)
-    return JacobiResult(
-        num_accepted=res.num_accepted,
-        accept_mask=res.accept_mask,
-        tokens=res.tokens,
-        path=res.path,
-        accept_prob=res.accept_prob,
-        next_drafts=next_drafts,
-        next_q=next_q,
-        num_carried=num_carried,
-    )
+    return JacobiResult.carrying(res, *carry_window(redraft, p_main, res.num_accepted, lengths))

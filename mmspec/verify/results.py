@@ -55,6 +55,15 @@ class JacobiResult(VerifyResult):
     next_q: Tensor | None = None
     num_carried: Tensor | None = None
 
+    @classmethod
+    def carrying(
+        cls, result: VerifyResult, next_drafts: Tensor, next_q: Tensor, num_carried: Tensor
+    ) -> "JacobiResult":
+        """`result`'s verification (path included) with the next window."""
+        return cls(num_accepted=result.num_accepted, accept_mask=result.accept_mask, tokens=result.tokens,
+                   path=result.path, accept_prob=result.accept_prob, num_emitted=result.num_emitted,
+                   next_drafts=next_drafts, next_q=next_q, num_carried=num_carried)  # fmt: skip
+
 
 @dataclass
 class ContinuousResult(VerifyResult):

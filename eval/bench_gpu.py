@@ -20,8 +20,8 @@ EAGLE-head-sized forward: one decoder layer of the target's width plus its outpu
 precomputed distribution over a real-size KV cache and a drafter that returns a fixed proposal, so verification,
 commit and bookkeeping are all that is timed; ``chain`` = K=6 drafts with distributions, ``tree`` = 24 nodes),
 eager and compiled (``torch.compile(mode=--compile-mode)``), at the context ``context``; ``engine_compiled_s``:
-``chain`` = the same round with its verification captured (the zoo's compiled backend), ``tree`` null (trees
-verify eagerly); the compiled projection uses it for chain methods.
+``chain`` / ``tree`` = the same rounds with their verification captured (the zoo's compiled backend; the tree's
+since 2026-12-03, null before); the compiled projection uses them.
 Beside them: ``param_bytes``, ``bound_step_s`` (param bytes / peak bandwidth: the physical floor of a step that
 reads every weight once), ``achieved_bandwidth`` (param bytes / plain step) and the device's
 ``peak_bandwidth`` (`PEAK_BANDWIDTH`, by device name; which one was assumed is recorded) and ``copy_bandwidth``
@@ -475,9 +475,9 @@ def _compiled(runner, mode, smoke=False, backend="inductor"):
 
 
 def _engine_compiled(args, spec, device, repeats, budget):
-    """The chain round's engine time with its verification captured (`enable_compile(verify=True)`'s graph, the
-    backend of the zoo's compiled rows; --smoke: dynamo's eager backend): `({"chain": s, "tree": None}, reason)`, or
-    `(None, reason)` without compiling. Trees verify eagerly, so their round is `engine_s`'s."""
+    """The chain's and the tree's round engine time with the verification captured (`enable_compile(verify=True)`'s
+    graph, the backend of the zoo's compiled rows; --smoke: dynamo's eager backend): `({"chain": s, "tree": s},
+    None)`, or `(None, reason)` without compiling."""
     from mmspec.decoding.compiled import Compiler
 
     if args.no_compile or args.eager_verify:
@@ -487,12 +487,13 @@ def _engine_compiled(args, spec, device, repeats, budget):
     backend = "eager" if args.smoke else None if args.compile_backend == "inductor" else args.compile_backend
     mode = args.compile_mode if backend is None and args.compile_mode != "default" else None
     try:
-        chain = engine_round_time(spec, False, device, repeats, compiler=Compiler(mode, backend, verify=True))
+        times = {kind: engine_round_time(spec, kind == "tree", device, repeats,
+                                         compiler=Compiler(mode, backend, verify=True)) for kind in ("chain", "tree")}  # fmt: skip
     except BudgetSpent as err:
         return None, str(err)
     except Exception as err:  # a compile failure is recorded, not fatal
         return None, f"{type(err).__name__}: {str(err)[:300]}"
-    return {"chain": chain, "tree": None}, "trees verify eagerly (engine_s)"
+    return times, None
 
 
 PROFILE_CALLS = 3  # plain steps under the profiler per variant (`kernel_profile`)

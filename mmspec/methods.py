@@ -207,9 +207,9 @@ EAGLE_HEADS = ("eagle", "eagle3", *VISION_POLICIES)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_BACKENDS = (None, "inductor", "cudagraphs", "eager", "aot_eager")
 # `enable_compile(verify=...)`'s default: off, the loop's verification and sampling stay eager (bitwise the eager
-# random stream). On: a chain round's verification (exact / relaxed / grouped, sampled or greedy) or plain AR's draw,
-# and its emit, run as one captured graph on uniforms drawn eagerly first, one draw per generator
-# (`mmspec.decoding.captured_verify`): the same law, another random stream; trees and Jacobi windows stay eager.
+# random stream). On: a round's verification (chains under exact / relaxed / grouped, sampled or greedy; Jacobi windows;
+# EAGLE-2 trees; SJD-PAC's Jacobi tree) or plain AR's draw, and its emit, run as one captured graph on uniforms drawn
+# eagerly first, one draw per generator (`mmspec.decoding.captured_verify`): the same law, another random stream.
 COMPILE_VERIFY = False
 # `enable_compile(rng=...)`: where a captured verification's uniforms come from. "generator" (the default): drawn
 # eagerly before the graph from the call's generator(s), one draw per generator a round; "philox": inside the graph,

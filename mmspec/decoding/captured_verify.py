@@ -134,8 +134,9 @@ class CapturedVerify:
         self.round = torch.zeros((), dtype=torch.long, device=self.device) if self.philox else None
 
     def covers(self, proposal: Proposal) -> bool:
-        """A chain, a Jacobi window (SJD / SCD / GSD on Jacobi drafts) or an empty proposal, no wider than the
-        call's width: the rounds this object verifies (trees, SJD-PAC's included, verify eagerly)."""
+        """A chain, a Jacobi window (SJD / SCD / GSD on Jacobi drafts), a tree with deterministic children and host
+        bounds, SJD-PAC's Jacobi tree at its full layout, or an empty proposal, no wider than the call's width: the
+        rounds this object verifies (the rest verify eagerly)."""
         if proposal.width > self.width:
             return False
         if proposal.parents is not None and proposal.jacobi_coupling is not None:  # SJD-PAC: its full host layout
@@ -182,7 +183,7 @@ class CapturedVerify:
         run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
         window = {} if jacobi is None else {"jacobi": bool(jacobi)}
         if tree:
-            parents = proposal.parents.expand(live, k) if proposal.parents.ndim == 1 else proposal.parents
+            parents = proposal.parents.expand(live, k)  # [K], [1, K] or [B, K]
             window = {**window, "tree_parents": pad_rows(_pad_width(parents, width, -1), rows), "bounds": bounds}
             if layout is not None:
                 window["layout"] = layout

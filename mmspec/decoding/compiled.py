@@ -20,8 +20,8 @@ compile where inductor takes minutes; the launches go, the kernels stay eager's)
 read in place (`mmspec.decoding.cudagraphs`). "eager" / "aot_eager" trace
 without generating code: the fast way to count graphs and breaks in tests.
 Sampling and verification stay eager by default (a per-row `torch.Generator` is not traceable). With
-`enable_compile(verify=True)` a chain round's verification (and plain AR's one-token draw) and its emit are one
-more graph (role "verify"): its uniforms are drawn eagerly first, one draw per generator
+`enable_compile(verify=True)` a round's verification (chains, Jacobi windows, EAGLE-2 trees, SJD-PAC's Jacobi tree;
+plain AR's one-token draw) and its emit are one more graph (role "verify"): its uniforms are drawn eagerly first, one draw per generator
 (`mmspec.decoding.captured_verify`).
 """
 

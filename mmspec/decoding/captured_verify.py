@@ -183,7 +183,8 @@ class CapturedVerify:
         run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
         window = {} if jacobi is None else {"jacobi": bool(jacobi)}
         if tree:
-            parents = proposal.parents.expand(live, k)  # [K], [1, K] or [B, K]
+            parents = proposal.parents  # [K], [1, K] or [B, K]
+            parents = parents if parents.shape[0] == live and parents.ndim == 2 else parents.expand(live, k)
             window = {**window, "tree_parents": pad_rows(_pad_width(parents, width, -1), rows), "bounds": bounds}
             if layout is not None:
                 window["layout"] = layout

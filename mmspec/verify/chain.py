@@ -176,6 +176,19 @@ def chain_from_uniforms(
     float64; the next token is the inverse CDF of its distribution at a uniform), another random stream: the coins
     and the draw come from the caller's one draw per generator. ``K = 0`` is plain AR decoding: one token from
     ``p_target[:, 0]``."""
+    return run_chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms)[0]
+
+
+def run_chain_from_uniforms(
+    rule: AcceptanceRule,
+    draft_tokens: Tensor,
+    p_target: Tensor,
+    q_draft: Tensor | None,
+    num_draft: Tensor,
+    uniforms: Tensor | None,
+) -> tuple[VerifyResult, ChainState]:
+    """`chain_from_uniforms`, also returning its `ChainState` (as `run_chain` for `verify_chain`): for rules built
+    on top of it (`mmspec.verify.jacobi.jacobi_from_uniforms`' re-draft)."""
     batch, k = draft_tokens.shape
     p = p_target.to(prob_dtype(p_target.dtype))
     q = None if q_draft is None else q_draft.to(p.dtype)
@@ -184,7 +197,8 @@ def chain_from_uniforms(
     coins = None if uniforms is None else uniforms[:, :k]
     accept_prob, n, dist = decide_chain(rule, p, q, tokens, lengths, valid, coins)
     next_token = dist.argmax(-1) if uniforms is None else inverse_cdf(dist, uniforms[:, k:])
-    return assemble_chain(draft_tokens, n, next_token, accept_prob)
+    result = assemble_chain(draft_tokens, n, next_token, accept_prob)
+    return result, ChainState(p, q, tokens, lengths, coins, accept_prob, n)
 
 
 def run_chain(

@@ -11,9 +11,8 @@ import torch
 from torch import Tensor
 
 from mmspec.random import Generators, rand
-from mmspec.sampling import inverse_cdf, prob_dtype, sample
-from mmspec.verify.chain import assemble_chain, decide_chain, run_chain, safe_tokens
-from mmspec.verify.checks import num_draft_mask
+from mmspec.sampling import inverse_cdf, sample
+from mmspec.verify.chain import run_chain, run_chain_from_uniforms
 from mmspec.verify.registry import resolve_rule
 from mmspec.verify.results import JacobiResult
 from mmspec.verify.rules import AcceptanceRule, Exact, residual_probs
@@ -171,18 +170,13 @@ def jacobi_from_uniforms(
     each token the inverse CDF of its distribution at its uniform. The law of `verify_jacobi`, another random stream
     (one draw per generator and round instead of per-row counts). Greedy decoding needs no other path: its
     ``p_target`` is one-hot, which any uniform maps to its argmax."""
-    batch, k = draft_tokens.shape
-    p = p_target.to(prob_dtype(p_target.dtype))
-    q = q_draft.to(p.dtype)
-    lengths, valid = num_draft_mask(num_draft, batch, k, p.device)
-    tokens = safe_tokens(draft_tokens, valid, p.shape[-1])  # [B, K]
-    coins = uniforms[:, :k]
-    accept_prob, n, dist = decide_chain(rule, p, q, tokens, lengths, valid, coins)
-    result = assemble_chain(draft_tokens, n, inverse_cdf(dist, uniforms[:, k : k + 1]), accept_prob)
-    exact_accept = accept_prob if type(rule) is Exact else None
-    redraft = coupled_redraft(p, q, tokens, lengths, None, coupling=coupling, coins=coins, accept_prob=exact_accept,
-                              uniforms=uniforms[:, k + 1 :])  # fmt: skip
-    return JacobiResult.carrying(result, *carry_window(redraft, p, n, lengths))
+    k = draft_tokens.shape[1]
+    result, chain = run_chain_from_uniforms(rule, draft_tokens, p_target, q_draft, num_draft, uniforms[:, : k + 1])
+    p, lengths = chain.p, chain.lengths
+    exact_accept = chain.accept_prob if type(rule) is Exact else None
+    redraft = coupled_redraft(p, chain.q, chain.tokens, lengths, None, coupling=coupling, coins=chain.coins,
+                              accept_prob=exact_accept, uniforms=uniforms[:, k + 1 :])  # fmt: skip
+    return JacobiResult.carrying(result, *carry_window(redraft, p, chain.num_accepted, lengths))
 
 
 def carry_window(redraft: Tensor, p: Tensor, num_accepted: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:

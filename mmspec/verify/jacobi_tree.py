@@ -31,7 +31,7 @@ from mmspec.verify.jacobi import carry_window, coupled_redraft
 from mmspec.verify.registry import resolve_rule
 from mmspec.verify.results import JacobiResult, VerifyResult
 from mmspec.verify.rules import AcceptanceRule
-from mmspec.verify.tree import tree_uniforms, verify_tree
+from mmspec.verify.tree import tree_uniforms, uncached_in_graph, verify_tree
 
 
 __all__ = ["jacobi_tree_uniforms", "main_branch", "verify_jacobi_tree"]
@@ -93,12 +93,6 @@ def _index_tensors(layout: tuple[int, ...], main: tuple[int, ...], tail: int, de
 _cached_index_tensors = functools.lru_cache(maxsize=64)(_index_tensors)
 
 
-def _uncached_in_graph(fn):
-    """`fn` (an `lru_cache`d pure function of host values), or what it wraps while dynamo traces a captured round
-    (which would ignore the cache and warn)."""
-    return fn.__wrapped__ if torch.compiler.is_compiling() else fn
-
-
 def jacobi_tree_uniforms(layout) -> int:
     """Uniforms per row a captured SJD-PAC round over the host `layout` takes (`verify_jacobi_tree(uniforms=...)`):
     the tree part's grid of coins + its emitted token's, the chain tail's coins + its next token's, then the
@@ -107,7 +101,7 @@ def jacobi_tree_uniforms(layout) -> int:
     main = main_branch(layout)
     tail = _chain_tail(layout, main)
     n0 = len(layout) - tail
-    bounds = _uncached_in_graph(_layout_bounds)(tuple(layout[:n0]))
+    bounds = uncached_in_graph(_layout_bounds)(tuple(layout[:n0]))
     return tree_uniforms(bounds) + (tail + 1 if tail else 0) + 3 * len(main) + 1
 
 
@@ -123,12 +117,12 @@ def _verify_tree_then_chain(tokens, layout, main, p_target, q_draft, generator, 
     tail = _chain_tail(layout_list, main)
     if tail == 0:
         return verify_tree(tokens, layout, p_target, q_draft, mode="without_replacement", generator=generator,
-                           rule=rule, validate=validate, bounds=_uncached_in_graph(_layout_bounds)(tuple(layout_list)),
+                           rule=rule, validate=validate, bounds=uncached_in_graph(_layout_bounds)(tuple(layout_list)),
                            layout=tuple(layout_list), uniforms=uniforms)  # fmt: skip
     n0 = n - tail  # tree-part nodes
     anchor = main[len(main) - tail - 1]  # the main node the chain hangs from
     depth = len(main) - tail  # its depth
-    bounds = _uncached_in_graph(_layout_bounds)(tuple(layout_list[:n0]))
+    bounds = uncached_in_graph(_layout_bounds)(tuple(layout_list[:n0]))
     u_tree = u_chain = None
     if uniforms is not None:
         u_tree, u_chain = uniforms[:, : tree_uniforms(bounds)], uniforms[:, tree_uniforms(bounds) :]
@@ -221,7 +215,7 @@ def verify_jacobi_tree(
     main_list = main_branch(layout_list)
     # the layout's index tensors: once per layout when the drafter gave it as a host list
     key = (tuple(layout_list), tuple(main_list), _chain_tail(layout_list, main_list), tree_tokens.device)
-    index = _index_tensors(*key) if layout is None else _uncached_in_graph(_cached_index_tensors)(*key)
+    index = _index_tensors(*key) if layout is None else uncached_in_graph(_cached_index_tensors)(*key)
     u_verify = u_redraft = None
     if uniforms is not None:
         if layout is None or validate:

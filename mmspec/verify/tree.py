@@ -42,7 +42,6 @@ def _tree_children(
     validate: bool,
     checks: Checks,
     bounds: tuple[int, int] | None = None,
-    traced: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """The tree's structure in a fixed number of batched ops (no per-node or per-level loop).
 
@@ -51,8 +50,8 @@ def _tree_children(
     [B, N, N]` (`[b, i, j]`: j is i or an ancestor of i); `earlier [B, N, N]` (`[b, i, j]`: j is an earlier present
     sibling of i); max depth`)`. One host sync (validation flags + loop bounds) -- none where `bounds` (host-known
     upper bounds on the depth and the children per node) are given, nothing is validated and a read is not free (an
-    accelerator) or the call is `traced` (a captured graph, which reads nothing): the bounds are then used as they
-    are (the extra steps try no child)."""
+    accelerator) or inside a captured graph (which reads nothing): the bounds are then used as they are (the extra
+    steps try no child)."""
     batch, n = present.shape
     device = parents.device
     node = torch.arange(n, device=device)
@@ -74,7 +73,7 @@ def _tree_children(
         rel = torch.bmm(rel, rel).clamp_(max=1)
     ancestry = rel > 0
     depth = ancestry.sum(-1)
-    if bounds is not None and not validate and (traced or not host_checks_enabled(device)):
+    if bounds is not None and not validate and (torch.compiler.is_compiling() or not host_checks_enabled(device)):
         depth_bound, width = min(int(bounds[0]), n), min(int(bounds[1]), n)
     else:
         zero = torch.zeros((), dtype=torch.long, device=device)
@@ -116,19 +115,14 @@ def tree_from_uniforms(
     its rank among its siblings) from the row's grid, the emitted token is the inverse CDF of its distribution at
     the last uniform: the per-row-generator layout of `verify_tree`, so the law is `verify_tree`'s (each coin used
     once), drawn in one go. Absent nodes (-1) are never tried."""
-    batch, n = tree_tokens.shape
-    if parents.ndim == 1:
-        parents = parents[None].expand(batch, n)
-    p = p_target.to(prob_dtype(p_target.dtype))
-    present = tree_tokens >= 0
-    tokens = tree_tokens.clamp(0, p.shape[-1] - 1)
-    bounds = (int(bounds[0]), int(bounds[1]))
-    parents, children, rank, depth, ancestry, earlier, max_depth = _tree_children(
-        parents.to(torch.long), present, False, Checks(), bounds, traced=True
-    )
-    greedy = uniforms is None
-    return _all_nodes(rule, "deterministic", greedy, tokens, present, parents, children, rank, depth, ancestry,
-                      earlier, p, None, None, max_depth, None, None if greedy else bounds, uniforms)  # fmt: skip
+    return verify_tree(tree_tokens, parents, p_target, mode="deterministic", generator=None, greedy=uniforms is None,
+                       rule=rule, validate=False, bounds=bounds, uniforms=uniforms)  # fmt: skip
+
+
+def uncached_in_graph(fn):
+    """`fn` (an `lru_cache`d pure function of host values), or what it wraps while dynamo traces a captured round
+    (which would ignore the cache and warn)."""
+    return fn.__wrapped__ if torch.compiler.is_compiling() else fn
 
 
 @functools.lru_cache(maxsize=64)
@@ -141,12 +135,7 @@ def _layout_structure(layout: tuple[int, ...], bounds: tuple[int, int], device: 
     present = torch.ones((1, n), dtype=torch.bool, device=device)
     with torch.inference_mode(False):
         parents, children, rank, depth, ancestry, earlier, _ = _tree_children(
-            parents,
-            present,
-            False,
-            Checks(),
-            bounds,
-            traced=True,  # the bounds as given: no read, also in a graph
+            parents, present, False, Checks(), bounds
         )
     return parents, children, rank, depth, ancestry, earlier
 
@@ -261,33 +250,30 @@ def verify_tree(
     # per-row generators draw a fixed grid of coins per row, sized by the host-known bounds (`_all_nodes`); without
     # bounds, the walk down the tree draws only where a row tries a child
     grid = None if greedy or num_rows(generator) is None or bounds is None else (int(bounds[0]), int(bounds[1]))
-    traced = uniforms is not None and not greedy
-    if traced:
+    drawn = uniforms is not None and not greedy  # the coins and the token's uniform come with the call
+    if drawn:
         if bounds is None or validate:
             raise ValueError("uniforms need the tree's bounds and validate=False (a captured round reads nothing)")
         grid = (int(bounds[0]), int(bounds[1]))
-    cached = (
-        layout is not None and bounds is not None and not validate and (traced or not host_checks_enabled(p.device))
-    )
+    cached = layout is not None and bounds is not None and not validate
+    cached = cached and (torch.compiler.is_compiling() or not host_checks_enabled(p.device))
     if cached:  # the layout's structure, once; a round's absent nodes (last among their siblings) masked here
-        structure = (_layout_structure.__wrapped__ if torch.compiler.is_compiling() else _layout_structure)(
-            tuple(layout), (int(bounds[0]), int(bounds[1])), p.device
-        )  # traced directly in a captured round (dynamo would ignore the cache and warn)
+        structure = uncached_in_graph(_layout_structure)(tuple(layout), (int(bounds[0]), int(bounds[1])), p.device)
         parents, children, rank, depth, ancestry, earlier = (t.expand(batch, *t.shape[1:]) for t in structure)
         max_depth = min(int(bounds[0]), n)
         width = children.shape[-1]
         has = (children >= 0) & present.gather(1, children.clamp(min=0).view(batch, -1)).view(batch, n + 1, width)
         return _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier,
-                          p, q, generator, max_depth, has, grid, uniforms if traced else None)  # fmt: skip
+                          p, q, generator, max_depth, has, grid, uniforms if drawn else None)  # fmt: skip
     parents, children, rank, depth, ancestry, earlier, max_depth = _tree_children(
-        parents, present, validate, checks, bounds, traced
+        parents, present, validate, checks, bounds
     )
     if not greedy and num_rows(generator) is not None and grid is None:
         # per-row generators and no bounds: a row draws a coin only for the children it tries, so its stream
         # depends on the outcomes; the walk down the tree, one sibling at a time
         return _walk(rule, mode, tokens, children, p, q, generator, max_depth)
     return _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,
-                      generator, max_depth, None, grid, uniforms if traced else None)  # fmt: skip
+                      generator, max_depth, None, grid, uniforms if drawn else None)  # fmt: skip
 
 
 def _all_nodes(rule, mode, greedy, tokens, present, parents, children, rank, depth, ancestry, earlier, p, q,

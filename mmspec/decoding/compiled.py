@@ -128,11 +128,10 @@ class CompiledForward:
         if shape in self.shapes:  # compiled before: no scoped settings (a config patch costs tens of microseconds of
             try:  # host time, in every call of every round)
                 return self._run(args, kwargs)
-            except (torch._dynamo.exc.FailOnRecompileLimitHit, torch._dynamo.exc.Unsupported) as err:
-                if not isinstance(err, torch._dynamo.exc.FailOnRecompileLimitHit) and "recompile" not in str(err):
-                    raise
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
                 # dynamo's caches were reset since (`torch._dynamo.reset`, `_dynamo.explain`), and this wrapper had
                 # more shapes than dynamo's default limit: compile it again under this call's limit (a recompile)
+                pass
         self.shapes.add(shape)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             return self._run(args, kwargs)

@@ -31,7 +31,6 @@ Saved (`torch.save`, loads with `weights_only=True`): `canvases uint8 [N, 64, 64
 """
 
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -106,14 +105,12 @@ def user_turn(question):
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
-def file_rows(prompts, num=None, seed=0, sampled_fraction=0.0):
-    """The rows of a `--prompts` file (its first `num` lines; all by default): `workload_rows`' fields with
-    `image_files` / `image_sha256` (per row) in place of `canvases`; a row is sampled with probability
-    `sampled_fraction` (drawn from a generator seeded `seed`), else answered greedily. `prompts`: the file, or its
-    rows as `read_prompt_file` returned them (the read `answers_flags` recorded)."""
-    from mmspec.data.prompt_file import read_prompt_file
-
-    lines = (read_prompt_file(prompts) if isinstance(prompts, (str, os.PathLike)) else list(prompts))[:num]
+def file_rows(rows, num=None, seed=0, sampled_fraction=0.0):
+    """The rows of a `--prompts` file as `read_prompt_file` returned them (the read `answers_flags` recorded; its
+    first `num` lines, all by default): `workload_rows`' fields with `image_files` / `image_sha256` (per row) in
+    place of `canvases`; a row is sampled with probability `sampled_fraction` (drawn from a generator seeded `seed`),
+    else answered greedily."""
+    lines = list(rows)[:num]
     sampled = torch.rand(len(lines), generator=torch.Generator().manual_seed(seed)) < sampled_fraction
     return {
         "messages": [r.messages for r in lines],

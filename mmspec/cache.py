@@ -287,7 +287,8 @@ def check_parents(parents):
     if parents.dim() != 2:
         raise ValueError(f"parents must be [rows, M], got shape {tuple(parents.shape)}")
     idx = torch.arange(parents.shape[1], device=parents.device)
-    if not host_checks_enabled(parents.device):  # an accelerator: a host read; the engine's layouts are its own
+    # an accelerator: a host read; inside a captured graph, a break (the engine's layouts are its own)
+    if not host_checks_enabled(parents.device) or torch.compiler.is_compiling():
         return
     if parents.numel() and bool(((parents < -1) | (parents >= idx[None, :])).any()):
         raise ValueError("parents must satisfy -1 <= parents[r, i] < i (topological order, -1 = committed prefix)")

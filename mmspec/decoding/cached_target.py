@@ -11,11 +11,12 @@ import torch
 from torch import Tensor
 
 from mmspec.cache import StaticKVCache
+from mmspec.decoding.captured_draft import captures_rounds
 from mmspec.decoding.compiled import pad_rows, row_bucket
 from mmspec.decoding.guidance import Guidance
 
 
-__all__ = ["CachedTarget"]
+__all__ = ["CachedTarget", "commit_path"]
 
 
 class CachedTarget:
@@ -57,6 +58,10 @@ class CachedTarget:
         num = self.guidance.rows(self.pad_items(num_tokens, fill=0))
         if path is None:
             self.cache.commit(num)
+        elif captures_rounds(self.compiler):  # the path's K/V copies as one graph (eager: ~30 ops a round)
+            self.compiler.static(self.cache)
+            run = self.compiler.forward("commit", commit_path, device=self.cache.device)
+            self.cache.lengths = run(self.cache, self.guidance.rows(self.pad_items(path)), num)
         else:
             self.cache.commit_path(self.guidance.rows(self.pad_items(path)), num)
 
@@ -79,3 +84,11 @@ class CachedTarget:
     def lengths(self) -> Tensor:
         """`[B]` committed cache lengths of the batch items."""
         return self.live_items(self.guidance.items(self.cache.lengths))
+
+
+def commit_path(cache: StaticKVCache, path: Tensor, path_len: Tensor) -> Tensor:
+    """`cache.commit_path(path, path_len)` as a function for a captured graph (role "commit", with
+    `enable_compile(verify=True)`): the K/V copies are written in the cache's own storage; returns the new committed
+    lengths, which the caller sets (a graph's outputs are the caller's)."""
+    cache.commit_path(path, path_len)
+    return cache.lengths

@@ -4,7 +4,8 @@ emit that goes with it, as one
 "Captured forwards").
 
 A `torch.Generator` (or a per-row list of them, `mmspec.random`) cannot be traced, so the round's randomness is
-drawn eagerly first, in one draw of a fixed shape: ``uniforms [rows, W + 1]`` (float64) per round, a single
+drawn eagerly first (`mmspec.decoding.graph_uniforms.GraphUniforms`, shared with captured drafting), in one draw of a
+fixed shape: ``uniforms [rows, W + 1]`` (float64) per round, a single
 generator's one `rand`, or ``W + 1`` uniforms from each row's own generator (a row's draws depend on its generator
 only, and every row draws the same amount each round whatever the rest of the batch does: no per-row counts, no
 host read). The rule then runs as a pure tensor function of (drafts, ``p_target``, ``q_draft``, lengths, uniforms),
@@ -43,10 +44,9 @@ import torch
 
 from mmspec.decoding.compiled import pad_rows, row_bucket
 from mmspec.decoding.drafter import Proposal
+from mmspec.decoding.graph_uniforms import GraphUniforms, resolve_uniforms
 from mmspec.decoding.state import append_tokens
 from mmspec.methods import COMPILE_RNG
-from mmspec.philox import philox_uniforms, row_keys
-from mmspec.random import rand
 from mmspec.verify import JacobiResult, VerifyResult
 from mmspec.verify.chain import chain_from_uniforms, closes_with_bonus
 from mmspec.verify.jacobi import jacobi_from_uniforms, jacobi_uniforms
@@ -71,8 +71,7 @@ def captured_round(rule, draft_tokens, p_target, q_draft, num_draft, uniforms, b
     if draft_tokens is None:
         draft_tokens = torch.zeros(p_target.shape[0], 0, dtype=torch.long, device=p_target.device)
     width = draft_tokens.shape[1]
-    if keys is not None:
-        uniforms = philox_uniforms(keys, round_index, uniform_count(width, jacobi, bounds, layout))
+    uniforms = resolve_uniforms(uniforms, keys, round_index, uniform_count(width, jacobi, bounds, layout))
     if layout is not None:
         out = verify_jacobi_tree(draft_tokens, tree_parents[0], p_target, q_draft, generator=None, coupling=jacobi,
                                  rule=rule, validate=False, layout=list(layout), uniforms=uniforms)  # fmt: skip
@@ -128,10 +127,7 @@ class CapturedVerify:
 
     def __init__(self, compiler, rows: int, width: int, device):
         self.compiler, self.rows, self.width, self.device = compiler, int(rows), int(width), torch.device(device)
-        self.philox = getattr(compiler, "rng", COMPILE_RNG) == "philox"
-        self.keys = None  # philox: [rows, 2] one key per row of the call, made at the first sampled round
-        # philox: the round counter (a 0-d device tensor, an input of the graph); none with per-row generators
-        self.round = torch.zeros((), dtype=torch.long, device=self.device) if self.philox else None
+        self.random = GraphUniforms(getattr(compiler, "rng", COMPILE_RNG), rows, device)
 
     def covers(self, proposal: Proposal) -> bool:
         """A chain, a Jacobi window (SJD / SCD / GSD on Jacobi drafts), a tree with deterministic children and host
@@ -144,13 +140,6 @@ class CapturedVerify:
         if proposal.parents is not None:  # EAGLE-2 / draft-LM trees: deterministic children within host bounds
             return proposal.q_draft is None and proposal.bounds is not None
         return proposal.jacobi_coupling is None or proposal.q_draft is not None
-
-    def uniforms(self, generator, live: int, rows: int, count: int):
-        """The round's ``[rows, count]`` float64 uniforms: one draw of a single generator, or `count` from each of
-        the `live` rows' own generators (padding rows copy row 0's)."""
-        if generator is None or isinstance(generator, torch.Generator):
-            return rand((rows, count), generator, device=self.device, dtype=torch.float64)
-        return pad_rows(rand((live, count), generator, device=self.device, dtype=torch.float64), rows)
 
     def __call__(self, rule, proposal: Proposal, p_target, state, greedy: bool):
         """Verify one round (as `mmspec.decoding.loop.verify_proposal`) and append its tokens to `state` (as
@@ -170,14 +159,9 @@ class CapturedVerify:
             lengths = pad_rows(proposal.num_draft, rows, fill=0)
         p = pad_rows(_pad_width(p_target, width + 1), rows)
         q = pad_rows(_pad_width(proposal.q_draft, width), rows)
-        uniforms = keys = None
-        if not greedy and self.philox:
-            if self.keys is None:  # the rows still live draw their keys once (their ids index the call's rows)
-                self.keys = torch.zeros(self.rows, 2, dtype=torch.long, device=self.device)
-                self.keys[state.ids] = row_keys(state.generator, live, self.device)
-            keys = pad_rows(self.keys[state.ids], rows)
-        elif not greedy:
-            uniforms = self.uniforms(state.generator, live, rows, uniform_count(width, jacobi, bounds, layout))
+        uniforms = keys = round_index = None
+        if not greedy:
+            uniforms, keys, round_index = self.random.inputs(state, rows, uniform_count(width, jacobi, bounds, layout))
         state.reserve(width + 1)
         held = [pad_rows(x, rows) for x in (state.tokens, state.count, state.ended)]
         run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
@@ -191,9 +175,8 @@ class CapturedVerify:
         if keys is None:
             out = run(rule, tokens, p, q, lengths, uniforms, *held, state.max_length, state.eos, **window)
         else:
-            out = run(rule, tokens, p, q, lengths, None, *held, state.max_length, state.eos, keys, self.round,
+            out = run(rule, tokens, p, q, lengths, None, *held, state.max_length, state.eos, keys, round_index,
                       **window)  # fmt: skip
-            self.round = self.round + 1
         if rows > live:
             out = [x[:live] for x in out]
         verified, window = out[:11], out[11:]

@@ -62,9 +62,17 @@ class Guidance:
         except ValueError as err:  # name the model the logits came from
             raise ValueError(f"{source} model: {err}") from err
         if not validate:  # a sum of probabilities is finite iff every one is: one reduction, one add
-            total = p.sum()
-            self._sums[source] = total if source not in self._sums else self._sums[source] + total
+            self.record(source, p.sum())
         return p
+
+    def process(self, logits: Tensor) -> Tensor:
+        """`probs(logits, validate=False)` without the running sum: a pure tensor function for a captured graph,
+        which hands the sum of what it made back to `record` (a graph cannot update this object's sums)."""
+        return self.sampling.probs(*logits.chunk(self.streams), validate=False)
+
+    def record(self, source: str, total: Tensor) -> None:
+        """Add `total`, a sum of distributions made from `source`'s logits, to the running sum `check` reads."""
+        self._sums[source] = total if source not in self._sums else self._sums[source] + total
 
     def check(self) -> None:
         """Raise `ValueError` if any distribution made since the start was not finite (one host sync)."""

@@ -1,15 +1,18 @@
 """Sampled draft chains: the loop every chain drafter shares (`ModelDrafter`, `TextModelDrafter`, EAGLE's
 `draft_chain`): each draft token is drawn from `q_draft`, the drafter's logits through the call's processing
 (`mmspec.decoding.guidance.Guidance`: CFG, temperature, top-k / top-p; one-hot under greedy decoding), and fed back.
-The drafters differ only in the step that turns what was fed into the next logits."""
+The drafters differ only in the step that turns what was fed into the next logits.
+
+`draw_chain` is the same chain as a pure tensor function of pre-drawn uniforms, for a drafter whose whole round of
+drafting runs as one captured graph (`mmspec.decoding.captured_draft`)."""
 
 import torch
 
 from mmspec.random import num_rows
-from mmspec.sampling import sample
+from mmspec.sampling import inverse_cdf, sample
 
 
-__all__ = ["chain_lengths", "refeed", "sample_chain"]
+__all__ = ["chain_lengths", "draw_chain", "refeed", "sample_chain", "stops_in_round"]
 
 
 def refeed(state, first_round):
@@ -28,6 +31,12 @@ def chain_lengths(policy, state):
     if k is None:  # every row drafts k_max
         return state.remaining().clamp(min=1, max=policy.k_max), length
     return torch.minimum(state.remaining(), k).clamp(min=1, max=length), length
+
+
+def stops_in_round(policy) -> bool:
+    """The draft-length `policy` may stop a chain inside a round (the confidence stop, a calibrated stop): a host read
+    after each draft, so the chain is drafted eagerly (`sample_chain`), never as one captured graph."""
+    return policy.confidence is not None or getattr(policy, "stop", None) is not None
 
 
 def sample_chain(step, feed, length, guidance, generator, num_draft=None, confidence=None, stop=None):
@@ -74,3 +83,24 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
             if d + 1 < length and not bool((num_draft > d + 1).any()):  # one read per draft but the last
                 break
     return torch.stack(tokens, 1), torch.stack(probs, 1), num_draft
+
+
+def draw_chain(step, feed, length, guidance, uniforms):
+    """`sample_chain`'s chain of `length` drafts (no stops) on pre-drawn uniforms `[B, >= length]`: token `d` of row
+    `b` is the inverse CDF of its `q_draft` at `uniforms[b, d]` (`mmspec.sampling.inverse_cdf`, `sample`'s default method), or the
+    argmax of the one-hot `q_draft` when `uniforms` is None (greedy: what `sample` draws from a point mass). A pure
+    tensor function: the distributions go through `guidance.process` (their running sum is returned for
+    `guidance.record`, which a graph cannot call).
+
+    Returns:
+        `(draft_tokens [B, length], q_draft [B, length, V], total)`, `total` the sum of every `q_draft`.
+    """
+    tokens, probs = [], []
+    for d in range(length):
+        q = guidance.process(step(feed))  # [B, V]
+        tok = q.argmax(-1) if uniforms is None else inverse_cdf(q, uniforms[:, d, None])
+        tokens.append(tok)
+        probs.append(q)
+        feed = tok[:, None]
+    q_draft = torch.stack(probs, 1)
+    return torch.stack(tokens, 1), q_draft, q_draft.sum()

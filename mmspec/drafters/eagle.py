@@ -26,9 +26,11 @@ from types import SimpleNamespace
 
 import torch
 
+from mmspec.decoding.captured_draft import CapturedDraft, captures_rounds
 from mmspec.decoding.compiled import dense
 from mmspec.decoding.drafter import JointSync, Proposal
-from mmspec.drafters.chain import chain_lengths, sample_chain
+from mmspec.decoding.graph_uniforms import resolve_uniforms
+from mmspec.drafters.chain import chain_lengths, draw_chain, sample_chain, stops_in_round
 from mmspec.drafters.lengths import FixedLength
 from mmspec.drafters.tree import DraftTree, grow_tree
 from mmspec.models.hf.inputs import image_token_mask
@@ -43,9 +45,11 @@ __all__ = [
     "EagleDrafter",
     "EagleHead",
     "cfg_combine",
+    "chain_round",
     "commit_accepted",
     "draft_chain",
     "draft_tree",
+    "tree_round",
 ]
 
 
@@ -107,17 +111,46 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
     """
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
+    step = _chain_step(head, target, cache, guidance, hidden, input_ids, num_valid, validate)
+    tokens, q_draft, num_draft = sample_chain(step, None, length, guidance, generator, num_draft, confidence, stop)
+    cache.rollback(cache.lengths - (tokens.shape[1] - 1))
+    return tokens, q_draft, num_draft
+
+
+def _chain_step(head, target, cache, guidance, hidden, input_ids, num_valid, validate):
+    """A chain's `step` (`mmspec.drafters.chain`): commits the accepted pairs (`commit_accepted`), then returns the
+    logits of the first draft from their last feature, and for each draft fed the logits after `(f_hat, x)` at the
+    next slot (committed; the caller rolls the drafted pairs back)."""
     feat = [commit_accepted(head, target, cache, hidden, input_ids, num_valid, validate)]  # [rows, 1, dim]
 
-    def step(tok):  # the first draft from the accepted pairs' last feature, then (f_hat, x) at the next slot
+    def step(tok):
         if tok is not None:
             feat[0] = head(feat[0], guidance.rows(tok), target, cache, validate=False)
             cache.commit(1)
         return head.compute_logits(target, feat[0][:, 0])
 
-    tokens, q_draft, num_draft = sample_chain(step, None, length, guidance, generator, num_draft, confidence, stop)
-    cache.rollback(cache.lengths - (tokens.shape[1] - 1))
-    return tokens, q_draft, num_draft
+    return step
+
+
+def chain_round(head, target, cache, hidden, input_ids, num_valid, guidance, uniforms, keys, round_index, *, length):
+    """`draft_chain` of `length` drafts (no stops) as a pure function of its inputs, for one captured graph
+    (`mmspec.decoding.captured_draft`): the drafts are drawn on `uniforms` (or Philox blocks of `keys`; greedy:
+    None) by `mmspec.drafters.chain.draw_chain`. Returns `(draft_tokens, q_draft, sum of q_draft, the cache's
+    committed lengths)`."""
+    uniforms = resolve_uniforms(uniforms, keys, round_index, length)
+    step = _chain_step(head, target, cache, guidance, hidden, input_ids, num_valid, False)
+    tokens, q_draft, total = draw_chain(step, None, length, guidance, uniforms)
+    cache.rollback(cache.lengths - (length - 1))
+    return tokens, q_draft, total, cache.lengths
+
+
+def tree_round(head, target, cache, hidden, input_ids, num_valid, uniforms, keys, round_index, *, depth, top_k, total,
+               guidance_scale):  # fmt: skip
+    """`draft_tree` as a pure function of its inputs, for one captured graph (`mmspec.decoding.captured_draft`; a
+    tree draws nothing: the uniform inputs are None). Returns `(tokens, parents, the cache's committed lengths)`."""
+    tree = draft_tree(head, target, cache, hidden, input_ids, num_valid, depth=depth, top_k=top_k, total=total,
+                      validate=False, guidance_scale=guidance_scale)  # fmt: skip
+    return tree.tokens, tree.parents, cache.lengths
 
 
 @torch.no_grad()
@@ -264,6 +297,7 @@ class EagleDrafter:
         self.cache = None
         self.draft_forwards = 0
         self.compiler = None  # `mmspec.decoding.compiled.Compiler`: the head's per-step forward runs captured
+        self.captured = None  # with `verify` on, the call's `CapturedDraft`: a whole round drafts as one graph
         self.needs_vision = callable(getattr(head, "prefill_prompt", None))  # the target's inputs_embeds + image mask
         self.draft_image_tokens, self.gate_choice = None, None
         # text targets: `(prompt lengths, image tokens)` per row as host lists, from the prompt's host copy (the
@@ -280,6 +314,10 @@ class EagleDrafter:
         every prompt pair but the last through its policy here (`prefill_prompt`); the last one stays pending."""
         rows = target_out.hidden.shape[0]
         self.length.start(state.count.shape[0], state.count.device)
+        # a whole round as one graph; not for a head whose forwards read a window of its cache (the transformers
+        # heads: the window is host bookkeeping per forward), which keeps its per-step graphs
+        whole = captures_rounds(self.compiler) and not getattr(self.head, "windowed_cache", False)
+        self.captured = CapturedDraft(self.compiler, state.batch_size, state.tokens.device) if whole else None
         scratch = self.depth * self.top_k + 2  # drafted pairs: the chain, or the tree's frontiers
         if target_out.input_ids is None:
             prefix = self.target.config.cls_token_num
@@ -340,6 +378,8 @@ class EagleDrafter:
 
     def propose(self, state):
         g = self.guidance
+        if self.captured is not None and not (self.chain and stops_in_round(self.length)):
+            return self._propose_captured(state)
         head, hidden, ids = self._head_and_pairs()
         if self.chain:
             num_draft, length = chain_lengths(self.length, state)
@@ -356,6 +396,29 @@ class EagleDrafter:
                           guidance_scale=g.sampling.guidance_scale if g.streams == 2 else None)  # fmt: skip
         self.draft_forwards += self.depth
         return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents,
+                        bounds=(self.depth, self.top_k))  # fmt: skip
+
+    def _propose_captured(self, state):
+        """`propose` as one graph (`mmspec.decoding.captured_draft`): the accepted pairs padded to `depth + 1`, the
+        head's whole chain or tree traced through its eager forward."""
+        g = self.guidance
+        self.compiler.static(self.cache)
+        hidden, ids = pad_pairs(self.hidden, self.ids, self.depth + 1)
+        pairs = (self.head, self.target, self.cache, hidden, ids, self.num_valid)
+        if self.chain:
+            num_draft, length = chain_lengths(self.length, state)
+            drafts, q, total, lengths = self.captured(chain_round, state, g, self.depth, *pairs, g, length=length)
+            g.record("draft", total)
+            self.cache.lengths = lengths
+            self.draft_forwards += length
+            self._num_draft = num_draft
+            return Proposal(drafts, num_draft, q_draft=q)
+        scale = g.sampling.guidance_scale if g.streams == 2 else None
+        tokens, parents, lengths = self.captured(tree_round, state, g, 0, *pairs, depth=self.depth, top_k=self.top_k,
+                                                 total=self.total, guidance_scale=scale)  # fmt: skip
+        self.cache.lengths = lengths
+        self.draft_forwards += self.depth
+        return Proposal(tokens, torch.full_like(state.count, tokens.shape[1]), parents=parents,
                         bounds=(self.depth, self.top_k))  # fmt: skip
 
     def commit(self, result, target_out, state):

@@ -20,15 +20,17 @@ import logging
 
 import torch
 
+from mmspec.decoding.captured_draft import CapturedDraft, captures_rounds
 from mmspec.decoding.compiled import pad_rows, row_bucket
 from mmspec.decoding.drafter import Proposal
-from mmspec.drafters.chain import chain_lengths, refeed, sample_chain
+from mmspec.decoding.graph_uniforms import resolve_uniforms
+from mmspec.drafters.chain import chain_lengths, draw_chain, refeed, sample_chain, stops_in_round
 from mmspec.drafters.lengths import FixedLength
 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelDrafter"]
+__all__ = ["ModelDrafter", "chain_round"]
 
 
 class ModelDrafter:
@@ -57,6 +59,7 @@ class ModelDrafter:
         self.cache = None
         self.draft_forwards = 0
         self.compiler = None  # `mmspec.decoding.compiled.Compiler`: the draft forwards run captured
+        self.captured = None  # with `verify` on, the call's `CapturedDraft`: a whole chain drafts as one graph
         self.live = None  # captured, after a compaction: the items in use (the cache's others are padding)
 
     @staticmethod
@@ -79,26 +82,28 @@ class ModelDrafter:
         self.live = None
         self._first_round = True
         self.length.start(state.count.shape[0], state.count.device)
+        self.captured = (CapturedDraft(self.compiler, state.batch_size, state.tokens.device)
+                         if captures_rounds(self.compiler) else None)  # fmt: skip
 
     @torch.no_grad()
     def propose(self, state):
         """Draft `min(K, remaining)` tokens after each row's pending token."""
         g = self.guidance
-        model = self.model
+        num_draft, length = chain_lengths(self.length, state)
+        live_rows = None if self.live is None else self._live_rows
+        feed = refeed(state, self._first_round)
         if self.compiler is not None:
             self.compiler.static(self.cache)
-            model = self.compiler.forward("drafter", self.model)
-        num_draft, length = chain_lengths(self.length, state)
-
-        def step(feed):  # `[last committed, pending]` / `[pending]`, then each draft: fed and committed
-            rows = g.rows(pad_rows(feed, self.cache.rows // g.streams))  # captured: the cache's row bucket
-            logits = model(rows, self.cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
-            self.cache.commit(feed.shape[1])
-            return logits if self.live is None else logits[self._live_rows]
-
-        tokens, q_draft, num_draft = sample_chain(step, refeed(state, self._first_round), length, g,
-                                                  state.generator, num_draft, confidence=self.length.confidence,
-                                                  stop=getattr(self.length, "stop", None))  # fmt: skip
+        if self.captured is not None and not stops_in_round(self.length):  # the whole chain as one graph
+            tokens, q_draft, total, lengths = self.captured(chain_round, state, g, self.k, self.model, self.cache,
+                                                            feed, live_rows, g, length=length)  # fmt: skip
+            g.record("draft", total)
+            self.cache.lengths = lengths
+        else:
+            model = self.model if self.compiler is None else self.compiler.forward("drafter", self.model)
+            tokens, q_draft, num_draft = sample_chain(_chain_step(model, self.cache, g, live_rows), feed, length, g,
+                                                      state.generator, num_draft, confidence=self.length.confidence,
+                                                      stop=getattr(self.length, "stop", None))  # fmt: skip
         self.draft_forwards += tokens.shape[1]
         self._first_round = False
         self._num_draft = num_draft
@@ -128,3 +133,28 @@ class ModelDrafter:
             index = pad_rows(index, row_bucket(self.live, items))
             self._live_rows = self.guidance.row_index(torch.arange(self.live, device=index.device), index.shape[0])
         self.cache.select_rows(self.guidance.row_index(index, items))
+
+
+def _chain_step(model, cache, guidance, live_rows):
+    """A chain's `step` (`mmspec.drafters.chain`): feeds `[last committed, pending]` / `[pending]`, then each draft,
+    at the cache's row bucket (captured: the live items padded), commits it, and returns the logits after it of the
+    live rows (`live_rows`, None: every row)."""
+
+    def step(feed):
+        rows = guidance.rows(pad_rows(feed, cache.rows // guidance.streams))
+        logits = model(rows, cache, validate=False).logits[:, -1]  # [rows, V]; no range syncs
+        cache.commit(feed.shape[1])
+        return logits if live_rows is None else logits[live_rows]
+
+    return step
+
+
+def chain_round(model, cache, feed, live_rows, guidance, uniforms, keys, round_index, *, length):
+    """A round's chain of `length` drafts (no stops) as a pure function of its inputs, for one captured graph
+    (`mmspec.decoding.captured_draft`): drawn on `uniforms` (or Philox blocks of `keys`; greedy: None) by
+    `mmspec.drafters.chain.draw_chain`. Returns `(draft_tokens, q_draft, sum of q_draft, the cache's committed
+    lengths)`."""
+    uniforms = resolve_uniforms(uniforms, keys, round_index, length)
+    step = _chain_step(model, cache, guidance, live_rows)
+    tokens, q_draft, total = draw_chain(step, feed, length, guidance, uniforms)
+    return tokens, q_draft, total, cache.lengths

@@ -136,13 +136,14 @@ def test_greedy_tokens_equal_eager_and_nothing_recompiles(parts, captured, metho
 
 
 def test_full_capture_greedy(parts):
-    """Everything captured (`enable_compile(backend="eager", verify=True)`: target, EAGLE head, verification):
-    eager's greedy tokens, one graph per shape, no recompile."""
+    """Everything captured (`enable_compile(backend="eager", verify=True)`: target, the EAGLE head's whole round of
+    drafting (`mmspec.decoding.captured_draft`), verification): eager's greedy tokens, one graph per shape, no
+    recompile."""
     pipe = make_pipe(parts).enable_compile(backend="eager", verify=True)
     want = run(make_pipe(parts), "eagle-chain", [1], do_sample=False).images
     assert torch.equal(run(pipe, "eagle-chain", [1], do_sample=False).images, want)
     report = pipe.compile_report()
-    assert set(report) == {"target", "drafter", "verify"}, report
+    assert set(report) == {"target", "draft", "verify"}, report
     assert all(r["recompiles"] == 0 and r["graphs"] == r["shapes"] for r in report.values()), report
     assert report["verify"]["graphs"] == 1, report
 

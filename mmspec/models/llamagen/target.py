@@ -65,20 +65,35 @@ class LlamaGenTarget(CachedTarget):
         if self.compiler is not None:  # the cache's items (`select_rows` keeps row buckets when captured)
             tokens, parents = self.pad_items(tokens), self.pad_items(parents)
         rows = self.guidance.rows(tokens)  # [rows, M]
-        inputs = () if parents is None else tree_inputs(self.guidance.rows(parents), self.cache.lengths)
+        parents = None if parents is None else self.guidance.rows(parents)
         # ids come from the engine's sampler, slots from the cache lengths: no per-round range checks (host syncs)
         if self.compiler is not None:
-            return self.forward_captured(rows, inputs, return_hidden)
+            return self.forward_captured(rows, parents, return_hidden)
+        inputs = () if parents is None else tree_inputs(parents, self.cache.lengths)
         out = self.model(rows, self.cache, *inputs, return_hidden=return_hidden, validate=False)
         return TargetOutput(self.guidance.probs(out.logits, "target"), out.hidden)
 
-    def forward_captured(self, rows: Tensor, inputs: tuple, return_hidden: bool) -> TargetOutput:
+    def forward_captured(self, rows: Tensor, parents: Tensor | None, return_hidden: bool) -> TargetOutput:
         """`forward` through the compiled graph of the block's bucket (`mmspec.decoding.compiled`): the block is
-        padded to `bucket_width` (scratch slots after it, attended by nothing) and the outputs cut back to it."""
+        padded to `bucket_width` (scratch slots after it, attended by nothing) and the outputs cut back to it. A
+        tree's positions, slots and ancestor mask are built inside its graph (`tree_forward`)."""
         m = rows.shape[1]
-        padded = pad_block(bucket_width(m, self.buckets), rows, *inputs)
+        width = bucket_width(m, self.buckets)
         self.compiler.static(self.cache)
-        run = self.compiler.forward("target", self.model)
-        out = run(padded[0], self.cache, *padded[1:], return_hidden=return_hidden, validate=False)
+        if parents is None:
+            run = self.compiler.forward("target", self.model)
+            out = run(pad_block(width, rows)[0], self.cache, return_hidden=return_hidden, validate=False)
+        else:
+            run = self.compiler.forward("target", tree_forward, device=self.cache.device)
+            out = run(self.model, rows, parents, self.cache, width=width, return_hidden=return_hidden)
         hidden = None if out.hidden is None else self.live_rows(out.hidden[:, :m])
         return TargetOutput(self.live_items(self.guidance.probs(out.logits[:, :m], "target")), hidden)
+
+
+def tree_forward(model, rows, parents, cache, *, width, return_hidden):
+    """A token tree's forward (`rows [R, M]` tokens, `parents [R, M]`) with its inputs built from the parents and the
+    cache's lengths (`mmspec.cache.tree_inputs`) and padded to `width` (`pad_block`): the captured graph of a tree
+    round (the mask building is ~65 ops a round when eager)."""
+    inputs = tree_inputs(parents, cache.lengths)
+    padded = pad_block(width, rows, *inputs)
+    return model(padded[0], cache, *padded[1:], return_hidden=return_hidden, validate=False)

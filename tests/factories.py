@@ -175,3 +175,10 @@ def digest(*parts) -> str:
     for part in parts:
         feed(part)
     return h.hexdigest()
+
+
+def assert_decoded_alike(got, want):
+    """Two image calls decoded alike: tokens, accepted tokens, rounds and trace (a captured call against eager)."""
+    assert torch.equal(got.images, want.images)
+    assert (got.stats.accepted_tokens, got.stats.rounds) == (want.stats.accepted_tokens, want.stats.rounds)
+    assert torch.equal(got.trace.origin, want.trace.origin) and torch.equal(got.trace.round, want.trace.round)

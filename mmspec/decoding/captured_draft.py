@@ -1,5 +1,5 @@
 """Captured drafting: a drafter's whole round of drafting -- an EAGLE head's chain or EAGLE-2 tree, a draft model's
-chain -- as one `torch.compile(fullgraph=True, dynamic=False)` graph (role "draft"), with
+chain, SJD-PAC's proposal -- as one `torch.compile(fullgraph=True, dynamic=False)` graph (role "draft"), with
 `pipe.enable_compile(verify=True)` (`docs/pipelines.md`, "Captured forwards").
 
 Per-step capture (the head's or the draft model's forward as a graph) leaves the loop around it eager: the feature
@@ -13,7 +13,8 @@ pure function of its round to `CapturedDraft`, which runs it as one graph per sh
   (`mmspec.decoding.graph_uniforms`; the draft keeps its own keys and counter). The law is `sample_chain`'s -- each
   draft is drawn from the `q_draft` it reports -- on another random stream; greedy decoding draws nothing and drafts
   eager's tokens;
-* a tree's children are deterministic (top-k): nothing is drawn;
+* a tree's children are deterministic (top-k): nothing is drawn; SJD-PAC's sibling sets draw `V` uniforms per
+  parent of each branching level, every round;
 * the function returns the cache's new committed lengths, which are set after the graph (a graph's outputs are owned
   by the caller; the K/V it wrote are the cache's own storage, marked static), and the sum of its distributions,
   which goes to `Guidance.record` (the NaN check at the end of the call).
@@ -49,14 +50,14 @@ class CapturedDraft:
         self.compiler, self.device = compiler, torch.device(device)
         self.random = GraphUniforms(compiler.rng, rows, device)
 
-    def __call__(self, fn, state, guidance, count: int, *args, **kwargs):
+    def __call__(self, fn, state, count: int, *args, **kwargs):
         """`fn(*args, uniforms, keys, round_index, **kwargs)` as one graph (compiled on first sight of a shape):
-        `uniforms` / `keys` / `round_index` are a sampled round's `count` uniforms per live row of `state` (the same
-        `count` every round of a call, so that a row's draws do not depend on its batch)
-        (`mmspec.decoding.graph_uniforms.GraphUniforms.inputs`; `resolve_uniforms` inside `fn`), all None under
-        greedy decoding or when `count` is 0."""
+        `uniforms` / `keys` / `round_index` are the round's `count` uniforms per live row of `state` (the same
+        `count` every sampled round of a call, so that a row's draws do not depend on its batch;
+        `mmspec.decoding.graph_uniforms.GraphUniforms.inputs`; `resolve_uniforms` inside `fn`), all None when
+        `count` is 0 (greedy decoding, a tree's deterministic children)."""
         uniforms = keys = round_index = None
-        if count and not guidance.greedy:
+        if count:
             uniforms, keys, round_index = self.random.inputs(state, state.ids.shape[0], count)
         run = self.compiler.forward("draft", fn, device=self.device)
         return run(*args, uniforms, keys, round_index, **kwargs)

@@ -407,14 +407,15 @@ class EagleDrafter:
         pairs = (self.head, self.target, self.cache, hidden, ids, self.num_valid)
         if self.chain:
             num_draft, length = chain_lengths(self.length, state)
-            drafts, q, total, lengths = self.captured(chain_round, state, g, self.depth, *pairs, g, length=length)
+            count = 0 if g.greedy else self.depth  # k_max uniforms a row every sampled round
+            drafts, q, total, lengths = self.captured(chain_round, state, count, *pairs, g, length=length)
             g.record("draft", total)
             self.cache.lengths = lengths
             self.draft_forwards += length
             self._num_draft = num_draft
             return Proposal(drafts, num_draft, q_draft=q)
         scale = g.sampling.guidance_scale if g.streams == 2 else None
-        tokens, parents, lengths = self.captured(tree_round, state, g, 0, *pairs, depth=self.depth, top_k=self.top_k,
+        tokens, parents, lengths = self.captured(tree_round, state, 0, *pairs, depth=self.depth, top_k=self.top_k,
                                                  total=self.total, guidance_scale=scale)  # fmt: skip
         self.cache.lengths = lengths
         self.draft_forwards += self.depth

@@ -20,13 +20,22 @@ Adaptive continuation (the main branch's coupled re-draft) happens inside verifi
 
 import torch
 
+from mmspec.decoding.captured_draft import CapturedDraft, captures_rounds
 from mmspec.decoding.drafter import Proposal
+from mmspec.decoding.graph_uniforms import resolve_uniforms
 from mmspec.drafters.jacobi import JacobiDrafter
 from mmspec.methods import KNOBS, MethodSettings, check_knobs
 from mmspec.random import rand
 
 
-__all__ = ["ProactiveJacobiDrafter", "make_jacobi_drafter", "tree_layout"]
+__all__ = [
+    "ProactiveJacobiDrafter",
+    "make_jacobi_drafter",
+    "proactive_nodes",
+    "proactive_round",
+    "side_laws",
+    "tree_layout",
+]
 
 
 def tree_layout(width: int, depth: int, window: int) -> tuple[list[int], list[int], list[int]]:
@@ -50,16 +59,91 @@ def tree_layout(width: int, depth: int, window: int) -> tuple[list[int], list[in
     return parents, position, level_start
 
 
-def _without_replacement(q, count, first, generator, counts):
-    """``count`` tokens drawn sequentially without replacement from ``q [B, P, V]`` (exponential race: the order of
-    ``q / E``, ``E ~ Exp(1)``); where ``first [B, P]`` >= 0 that token is forced to come first. Tokens whose key is
-    0 (``q = 0``: nothing left to draw) are -1. Returns ``[B, P, count]``."""
-    u = rand(q.shape, generator, device=q.device, dtype=q.dtype, counts=counts)
-    keys = q / (-torch.log1p(-u)).clamp_min(torch.finfo(q.dtype).tiny)
+def _without_replacement(q, count, first, u):
+    """``count`` tokens drawn sequentially without replacement from ``q [B, P, V]`` (exponential race on the uniforms
+    ``u`` of ``q``'s shape: the order of ``q / E``, ``E = -log(1 - u) ~ Exp(1)``, in ``u``'s dtype); where ``first
+    [B, P]`` >= 0 that token is forced to come first. Tokens whose key is 0 (``q = 0``: nothing left to draw) are -1.
+    Returns ``[B, P, count]``."""
+    keys = q.to(u.dtype) / (-torch.log1p(-u)).clamp_min(torch.finfo(u.dtype).tiny)
     vocab = torch.arange(q.shape[-1], device=q.device)
     keys = torch.where(vocab == first[..., None], torch.inf, keys)
     top, idx = keys.topk(count, dim=-1)
     return torch.where(top > 0, idx, -1)
+
+
+def side_laws(q, num_carried):
+    """``[B, L, V]``: the law the side siblings at each position are drawn from: the window's ``q_j`` where it was
+    carried (a real distribution), else -- a fresh token with a point-mass law -- the last carried position's ``q``
+    (image tokens look like their neighbours); rows with nothing carried keep ``q_j`` (one child). The verifier gets
+    exactly these laws per node (`q_draft`), so any choice stays lossless."""
+    window = q.shape[1]
+    carried = num_carried.clamp(max=window)
+    last = q.gather(1, (carried - 1).clamp(min=0)[:, None, None].expand(-1, 1, q.shape[-1]))  # [B, 1, V]
+    fresh = torch.arange(window, device=q.device)[None, :] >= carried[:, None]
+    return torch.where((fresh & (carried > 0)[:, None])[..., None], last, q)
+
+
+def _levels(starts, n, width, depth, window):
+    """The branching levels ``(j, lo, hi, parents)``: window positions ``1 .. D-1`` (within the window), their nodes
+    ``lo:hi`` and their parents' count (main first)."""
+    for j in range(1, min(depth, window + 1)):
+        lo, hi = starts[j - 1], (starts[j] if j < window else n)
+        yield j, lo, hi, (hi - lo) // width
+
+
+def proactive_nodes(drafts, q, num_draft, num_carried, parents, position, starts, width, depth, uniforms_of):
+    """The proposal's nodes (module docstring) from the window ``drafts [B, L]`` / ``q [B, L, V]`` and the layout
+    (`tree_layout`'s parents and positions as tensors, its level starts as a list): ``(tokens [B, n], q_nodes [B, n,
+    V])``. ``uniforms_of(j, shape, need)`` gives the uniforms of level ``j``'s without-replacement draws (``need [B]``:
+    the parents a row uses there)."""
+    batch, window = drafts.shape
+    n, vocab = parents.numel(), q.shape[-1]
+    tokens = torch.full((batch, n), -1, dtype=torch.long, device=drafts.device)
+    tokens[:, starts] = drafts  # the main branch
+    q_side = side_laws(q, num_carried)
+    for j, lo, hi, parts in _levels(starts, n, width, depth, window):
+        q_j = q_side[:, j - 1, None, :].expand(batch, parts, vocab)
+        first = torch.full((batch, parts), -1, dtype=torch.long, device=drafts.device)
+        first[:, 0] = drafts[:, j - 1]
+        need = torch.where(num_draft >= j, parts, 0)
+        kids = _without_replacement(q_j, width, first, uniforms_of(j, q_j.shape, need))  # [B, P, W]
+        tokens[:, lo:hi] = kids.reshape(batch, parts * width)
+    pos = position[None, :]
+    tokens = torch.where(pos <= num_draft[:, None], tokens, -1)
+    # children of absent side nodes are absent (levels in order: one pass; the chain hangs off main nodes, which are
+    # absent only past num_draft)
+    par = parents.clamp(min=0)[None].expand(batch, n)
+    for j, lo, hi, _ in _levels(starts, n, width, depth, window):
+        if j >= 2:
+            alive = tokens.gather(1, par[:, lo:hi]) >= 0
+            tokens[:, lo:hi] = torch.where(alive, tokens[:, lo:hi], -1)
+    index = (position - 1)[None, :, None].expand(batch, n, vocab)
+    is_main = torch.zeros(n, dtype=torch.bool, device=drafts.device)
+    is_main[starts] = True
+    return tokens, torch.where(is_main[None, :, None], q.gather(1, index), q_side.gather(1, index))
+
+
+def proactive_uniforms(width: int, depth: int, window: int, vocab: int) -> int:
+    """Uniforms per row of a captured SJD-PAC proposal over a ``window``: ``V`` for each parent of the branching
+    levels, level ``j`` having ``width ** (j - 1)`` (a level's uniforms sit at the same offset for any window)."""
+    return vocab * sum(width ** (j - 1) for j in range(1, min(depth, window + 1)))
+
+
+def proactive_round(drafts, q, num_draft, num_carried, parents, position, uniforms, keys, round_index, *, starts,
+                    width, depth, n_uniforms):  # fmt: skip
+    """`proactive_nodes` as a pure function for one captured graph (`mmspec.decoding.captured_draft`): level ``j``'s
+    draws read its slice of the round's ``n_uniforms`` uniforms per row (or Philox blocks of `keys`), in float64."""
+    uniforms = resolve_uniforms(uniforms, keys, round_index, n_uniforms)
+    vocab = q.shape[-1]
+    offsets = [0]
+    for parts in (width ** (j - 1) for j in range(1, depth)):
+        offsets.append(offsets[-1] + parts * vocab)
+
+    def uniforms_of(j, shape, need):
+        return uniforms[:, offsets[j - 1] : offsets[j]].reshape(shape)
+
+    return proactive_nodes(drafts, q, num_draft, num_carried, parents, position, list(starts), width, depth,
+                           uniforms_of)  # fmt: skip
 
 
 class ProactiveJacobiDrafter(JacobiDrafter):
@@ -80,6 +164,8 @@ class ProactiveJacobiDrafter(JacobiDrafter):
                 f"jacobi_tree_width must be >= 2 for a tree (1 = the SJD chain: JacobiDrafter), got {width}"
             )
         self.width, self.depth = int(width), int(depth)
+        self.compiler = None  # with `verify` on, a round's proposal is one graph (`CapturedDraft`, made at prefill)
+        self.captured = None
         self.max_width = len(tree_layout(width, depth, self.window)[0])
         self._layouts, self._host_layouts = {}, {}
 
@@ -98,6 +184,8 @@ class ProactiveJacobiDrafter(JacobiDrafter):
     def prefill(self, state, target_out=None):
         super().prefill(state, target_out)
         self.num_carried = torch.zeros(state.batch_size, dtype=torch.long, device=state.tokens.device)
+        self.captured = (CapturedDraft(self.compiler, state.batch_size, state.tokens.device)
+                         if captures_rounds(self.compiler) else None)  # fmt: skip
 
     def commit(self, result, target_out, state):
         super().commit(result, target_out, state)
@@ -107,48 +195,24 @@ class ProactiveJacobiDrafter(JacobiDrafter):
         super().select_rows(index)
         self.num_carried = self.num_carried[index]
 
-    def _side_laws(self, q):
-        """``[B, L, V]``: the law the side siblings at each position are drawn from: the window's ``q_j`` where it
-        was carried (a real distribution), else -- a fresh token with a point-mass law -- the last carried
-        position's ``q`` (image tokens look like their neighbours); rows with nothing carried keep ``q_j`` (one
-        child). The verifier gets exactly these laws per node (`q_draft`), so any choice stays lossless."""
-        window = q.shape[1]
-        carried = self.num_carried.clamp(max=window)
-        last = q.gather(1, (carried - 1).clamp(min=0)[:, None, None].expand(-1, 1, q.shape[-1]))  # [B, 1, V]
-        fresh = torch.arange(window, device=q.device)[None, :] >= carried[:, None]
-        return torch.where((fresh & (carried > 0)[:, None])[..., None], last, q)
-
     def propose(self, state):
         chain = super().propose(state)  # the window, cut to what any row can use
         drafts, q, num_draft = chain.tokens, chain.q_draft, chain.num_draft
         batch, window = drafts.shape
         parents, position, starts = self._layout(window, drafts.device)
+        if self.captured is not None:  # one graph (`mmspec.decoding.captured_draft`); a window always draws
+            count = proactive_uniforms(self.width, self.depth, self.window, self.vocab_size)
+            tokens, q_nodes = self.captured(proactive_round, state, count, drafts, q, num_draft,
+                                            self.num_carried, parents, position, starts=tuple(starts),
+                                            width=self.width, depth=self.depth, n_uniforms=count)  # fmt: skip
+        else:
+
+            def uniforms_of(j, shape, need):
+                return rand(shape, state.generator, device=q.device, dtype=q.dtype, counts=need)
+
+            tokens, q_nodes = proactive_nodes(drafts, q, num_draft, self.num_carried, parents, position, starts,
+                                              self.width, self.depth, uniforms_of)  # fmt: skip
         n = parents.numel()
-        tokens = torch.full((batch, n), -1, dtype=torch.long, device=drafts.device)
-        tokens[:, starts] = drafts  # the main branch
-        q_side = self._side_laws(q)
-        for j in range(1, min(self.depth, window + 1)):  # branching positions 1 .. D-1
-            lo, hi = starts[j - 1], (starts[j] if j < window else n)
-            parts = (hi - lo) // self.width  # parents at this level (main first)
-            q_j = q_side[:, j - 1, None, :].expand(batch, parts, self.vocab_size)
-            first = torch.full((batch, parts), -1, dtype=torch.long, device=drafts.device)
-            first[:, 0] = drafts[:, j - 1]
-            need = torch.where(num_draft >= j, parts, 0)
-            kids = _without_replacement(q_j, self.width, first, state.generator, need)  # [B, P, W]
-            tokens[:, lo:hi] = kids.reshape(batch, parts * self.width)
-        pos = position[None, :]
-        tokens = torch.where(pos <= num_draft[:, None], tokens, -1)
-        # children of absent side nodes are absent (levels in order: one pass; the chain hangs off main nodes,
-        # which are absent only past num_draft)
-        par = parents.clamp(min=0)[None].expand(batch, n)
-        for j in range(2, min(self.depth, window + 1)):
-            lo, hi = starts[j - 1], (starts[j] if j < window else n)
-            alive = tokens.gather(1, par[:, lo:hi]) >= 0
-            tokens[:, lo:hi] = torch.where(alive, tokens[:, lo:hi], -1)
-        index = (position - 1)[None, :, None].expand(batch, n, self.vocab_size)
-        is_main = torch.zeros(n, dtype=torch.bool, device=drafts.device)
-        is_main[starts] = True
-        q_nodes = torch.where(is_main[None, :, None], q.gather(1, index), q_side.gather(1, index))
         layout = self._host_layouts[window]
         return Proposal(tokens, num_draft, q_draft=q_nodes, parents=parents[None].expand(batch, n),
                         jacobi_coupling=self.coupling, layout=layout)  # fmt: skip

@@ -95,8 +95,9 @@ class ModelDrafter:
         if self.compiler is not None:
             self.compiler.static(self.cache)
         if self.captured is not None and not stops_in_round(self.length):  # the whole chain as one graph
-            tokens, q_draft, total, lengths = self.captured(chain_round, state, g, self.k, self.model, self.cache,
-                                                            feed, live_rows, g, length=length)  # fmt: skip
+            count = 0 if g.greedy else self.k  # k_max uniforms a row every sampled round
+            tokens, q_draft, total, lengths = self.captured(chain_round, state, count, self.model, self.cache, feed,
+                                                            live_rows, g, length=length)  # fmt: skip
             g.record("draft", total)
             self.cache.lengths = lengths
         else:

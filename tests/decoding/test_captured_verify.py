@@ -49,7 +49,8 @@ SAMPLED = {"gsd": dict(acceptance="grouped")}  # a sampling rule: no greedy form
 VERIFY_OPS = {"eagle-chain": 8, "plain": 4, "sjd": 12, "scd": 12, "gsd": 12, "eagle-tree": 12, "sjd-pac": 4}
 # method -> the engine's other ops per round (the loop's compaction read, the cache commit, the pending tokens, the
 # stats), as measured (25.4, 27.3, 25.7 for the Jacobi windows, 57.4 for the tree, whose root prepending and
-# path commit stay eager, 86.2 for SJD-PAC, whose last round is eager, at batch 1) + slack (eager loop: 101.6 for
+# path commit stay eager, 93.5 for SJD-PAC, whose last round is eager (86.2 before its proposal's draws moved into a
+# graph of their own: another random stream, other rounds), at batch 1) + slack (eager loop: 101.6 for
 # the chain in all, 131.9 for SJD, 269.5 for GSD, 227.9 for the tree, 404.5 for SJD-PAC:
 # tests/decoding/test_engine_ops.py)
 ENGINE_OPS_CAPTURED = {
@@ -59,7 +60,7 @@ ENGINE_OPS_CAPTURED = {
     "scd": 27,
     "gsd": 27,
     "eagle-tree": 60,
-    "sjd-pac": 90,
+    "sjd-pac": 95,
 }
 
 
@@ -116,11 +117,8 @@ def test_greedy_tokens_equal_eager_and_nothing_recompiles(parts, captured, metho
     eager = make_pipe(parts)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for labels in ([1], [0, 1, 2, 3]):
-        want, got = (run(pipe, method, labels, do_sample=False) for pipe in (eager, captured))
-        assert torch.equal(got.images, want.images), labels
         # the round's log and counts, written by the graph's emit, are eager's too
-        assert (got.stats.accepted_tokens, got.stats.rounds) == (want.stats.accepted_tokens, want.stats.rounds)
-        assert torch.equal(got.trace.origin, want.trace.origin) and torch.equal(got.trace.round, want.trace.round)
+        factories.assert_decoded_alike(*(run(pipe, method, labels, do_sample=False) for pipe in (captured, eager)))
         run(captured, method, labels, per_row=True)
     report = captured.compile_report()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before

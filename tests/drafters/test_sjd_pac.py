@@ -81,7 +81,7 @@ def _run(tables, drafter, gen, rows=N_ROWS, compiler=None):
     state). `compiler`: the target's (`enable_compile(verify=True)`'s captured verification)."""
     state = SequenceState(torch.zeros(rows, dtype=torch.long), T + 1, generator=gen)
     target = ToyTarget(tables, rows)
-    target.compiler = compiler
+    target.compiler = drafter.compiler = compiler
     stats = SpecStats(rows)
     drafter.prefill(state, None)
     decode(target, drafter, Exact(), state, Guidance(SamplingParams()), stats)
@@ -115,9 +115,10 @@ def test_sjd_pac_engine_is_lossless_on_the_toy_ar(width, init, coupling, make_ge
 
 @pytest.mark.parametrize("rng", ["generator", "philox"])
 def test_captured_sjd_pac_engine_is_lossless_on_the_toy_ar(rng, make_generator, chi2_pvalue, monkeypatch):
-    """The same proof with the round captured (`enable_compile(verify=True)`: the Jacobi tree's verification, its
-    chain tail, the main branch's coupled re-draft and the emit in one graph on uniforms drawn at once, or made in
-    the graph by Philox): the joint law of the sequences is still the model's, and the graph ran the rounds."""
+    """The same proof with the round captured (`enable_compile(verify=True)`: the proposal's sibling draws in one
+    graph (`mmspec.drafters.jacobi_pac.proactive_round`), the Jacobi tree's verification, its chain tail, the main
+    branch's coupled re-draft and the emit in another, on uniforms drawn at once, or made in the graphs by Philox):
+    the joint law of the sequences is still the model's, and the graphs ran the rounds."""
     from mmspec.decoding.captured_verify import CapturedVerify
     from mmspec.decoding.compiled import Compiler
 
@@ -128,7 +129,9 @@ def test_captured_sjd_pac_engine_is_lossless_on_the_toy_ar(rng, make_generator, 
     drafter = ProactiveJacobiDrafter(V, window=4, width=3, depth=3, init="random", coupling=True)
     compiler = Compiler(backend="eager", verify=True, rng=rng)
     seqs, stats, _ = _run(tables, drafter, make_generator(17), compiler=compiler)
-    assert (seqs >= 0).all() and len(calls) > 0 and compiler.report()["verify"]["recompiles"] == 0
+    report = compiler.report()
+    assert (seqs >= 0).all() and len(calls) > 0 and report["verify"]["recompiles"] == 0
+    assert report["draft"]["calls"] > 0 and report["draft"]["recompiles"] == 0, report
     assert chi2_pvalue(_codes(seqs), _joint(tables)) > 1e-4
 
 

@@ -182,3 +182,12 @@ def assert_decoded_alike(got, want):
     assert torch.equal(got.images, want.images)
     assert (got.stats.accepted_tokens, got.stats.rounds) == (want.stats.accepted_tokens, want.stats.rounds)
     assert torch.equal(got.trace.origin, want.trace.origin) and torch.equal(got.trace.round, want.trace.round)
+
+
+def tiny_gpt_with_head(vocab_size=16, grid=4):
+    """The captured-round tests' tiny LlamaGen target (seed 0, 4 classes) and an EAGLE head on it (seed 2)."""
+    from mmspec.models.llamagen.eagle import EagleHead
+
+    target = tiny_gpt(0, vocab_size=vocab_size, num_classes=4, block_size=grid**2, std=0.3)
+    head = EagleHead.from_target(target, initializer_range=0.3).init_weights(torch.Generator().manual_seed(2)).eval()
+    return target, head

@@ -53,10 +53,7 @@ DRAFT_OPS = {
 
 @pytest.fixture(scope="module")
 def parts():
-    from mmspec.models.llamagen.eagle import EagleHead
-
-    target = factories.tiny_gpt(0, vocab_size=V, num_classes=4, block_size=GRID**2, std=0.3)
-    head = EagleHead.from_target(target, initializer_range=0.3).init_weights(torch.Generator().manual_seed(2)).eval()
+    target, head = factories.tiny_gpt_with_head(V, GRID)
     draft = factories.tiny_gpt(5, vocab_size=V, num_classes=4, block_size=GRID**2, std=0.3)
     return target, head, draft, factories.tiny_vq(V)
 

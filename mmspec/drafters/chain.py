@@ -87,9 +87,9 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
 
 def draw_chain(step, feed, length, guidance, uniforms):
     """`sample_chain`'s chain of `length` drafts (no stops) on pre-drawn uniforms `[B, >= length]`: token `d` of row
-    `b` is the inverse CDF of its `q_draft` at `uniforms[b, d]` (`mmspec.sampling.inverse_cdf`, `sample`'s default method), or the
-    argmax of the one-hot `q_draft` when `uniforms` is None (greedy: what `sample` draws from a point mass). A pure
-    tensor function: the distributions go through `guidance.process` (their running sum is returned for
+    `b` is the inverse CDF of its `q_draft` at `uniforms[b, d]` (`mmspec.sampling.inverse_cdf`, `sample`'s default
+    method), or the argmax of the one-hot `q_draft` when `uniforms` is None (greedy: what `sample` draws from a point
+    mass). A pure tensor function: the distributions go through `guidance.process` (their running sum is returned for
     `guidance.record`, which a graph cannot call).
 
     Returns:

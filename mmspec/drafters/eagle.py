@@ -394,8 +394,12 @@ class EagleDrafter:
         tree = draft_tree(head, self.target, self.cache, hidden, ids, self.num_valid, depth=self.depth,
                           top_k=self.top_k, total=self.total, validate=False,
                           guidance_scale=g.sampling.guidance_scale if g.streams == 2 else None)  # fmt: skip
+        return self._tree_proposal(tree.tokens, tree.parents, state)
+
+    def _tree_proposal(self, tokens, parents, state):
+        """A drafted tree as the round's proposal (every node of every row, within the drafter's bounds)."""
         self.draft_forwards += self.depth
-        return Proposal(tree.tokens, torch.full_like(state.count, tree.tokens.shape[1]), parents=tree.parents,
+        return Proposal(tokens, torch.full_like(state.count, tokens.shape[1]), parents=parents,
                         bounds=(self.depth, self.top_k))  # fmt: skip
 
     def _propose_captured(self, state):
@@ -418,9 +422,7 @@ class EagleDrafter:
         tokens, parents, lengths = self.captured(tree_round, state, 0, *pairs, depth=self.depth, top_k=self.top_k,
                                                  total=self.total, guidance_scale=scale)  # fmt: skip
         self.cache.lengths = lengths
-        self.draft_forwards += self.depth
-        return Proposal(tokens, torch.full_like(state.count, tokens.shape[1]), parents=parents,
-                        bounds=(self.depth, self.top_k))  # fmt: skip
+        return self._tree_proposal(tokens, parents, state)
 
     def commit(self, result, target_out, state):
         """Next head input: pairs (h[pending], a_1), ..., (h[a_k], next token) along the accepted chain / path."""

@@ -123,10 +123,18 @@ def proactive_nodes(drafts, q, num_draft, num_carried, parents, position, starts
     return tokens, torch.where(is_main[None, :, None], q.gather(1, index), q_side.gather(1, index))
 
 
+def _uniform_offsets(width: int, depth: int, vocab: int) -> list[int]:
+    """Where each branching level's uniforms start in a captured proposal's row (entry ``j - 1`` for level ``j``,
+    then the end): ``V`` for each of level ``j``'s ``width ** (j - 1)`` parents, the same offsets for any window."""
+    offsets = [0]
+    for j in range(1, depth):
+        offsets.append(offsets[-1] + width ** (j - 1) * vocab)
+    return offsets
+
+
 def proactive_uniforms(width: int, depth: int, window: int, vocab: int) -> int:
-    """Uniforms per row of a captured SJD-PAC proposal over a ``window``: ``V`` for each parent of the branching
-    levels, level ``j`` having ``width ** (j - 1)`` (a level's uniforms sit at the same offset for any window)."""
-    return vocab * sum(width ** (j - 1) for j in range(1, min(depth, window + 1)))
+    """Uniforms per row of a captured SJD-PAC proposal over a ``window``: those of its branching levels."""
+    return _uniform_offsets(width, depth, vocab)[min(depth, window + 1) - 1]
 
 
 def proactive_round(drafts, q, num_draft, num_carried, parents, position, uniforms, keys, round_index, *, starts,
@@ -134,10 +142,7 @@ def proactive_round(drafts, q, num_draft, num_carried, parents, position, unifor
     """`proactive_nodes` as a pure function for one captured graph (`mmspec.decoding.captured_draft`): level ``j``'s
     draws read its slice of the round's ``n_uniforms`` uniforms per row (or Philox blocks of `keys`), in float64."""
     uniforms = resolve_uniforms(uniforms, keys, round_index, n_uniforms)
-    vocab = q.shape[-1]
-    offsets = [0]
-    for parts in (width ** (j - 1) for j in range(1, depth)):
-        offsets.append(offsets[-1] + parts * vocab)
+    offsets = _uniform_offsets(width, depth, q.shape[-1])
 
     def uniforms_of(j, shape, need):
         return uniforms[:, offsets[j - 1] : offsets[j]].reshape(shape)

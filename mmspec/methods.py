@@ -210,7 +210,7 @@ COMPILE_BACKENDS = (None, "inductor", "cudagraphs", "eager", "aot_eager")
 # random stream). On: a round's verification (chains under exact / relaxed / grouped, sampled or greedy; Jacobi windows;
 # EAGLE-2 trees; SJD-PAC's Jacobi tree) or plain AR's draw, and its emit, run as one captured graph on uniforms drawn
 # eagerly first, one draw per generator (`mmspec.decoding.captured_verify`): the same law, another random stream; and
-# a LlamaGen drafter's or SJD-PAC's whole round of drafting and a tree's path commit, each one graph
+# a drafter's (LlamaGen's, a VLM's) or SJD-PAC's whole round of drafting and a tree's path commit, each one graph
 # (`mmspec.decoding.captured_draft`).
 COMPILE_VERIFY = False
 # `enable_compile(rng=...)`: where a captured verification's uniforms come from. "generator" (the default): drawn

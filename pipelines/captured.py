@@ -27,8 +27,9 @@ class CapturedForwards:
             verify: also capture the loop's chain verification (exact / relaxed / grouped, sampled or greedy; plain
                 AR's one-token draw) and its emit as one graph per row bucket, on uniforms drawn eagerly first
                 (`mmspec.decoding.captured_verify`): the same law as eager, another random stream (greedy tokens
-                are eager's); Jacobi windows, EAGLE-2 trees and SJD-PAC's Jacobi tree too. It also captures a
-                LlamaGen EAGLE head's or draft model's, or SJD-PAC's, whole round of drafting
+                are eager's); Jacobi windows, EAGLE-2 trees and SJD-PAC's Jacobi tree too. It also captures an
+                EAGLE head's (LlamaGen's; the VLM's text, vision-aware and EAGLE-3 heads) or a draft model's
+                (LlamaGen's, a draft LM's chain), or SJD-PAC's, whole round of drafting
                 (`mmspec.decoding.captured_draft`) and a tree's path commit. Default `mmspec.methods.COMPILE_VERIFY`.
             rng: with `verify`, where its uniforms come from (`mmspec.methods.COMPILE_RNGS`): "generator" (the
                 default: drawn eagerly before the graph, one draw per generator a round) or "philox" (inside the

@@ -1,6 +1,9 @@
-"""Captured drafting: a drafter's whole round of drafting -- an EAGLE head's chain or EAGLE-2 tree, a draft model's
-chain, SJD-PAC's proposal -- as one `torch.compile(fullgraph=True, dynamic=False)` graph (role "draft"), with
-`pipe.enable_compile(verify=True)` (`docs/pipelines.md`, "Captured forwards").
+"""Captured drafting: a drafter's whole round of drafting -- an EAGLE head's chain or EAGLE-2 tree (LlamaGen's, or a
+transformers target's: text, vision-aware, EAGLE-3), a draft model's chain (LlamaGen's, or a transformers draft
+LM's), SJD-PAC's proposal -- as one `torch.compile(fullgraph=True, dynamic=False)` graph (role "draft"), with
+`pipe.enable_compile(verify=True)` (`docs/pipelines.md`, "Captured forwards"). A transformers drafter's forwards
+attend over a window of its cache kept on the host: the drafter makes the whole round's window before the graph
+(`mmspec.models.hf.target.round_window`), one of the graph's shapes.
 
 Per-step capture (the head's or the draft model's forward as a graph) leaves the loop around it eager: the feature
 gather, the processing of each draft distribution, the draw, the cache bookkeeping -- 100-320 launches a round on the

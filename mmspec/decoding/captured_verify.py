@@ -35,9 +35,9 @@ window handed back to the drafter as a `JacobiResult`; and trees with determinis
 (EAGLE-2 trees of an EAGLE head or a draft LM: `mmspec.verify.tree.tree_from_uniforms` on the bounds' grid of coins +
 1 uniform per row, the tree padded with absent nodes, the path cut to the bounds' depth); and SJD-PAC's Jacobi tree
 at its full host layout (`mmspec.verify.jacobi_tree.verify_jacobi_tree` with `jacobi_tree_uniforms` per row: the
-tree part's grid of coins, its chain tail's, the main branch's coupled re-draft; a round whose tree the image's end
-cut short verifies eagerly, `mmspec.decoding.loop.verify_proposal`, as does everything when verification capture is
-off, the default).
+tree part's grid of coins, its chain tail's, the main branch's coupled re-draft; the captured proposal keeps its whole window up to the image's end, so
+a tree cut short -- only an eager proposal's -- verifies eagerly, `mmspec.decoding.loop.verify_proposal`, as does
+everything when verification capture is off, the default).
 """
 
 import torch

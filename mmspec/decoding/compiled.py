@@ -22,7 +22,7 @@ without generating code: the fast way to count graphs and breaks in tests.
 Sampling and verification stay eager by default (a per-row `torch.Generator` is not traceable). With
 `enable_compile(verify=True)` a round's verification (chains, Jacobi windows, EAGLE-2 trees, SJD-PAC's Jacobi tree;
 plain AR's one-token draw) and its emit are one more graph (role "verify"): its uniforms are drawn eagerly first, one draw per generator
-(`mmspec.decoding.captured_verify`), and so are a LlamaGen drafter's or SJD-PAC's whole round (role "draft",
+(`mmspec.decoding.captured_verify`), and so are a drafter's or SJD-PAC's whole round (role "draft",
 `mmspec.decoding.captured_draft`) and a tree's path commit (role "commit").
 """
 

@@ -34,12 +34,14 @@ from mmspec.drafters.chain import chain_lengths, draw_chain, sample_chain, stops
 from mmspec.drafters.lengths import FixedLength
 from mmspec.drafters.tree import DraftTree, grow_tree
 from mmspec.models.hf.inputs import image_token_mask
+from mmspec.models.hf.target import round_window
 from mmspec.models.llamagen.eagle import EagleHead
 
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AtWindow",
     "CapturedHead",
     "DraftTree",
     "EagleDrafter",
@@ -132,11 +134,28 @@ def _chain_step(head, target, cache, guidance, hidden, input_ids, num_valid, val
     return step
 
 
-def chain_round(head, target, cache, hidden, input_ids, num_valid, guidance, uniforms, keys, round_index, *, length):
+class AtWindow:
+    """A transformers EAGLE head (`windowed_cache`) whose forwards all attend over one given window of its cache: a
+    captured round's (`mmspec.models.hf.target.round_window`), made on the host before the graph, so that no forward
+    in it computes one."""
+
+    def __init__(self, head, window: int):
+        self.head, self.window = head, window
+
+    def __call__(self, *args, **kwargs):
+        return self.head(*args, window=self.window, **kwargs)
+
+    def compute_logits(self, target, features):
+        return self.head.compute_logits(target, features)
+
+
+def chain_round(head, target, cache, hidden, input_ids, num_valid, guidance, uniforms, keys, round_index, *, length,
+                window=None):  # fmt: skip
     """`draft_chain` of `length` drafts (no stops) as a pure function of its inputs, for one captured graph
     (`mmspec.decoding.captured_draft`): the drafts are drawn on `uniforms` (or Philox blocks of `keys`; greedy:
-    None) by `mmspec.drafters.chain.draw_chain`. Returns `(draft_tokens, q_draft, sum of q_draft, the cache's
-    committed lengths)`."""
+    None) by `mmspec.drafters.chain.draw_chain`. `window`: a transformers head's attention window for the whole
+    round (`AtWindow`). Returns `(draft_tokens, q_draft, sum of q_draft, the cache's committed lengths)`."""
+    head = head if window is None else AtWindow(head, window)
     uniforms = resolve_uniforms(uniforms, keys, round_index, length)
     step = _chain_step(head, target, cache, guidance, hidden, input_ids, num_valid, False)
     tokens, q_draft, total = draw_chain(step, None, length, guidance, uniforms)
@@ -145,9 +164,11 @@ def chain_round(head, target, cache, hidden, input_ids, num_valid, guidance, uni
 
 
 def tree_round(head, target, cache, hidden, input_ids, num_valid, uniforms, keys, round_index, *, depth, top_k, total,
-               guidance_scale):  # fmt: skip
+               guidance_scale, window=None):  # fmt: skip
     """`draft_tree` as a pure function of its inputs, for one captured graph (`mmspec.decoding.captured_draft`; a
-    tree draws nothing: the uniform inputs are None). Returns `(tokens, parents, the cache's committed lengths)`."""
+    tree draws nothing: the uniform inputs are None; `window` as `chain_round`'s). Returns `(tokens, parents, the
+    cache's committed lengths)`."""
+    head = head if window is None else AtWindow(head, window)
     tree = draft_tree(head, target, cache, hidden, input_ids, num_valid, depth=depth, top_k=top_k, total=total,
                       validate=False, guidance_scale=guidance_scale)  # fmt: skip
     return tree.tokens, tree.parents, cache.lengths
@@ -314,9 +335,8 @@ class EagleDrafter:
         every prompt pair but the last through its policy here (`prefill_prompt`); the last one stays pending."""
         rows = target_out.hidden.shape[0]
         self.length.start(state.count.shape[0], state.count.device)
-        # a whole round as one graph; not for a head whose forwards read a window of its cache (the transformers
-        # heads: the window is host bookkeeping per forward), which keeps its per-step graphs
-        whole = captures_rounds(self.compiler) and not getattr(self.head, "windowed_cache", False)
+        # a whole round as one graph (a transformers head's forwards on one attention window, made before it)
+        whole = captures_rounds(self.compiler)
         self.captured = CapturedDraft(self.compiler, state.batch_size, state.tokens.device) if whole else None
         scratch = self.depth * self.top_k + 2  # drafted pairs: the chain, or the tree's frontiers
         if target_out.input_ids is None:
@@ -334,7 +354,12 @@ class EagleDrafter:
         if callable(set_positions):  # a head at the target's own positions (M-RoPE) keeps the prompt's
             set_positions(self.cache, target_out.positions, lengths)
         if not self.needs_vision:
-            self.hidden, self.ids, self.num_valid = target_out.hidden, nxt, lengths
+            # the prompt's pairs but the last written now, as a vision-aware head's `prefill_prompt` does: a round
+            # then feeds at most `depth + 1` pairs (one graph shape when captured)
+            if prefix > 1:
+                self.head(target_out.hidden[:, :-1], nxt[:, :-1], self.target, self.cache, validate=False)
+                self.cache.commit(lengths - 1)
+            self._pending_pair(target_out.hidden, nxt, lengths)
             image_mask = target_out.image_mask
             if image_mask is None:
                 valid = torch.arange(prefix, device=ids.device)[None, :] < lengths[:, None]
@@ -357,15 +382,19 @@ class EagleDrafter:
             known["image_layout"] = self.image_layout
         info = self.head.prefill_prompt(self.target, self.cache, target_out.hidden, nxt, lengths,
                                         target_out.inputs_embeds, target_out.image_mask, **known)  # fmt: skip
-        last = (lengths - 1)[:, None]
-        self.hidden = target_out.hidden.gather(1, last[:, :, None].expand(-1, -1, target_out.hidden.shape[-1]))
-        self.ids = nxt.gather(1, last)
-        self.num_valid = torch.ones(rows, dtype=torch.long, device=ids.device)
+        self._pending_pair(target_out.hidden, nxt, lengths)
         tokens = info["draft_image_tokens"]
         self.draft_image_tokens = tokens if isinstance(tokens, list) else self.guidance.items(tokens)
         choice, names = info.get("choice"), info.get("choice_names")
         if choice is not None:  # -1: a row without an image (the gate was not asked)
             self.gate_choice = [names[i] if i >= 0 else None for i in self.guidance.items(choice).tolist()]
+
+    def _pending_pair(self, hidden, nxt, lengths):
+        """The prompt's last pair `(h[L_r - 1], first token)`, pending: the first round feeds it."""
+        last = (lengths - 1)[:, None]
+        self.hidden = hidden.gather(1, last[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        self.ids = nxt.gather(1, last)
+        self.num_valid = torch.ones(hidden.shape[0], dtype=torch.long, device=nxt.device)
 
     def _head_and_pairs(self):
         """The head to draft with and the accepted pairs it starts from: eager, or captured with the pairs padded to
@@ -409,10 +438,16 @@ class EagleDrafter:
         self.compiler.static(self.cache)
         hidden, ids = pad_pairs(self.hidden, self.ids, self.depth + 1)
         pairs = (self.head, self.target, self.cache, hidden, ids, self.num_valid)
+        num_draft, length = chain_lengths(self.length, state) if self.chain else (None, None)
+        window = None
+        if getattr(self.head, "windowed_cache", False):  # the round's writes: the pairs, then the drafted pairs
+            drafted = length - 1 if self.chain else (self.depth - 1) * self.top_k
+            window = round_window(self.cache, self.depth + 1 + drafted)
+            self.compiler.static(*self.head.prepare_round(self.target))
         if self.chain:
-            num_draft, length = chain_lengths(self.length, state)
             count = 0 if g.greedy else self.depth  # k_max uniforms a row every sampled round
-            drafts, q, total, lengths = self.captured(chain_round, state, count, *pairs, g, length=length)
+            drafts, q, total, lengths = self.captured(chain_round, state, count, *pairs, g, length=length,
+                                                      window=window)  # fmt: skip
             g.record("draft", total)
             self.cache.lengths = lengths
             self.draft_forwards += length
@@ -420,7 +455,7 @@ class EagleDrafter:
             return Proposal(drafts, num_draft, q_draft=q)
         scale = g.sampling.guidance_scale if g.streams == 2 else None
         tokens, parents, lengths = self.captured(tree_round, state, 0, *pairs, depth=self.depth, top_k=self.top_k,
-                                                 total=self.total, guidance_scale=scale)  # fmt: skip
+                                                 total=self.total, guidance_scale=scale, window=window)  # fmt: skip
         self.cache.lengths = lengths
         return self._tree_proposal(tokens, parents, state)
 

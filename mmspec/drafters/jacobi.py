@@ -21,7 +21,7 @@ from mmspec.methods import KNOBS, check_knobs
 from mmspec.random import rand
 
 
-__all__ = ["JacobiDrafter"]
+__all__ = ["JacobiDrafter", "fill_window"]
 
 
 class JacobiDrafter:
@@ -71,18 +71,27 @@ class JacobiDrafter:
 
     def _fill(self, state, num_carried):
         """Fill positions `>= num_carried [B]` with fresh tokens (point-mass `q_draft`)."""
-        b, k = self.drafts.shape
-        device = self.drafts.device
-        fresh = torch.arange(k, device=device)[None, :] >= num_carried[:, None]  # [B, K]
+        tokens = None
         if self.init == "random":
+            b, k = self.drafts.shape
             need = state.remaining().clamp(min=0, max=k)  # a row draws only for the positions it can use
-            u = rand((b, k), state.generator, device=device, counts=need)
+            u = rand((b, k), state.generator, device=self.drafts.device, counts=need)
             tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)
-        else:  # repeat: every fresh slot copies the last known token before the fresh run
-            last_idx = (num_carried - 1).clamp(min=0)
-            last_known = torch.where(num_carried > 0, self.drafts.gather(1, last_idx[:, None])[:, 0], state.pending)
-            tokens = last_known[:, None].expand(b, k)
-        self.drafts = torch.where(fresh, tokens, self.drafts)
-        # point masses at the fresh drafts, written in place of q (no int64 [B, K, V] one-hot: half the memory)
-        point = torch.zeros_like(self.q_draft).scatter_(2, self.drafts.clamp(min=0)[..., None], 1.0)
-        self.q_draft = torch.where(fresh[:, :, None], point, self.q_draft)
+        self.drafts, self.q_draft = fill_window(self.drafts, self.q_draft, num_carried, state.pending, tokens)
+
+
+def fill_window(drafts, q_draft, num_carried, pending, tokens=None):
+    """The window `drafts [B, K]` / `q_draft [B, K, V]` with positions `>= num_carried [B]` fresh: `tokens [B, K]`
+    there (`init="random"`), or, None, `init="repeat"`: a copy of the last known token before the fresh run (the
+    last carried draft, else the row's `pending` token); each with a point-mass law. A pure tensor function (also
+    inside SJD-PAC's captured proposal, `mmspec.drafters.jacobi_pac.proactive_round`)."""
+    b, k = drafts.shape
+    fresh = torch.arange(k, device=drafts.device)[None, :] >= num_carried[:, None]  # [B, K]
+    if tokens is None:  # repeat: every fresh slot copies the last known token before the fresh run
+        last_idx = (num_carried - 1).clamp(min=0)
+        last_known = torch.where(num_carried > 0, drafts.gather(1, last_idx[:, None])[:, 0], pending)
+        tokens = last_known[:, None].expand(b, k)
+    drafts = torch.where(fresh, tokens, drafts)
+    # point masses at the fresh drafts, written in place of q (no int64 [B, K, V] one-hot: half the memory)
+    point = torch.zeros_like(q_draft).scatter_(2, drafts.clamp(min=0)[..., None], 1.0)
+    return drafts, torch.where(fresh[:, :, None], point, q_draft)

@@ -23,7 +23,7 @@ import torch
 from mmspec.decoding.captured_draft import CapturedDraft, captures_rounds
 from mmspec.decoding.drafter import Proposal
 from mmspec.decoding.graph_uniforms import resolve_uniforms
-from mmspec.drafters.jacobi import JacobiDrafter
+from mmspec.drafters.jacobi import JacobiDrafter, fill_window
 from mmspec.methods import KNOBS, MethodSettings, check_knobs
 from mmspec.random import rand
 
@@ -138,17 +138,23 @@ def proactive_uniforms(width: int, depth: int, window: int, vocab: int) -> int:
 
 
 def proactive_round(drafts, q, num_draft, num_carried, parents, position, uniforms, keys, round_index, *, starts,
-                    width, depth, n_uniforms):  # fmt: skip
+                    width, depth, n_uniforms, pending=None):  # fmt: skip
     """`proactive_nodes` as a pure function for one captured graph (`mmspec.decoding.captured_draft`): level ``j``'s
-    draws read its slice of the round's ``n_uniforms`` uniforms per row (or Philox blocks of `keys`), in float64."""
+    draws read its slice of the round's ``n_uniforms`` uniforms per row (or Philox blocks of `keys`), in float64.
+    `pending [B]` given: the window's positions past ``num_carried`` are filled first (`init="repeat"`,
+    `mmspec.drafters.jacobi.fill_window`: what the drafter's commit does eagerly otherwise). Returns ``(tokens,
+    q_nodes, drafts, q)``, the last two the window proposed."""
+    if pending is not None:
+        drafts, q = fill_window(drafts, q, num_carried, pending)
     uniforms = resolve_uniforms(uniforms, keys, round_index, n_uniforms)
     offsets = _uniform_offsets(width, depth, q.shape[-1])
 
     def uniforms_of(j, shape, need):
         return uniforms[:, offsets[j - 1] : offsets[j]].reshape(shape)
 
-    return proactive_nodes(drafts, q, num_draft, num_carried, parents, position, list(starts), width, depth,
-                           uniforms_of)  # fmt: skip
+    tokens, q_nodes = proactive_nodes(drafts, q, num_draft, num_carried, parents, position, list(starts), width,
+                                      depth, uniforms_of)  # fmt: skip
+    return tokens, q_nodes, drafts, q
 
 
 class ProactiveJacobiDrafter(JacobiDrafter):
@@ -193,23 +199,37 @@ class ProactiveJacobiDrafter(JacobiDrafter):
                          if captures_rounds(self.compiler) else None)  # fmt: skip
 
     def commit(self, result, target_out, state):
-        super().commit(result, target_out, state)
+        if self._fills_in_graph:  # the next window's fresh positions are filled in the next proposal's graph
+            self.drafts, self.q_draft = result.next_drafts, result.next_q
+        else:
+            super().commit(result, target_out, state)
         self.num_carried = result.num_carried.clone()
+
+    @property
+    def _fills_in_graph(self) -> bool:
+        """Captured with `init="repeat"`: the window's fill is part of the proposal's graph (a random fill draws with
+        the generators, eagerly at commit)."""
+        return self.captured is not None and self.init == "repeat"
 
     def select_rows(self, index):
         super().select_rows(index)
         self.num_carried = self.num_carried[index]
 
     def propose(self, state):
-        chain = super().propose(state)  # the window, cut to what any row can use
-        drafts, q, num_draft = chain.tokens, chain.q_draft, chain.num_draft
+        if self.captured is None:
+            chain = super().propose(state)  # the window, cut to what any row can use
+            drafts, q, num_draft = chain.tokens, chain.q_draft, chain.num_draft
+        else:  # the whole window every round (one tree layout: one graph); positions past a row's end are absent
+            drafts, q = self.drafts, self.q_draft
+            num_draft = state.remaining().clamp(min=1, max=self.window)
         batch, window = drafts.shape
         parents, position, starts = self._layout(window, drafts.device)
         if self.captured is not None:  # one graph (`mmspec.decoding.captured_draft`); a window always draws
             count = proactive_uniforms(self.width, self.depth, self.window, self.vocab_size)
-            tokens, q_nodes = self.captured(proactive_round, state, count, drafts, q, num_draft,
-                                            self.num_carried, parents, position, starts=tuple(starts),
-                                            width=self.width, depth=self.depth, n_uniforms=count)  # fmt: skip
+            pending = state.pending if self._fills_in_graph else None
+            tokens, q_nodes, self.drafts, self.q_draft = self.captured(
+                proactive_round, state, count, drafts, q, num_draft, self.num_carried, parents, position,
+                starts=tuple(starts), width=self.width, depth=self.depth, n_uniforms=count, pending=pending)  # fmt: skip
         else:
 
             def uniforms_of(j, shape, need):

@@ -20,15 +20,17 @@ of `top_k` tokens costs about what one token costs, so the tree buys acceptance 
 import torch
 
 from mmspec.cache import chain_inputs
+from mmspec.decoding.captured_draft import CapturedDraft, captures_rounds
 from mmspec.decoding.drafter import JointSync, Proposal
-from mmspec.drafters.chain import chain_lengths, refeed, sample_chain
+from mmspec.decoding.graph_uniforms import resolve_uniforms
+from mmspec.drafters.chain import chain_lengths, draw_chain, refeed, sample_chain, stops_in_round
 from mmspec.drafters.lengths import ConfidenceStop, FixedLength
 from mmspec.drafters.tree import grow_tree
 from mmspec.models.hf.inputs import decoder_of
 from mmspec.models.hf.target import HFTarget
 
 
-__all__ = ["TextModelDrafter"]
+__all__ = ["TextModelDrafter", "chain_round"]
 
 
 class TextModelDrafter:
@@ -92,18 +94,40 @@ class TextModelDrafter:
         self.prompt_lengths = self.lengths
         self._first_round = True
         self.length.start(state.count.shape[0], state.count.device)
+        self.captured = (CapturedDraft(self.compiler, state.batch_size, state.tokens.device)
+                         if self.chain and captures_rounds(self.compiler) else None)  # fmt: skip
 
     @torch.no_grad()
     def propose(self, state):
         if not self.chain:
             return self._propose_tree(state)
         num_draft, length = chain_lengths(self.length, state)
+        if self.captured is not None and not stops_in_round(self.length):  # the whole chain as one graph
+            return self._propose_captured(state, num_draft, length)
         tokens, q_draft, num_draft = sample_chain(self._last_logits, refeed(state, self._first_round), length,
                                                   self.draft.guidance, state.generator, num_draft,
                                                   confidence=self.length.confidence,
                                                   stop=getattr(self.length, "stop", None))  # fmt: skip
         self.draft_forwards += tokens.shape[1]
         self._first_round = False
+        self._num_draft = num_draft
+        return Proposal(tokens, num_draft, q_draft=q_draft)
+
+    def _propose_captured(self, state, num_draft, length):
+        """`propose`'s chain as one graph (`mmspec.decoding.captured_draft`): `[last committed, pending]` (the first
+        round: `[pending]`) and the `length - 1` drafts after it on one attention window of the draft's cache, made
+        before the graph."""
+        g, cache = self.draft.guidance, self.draft.cache
+        feed = refeed(state, self._first_round)
+        window = self.draft.round_window(feed.shape[1] + length - 1)
+        self.compiler.static(cache, *(t for t in (self.draft.vocab, self.draft.vocab_weight) if t is not None))
+        count = 0 if g.greedy else self.k  # k_max uniforms a row every sampled round
+        tokens, q_draft, total, lengths = self.captured(chain_round, state, count, self.draft, feed, g,
+                                                        length=length, window=window)  # fmt: skip
+        self._first_round = False
+        g.record("draft", total)
+        cache.lengths = lengths
+        self.draft_forwards += length
         self._num_draft = num_draft
         return Proposal(tokens, num_draft, q_draft=q_draft)
 
@@ -159,3 +183,22 @@ class TextModelDrafter:
         self.draft.select_rows(index)
         self.prompt_lengths = self.prompt_lengths[index]
         self.length.select_rows(index)
+
+
+def chain_round(draft, feed, guidance, uniforms, keys, round_index, *, length, window):
+    """A draft LM's round of `length` drafts (no stops) as a pure function of its inputs, for one captured graph
+    (`mmspec.decoding.captured_draft`): `feed [B, M]` and each draft after it fed to `draft` (an `HFTarget`) on
+    its cache's attention `window` and committed, the drafts drawn on `uniforms` (or Philox blocks of `keys`;
+    greedy: None) by `mmspec.drafters.chain.draw_chain`. Returns `(draft_tokens, q_draft, sum of q_draft, the
+    cache's committed lengths)`."""
+    uniforms = resolve_uniforms(uniforms, keys, round_index, length)
+    cache, decoder = draft.cache, decoder_of(draft.model)
+
+    def step(tokens):
+        logical, slots, mask = chain_inputs(cache.lengths, tokens.shape[1])
+        hidden = draft.run(decoder, cache, slots, logical, mask, window=window, input_ids=tokens)
+        cache.commit(tokens.shape[1])
+        return draft.logits(hidden[:, -1])
+
+    tokens, q_draft, total = draw_chain(step, feed, length, guidance, uniforms)
+    return tokens, q_draft, total, cache.lengths

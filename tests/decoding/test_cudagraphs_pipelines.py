@@ -74,3 +74,36 @@ def test_mar_sampler(recorded, mar_parts):  # noqa: F811 (the fixture)
     before = skips()
     torch.testing.assert_close(sample(pipe), sample(eager), rtol=0, atol=0)
     _check(recorded, pipe, before)
+
+
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_vlm_frspec_round_reads_the_draft_vocabulary_in_place(recorded, drafter):
+    """A VLM drafter's whole round with an FR-Spec draft vocabulary (the draft LM's `vocab_weight`, a text EAGLE
+    head's gathered output rows, `prepare_round`): a replay reads those `[dim, N]` rows in place instead of copying
+    them in (a weight copied every round otherwise). The draft LM's are marked static (unmarked: fails); the head's
+    are its module's attribute, which the backend reads in place as it does the head's parameters."""
+    from mmspec.models.hf.draft import truncated_draft
+    from mmspec.models.hf.eagle import TextEagleHead
+
+    base, _ = quick_eagle_pipe()
+    text = base.eagle_head
+    head = TextEagleHead(**{**{k: v for k, v in text.config.items() if not k.startswith("_")}, "draft_vocab_size": 40})
+    head.load_state_dict({k: v for k, v in text.state_dict().items() if k != "draft_vocab"}, strict=False)
+    head.set_draft_vocab(torch.arange(4, 44)).eval()
+    vocab = torch.arange(4, 44)
+    pipes = [SpeculativeVLMPipeline(base.model, base.processor, eagle_head=head,
+                                    draft_model=truncated_draft(base.model, 2)) for _ in range(2)]  # fmt: skip
+    for p in pipes:
+        p.set_progress_bar_config(disable=True)
+    pipes[1].enable_compile(backend="cudagraphs", verify=True)
+    before = skips()
+    kw = dict(images=images(1), prompt=prompts(1), max_new_tokens=8, output_type="ids", do_sample=False,
+              drafter=drafter, **({"draft_vocab": vocab} if drafter == "model" else {"tree_depth": 3}))  # fmt: skip
+    eager, captured = (p(**kw).sequences for p in pipes)
+    assert torch.equal(captured, eager)
+    _check(recorded, pipes[1], before)
+    rows = (64, 40)  # [dim, N]: the draft vocabulary's output rows
+    assert any(tuple(t.shape) == rows for call in recorded for t in call["inputs"]), "no round read the rows"
+    for call in recorded:
+        static = set(call["static"])
+        assert all(tuple(t.shape) != rows for i, t in enumerate(call["inputs"]) if i not in static), "rows copied in"

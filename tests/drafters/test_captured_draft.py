@@ -37,17 +37,18 @@ METHODS = {
     "sjd-pac": dict(acceptance="jacobi", jacobi_window=4, jacobi_tree_width=2, jacobi_tree_depth=3),
 }
 # method -> eager ops of a round's drafting at batch 1 with everything captured, a graph one launch (measured 10.8,
-# 10.3, 10.9, 22.5, 22.5, 33.6: the chain's length, the uniforms' draw, the graph, the guidance sum's add, the
-# proposal, and the drafter's commit after verification -- the next pairs, a draft model's cache roll-back, SJD-PAC's
-# next window filled); per-step graphs leave the loop around them eager: 104-130 for the chains, 323 for the tree, 98
-# for SJD-PAC's eager proposal (`assets/bench/profile-zoo.json` before)
+# 10.3, 10.9, 22.5, 22.5, 11.0: the chain's length, the uniforms' draw, the graph, the guidance sum's add, the
+# proposal, and the drafter's commit after verification -- the next pairs, a draft model's cache roll-back; SJD-PAC's
+# next window is filled in its proposal's graph, 33.6 eager at commit); per-step graphs leave the loop around them
+# eager: 104-130 for the chains, 323 for the tree, 98 for SJD-PAC's eager proposal (`assets/bench/profile-zoo.json`
+# before)
 DRAFT_OPS = {
     "eagle-chain": 11,
     "eagle-tree": 11,
     "lantern": 11,
     "draft-model": 23,
     "draft-model-cfg": 23,
-    "sjd-pac": 34,
+    "sjd-pac": 12,
 }
 
 
@@ -75,7 +76,9 @@ def run(pipe, method, labels, seed=0, per_row=False, **kw):
     return pipe(class_labels=labels, generator=gen, output_type="tokens", **{**METHODS[method], **kw})
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+# LANTERN drafts with the EAGLE chain's round (its rule is the verification's) and the draft model's round is the CFG
+# one's with one stream: their greedy runs would trace the same round functions again (150 s of the suite)
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("lantern", "draft-model")])
 def test_greedy_tokens_equal_eager_and_nothing_recompiles(parts, method):
     """Greedy, batch 1 and a ragged batch of 4 (rows finish at different rounds and leave): eager's tokens, stats and
     trace, with the drafting captured (and the rest). The sampled calls of the same batches then compile every

@@ -82,11 +82,12 @@ def test_the_head_drafts_at_the_targets_mrope_positions(monkeypatch):
     ids, lengths, extra = pipe.encode_host(ims, texts, None)
     target = MRopePositions(pipe.model).prompt(ids, lengths, extra)  # [3, rows, L]: the model's get_rope_index
     delta = target.amax(dim=(0, 2)) + 1 - lengths  # per row, with no padding among the largest ids
-    first = seen[0]  # the first draft commits the whole prompt's pairs
+    first, pending = seen[0], seen[1]  # prefill writes the prompt's pairs but the last; the first round feeds it
     assert first.dim() == 3 and first.shape[0] == 3, first.shape
     for r, n in enumerate(lengths.tolist()):
-        assert torch.equal(first[:, r, :n], target[:, r, :n]), r
-        assert not torch.equal(first[1, r, :n], torch.arange(n) + int(delta[r]))  # an image row is not 1-D
+        assert torch.equal(first[:, r, : n - 1], target[:, r, : n - 1]), r
+        assert torch.equal(pending[:, r, 0], target[:, r, n - 1]), r
+        assert not torch.equal(first[1, r, : n - 1], torch.arange(n - 1) + int(delta[r]))  # an image row is not 1-D
     for later in seen[1:]:  # drafted and accepted pairs after the prompt: text positions, all axes equal
         assert later.dim() == 3 and torch.equal(later[0], later[1]) and torch.equal(later[0], later[2])
         assert bool((later[0] >= (lengths + delta)[:, None] - 1).all())

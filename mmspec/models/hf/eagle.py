@@ -128,6 +128,7 @@ class TextEagleHead(ModelMixin, ConfigMixin):
                                  dtype=dtype or p.dtype, device=device or p.device)  # fmt: skip
         cache.key_valid[:, 0] = False
         cache.lengths = torch.ones(rows, dtype=torch.long, device=cache.device)
+        cache.sync_window(1)  # its committed span, known on the host: the prompt's forward reads nothing
         return cache
 
     def _inputs(self, hidden, input_ids, target):
@@ -143,11 +144,12 @@ class TextEagleHead(ModelMixin, ConfigMixin):
                           position_ids=positions, past_key_values=cache, use_cache=cache is not None)  # fmt: skip
 
     def forward(self, hidden, input_ids, target, cache, input_pos=None, write_slots=None, attention_mask=None,
-                cache_mask=None, validate=True, step=None):  # fmt: skip
+                cache_mask=None, validate=True, step=None, window=None):  # fmt: skip
         """Draft features for `M` pairs per row, as `EagleHead.forward` (chain by default, or a tree via
         `input_pos`, `write_slots` and `cache_mask [rows, M, max_seq]`). Returns `f_hat [rows, M, dim]`. The slots
-        and masks are made here (the attention window is read on the host); the layer runs in `step` (default
-        `self.step`; `capture` passes its compiled graph)."""
+        and masks are made here (the attention window is read on the host, or given: `window`, a whole captured
+        round's, `mmspec.models.hf.target.round_window`); the layer runs in `step` (default `self.step`; `capture`
+        passes its compiled graph)."""
         rows, m = input_ids.shape
         if not isinstance(cache, StaticKVCache) or cache.k.shape[0] != 1 or cache.rows != rows:
             raise ValueError("cache must be this head's StaticKVCache (setup_cache) with one row per input row")
@@ -157,10 +159,10 @@ class TextEagleHead(ModelMixin, ConfigMixin):
             attention_mask = causal if attention_mask is None else attention_mask
         write_slots = input_pos if write_slots is None else write_slots
         cache.check_slots(write_slots, values=validate)
-        view = window_view(
-            cache, attention_window(cache, write_slots, write_slots.shape[1])
-        )  # only the slots in use (earlier nodes of a
-        if cache_mask is None:  # tree sit below this forward's slots)
+        if window is None:  # only the slots in use (earlier nodes of a tree sit below this forward's slots)
+            window = attention_window(cache, write_slots, write_slots.shape[1])
+        view = window_view(cache, window)
+        if cache_mask is None:
             cache_mask = view.visibility(write_slots, attention_mask)
         else:
             cache_mask = cache_mask[..., : view.max_seq]
@@ -239,10 +241,24 @@ class TextEagleHead(ModelMixin, ConfigMixin):
         if not self.config.draft_vocab_size:
             return head(features.to(head.weight.dtype)).float()
         w = head.weight
+        if torch.compiler.is_compiling():  # a captured round: the rows gathered before it (`draft_weights`)
+            return (features.to(w.dtype) @ self._sub_weight[1]).float()
+        return (features.to(w.dtype) @ self.draft_weights(target)).float()
+
+    def prepare_round(self, target) -> tuple:
+        """What a captured round's graph reads but cannot make (`mmspec.drafters.eagle`, before each graph): the
+        draft vocabulary's rows of the target's output head (`draft_weights`). Returns the tensors made here, which
+        the graph reads in place (static addresses)."""
+        return (self.draft_weights(target),) if self.config.draft_vocab_size else ()
+
+    def draft_weights(self, target):
+        """The target output head's rows at `draft_vocab` as `[dim, N]` (cheap small-M products), gathered again
+        when the target's head or the vocabulary changed. A captured round calls it before its graph."""
+        w = target.get_output_embeddings().weight
         key = (w.data_ptr(), w._version, w.device, self.draft_vocab.data_ptr())
         if self._sub_weight is None or self._sub_weight[0] != key or torch.is_grad_enabled():
-            self._sub_weight = (key, w[self.draft_vocab].t().contiguous())  # [dim, N]: cheap small-M products
-        return (features.to(w.dtype) @ self._sub_weight[1]).float()
+            self._sub_weight = (key, w[self.draft_vocab].t().contiguous())
+        return self._sub_weight[1]
 
     def compute_logits(self, target, features):
         """Draft logits `[..., V]` (float32) through the target's output head (`-inf` outside the draft vocabulary)."""

@@ -331,6 +331,10 @@ class Eagle3Head(TextEagleHead):
         self._sub_weight = None
         return self
 
+    def prepare_round(self, target) -> tuple:
+        """Nothing to gather before a captured round: the draft vocabulary's head is the head's own."""
+        return ()
+
     def draft_logits(self, target, features):
         """Logits `[..., N]` (float32) over the draft vocabulary (the head's own output head and final norm)."""
         return self.lm_head(self.norm(features.to(self.lm_head.weight.dtype))).float()

@@ -48,15 +48,26 @@ from mmspec.models.hf.positions import Positions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WINDOW_BUCKET", "HFTarget", "Positions", "StaticCache", "attention_window", "decoder_of", "right_align"]
+__all__ = [
+    "WINDOW_BUCKET",
+    "HFTarget",
+    "Positions",
+    "StaticCache",
+    "attention_window",
+    "decoder_of",
+    "right_align",
+    "round_window",
+]
 
 # attention windows are multiples of this many slots (a few sizes over a generation, each far below max_seq)
 WINDOW_BUCKET = 128
 
 
-def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None, can_grow: bool = False) -> int:
+def slots_needed(cache: StaticKVCache, key_slots: Tensor | None, new_slots: int | None = None,
+                 can_grow: bool = False) -> int:  # fmt: skip
     """Slots a forward touches: every row's committed prefix and the slots `key_slots [rows, K]` it writes or attends
-    to, of which the last `new_slots` (default all `K`) per row are new.
+    to, of which the last `new_slots` (default all `K`) per row are new. `key_slots` None: a captured round's
+    forwards together (`round_window`), writing at most `new_slots` slots per row right after the committed prefix.
 
     Exact on the CPU (a free read). On an accelerator it is an upper bound kept on the host, so a forward needs no
     sync: every forward writes its slots right after what is already touched (committed prefix, then the chain or
@@ -70,7 +81,7 @@ def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None 
     width = key_slots.shape[1] if new_slots is None else int(new_slots)
     bound = getattr(cache, "touched_bound", None)
     bound = None if bound is None else bound + width
-    if bound is not None and not _free_reads(key_slots):
+    if bound is not None and not _free_reads(cache.lengths if key_slots is None else key_slots):
         if getattr(cache, "host_synced", False):  # re-synced every round by the loop's read (`HFTarget.sync_host`)
             cache.touched_bound = bound if can_grow else min(bound, cache.max_seq)
             return cache.touched_bound
@@ -80,7 +91,7 @@ def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None 
         if not can_grow and cache.touched_window >= cache.max_seq:  # the last bucket, partial or not
             cache.touched_bound = min(bound, cache.max_seq)
             return cache.touched_bound
-    exact = _read_slots_in_use(cache, key_slots)
+    exact = _read_slots_in_use(cache, key_slots, width)
     if bound is not None and exact > bound:
         raise RuntimeError(f"cache slots in use ({exact}) past their host-side bound ({bound}): a forward wrote slots "
                            "beyond the touched span")  # fmt: skip
@@ -88,8 +99,11 @@ def slots_needed(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None 
     return exact
 
 
-def _read_slots_in_use(cache: StaticKVCache, key_slots: Tensor) -> int:
-    """The exact span in use (a host read: one device sync on an accelerator)."""
+def _read_slots_in_use(cache: StaticKVCache, key_slots: Tensor | None, width: int) -> int:
+    """The exact span in use (a host read: one device sync on an accelerator); `key_slots` None: the committed span
+    plus `width` new slots (a round's writes, known after it only)."""
+    if key_slots is None:
+        return int(cache.lengths.max()) + width
     return int(torch.maximum(cache.lengths.max(), key_slots.max() + 1)) if key_slots.numel() else 1
 
 
@@ -102,6 +116,14 @@ def _free_reads(t: Tensor) -> bool:
 def attention_window(cache: StaticKVCache, key_slots: Tensor, new_slots: int | None = None) -> int:
     """`slots_needed` rounded up to a multiple of `WINDOW_BUCKET` (at most `cache.max_seq`)."""
     return min(cache.max_seq, _round_up(slots_needed(cache, key_slots, new_slots)))
+
+
+def round_window(cache: StaticKVCache, new_slots: int) -> int:
+    """The attention window of a drafter's whole captured round (`mmspec.decoding.captured_draft`) whose forwards
+    write at most `new_slots` slots per row after the committed prefix of `cache`: one window for all of them, known
+    on the host before the graph runs, so it is one of the graph's shapes (a multiple of `WINDOW_BUCKET`). From the
+    host-side bound as every forward's (`slots_needed`: no device read once the loop's read has synced it)."""
+    return attention_window(cache, None, new_slots)
 
 
 def _round_up(slots: int) -> int:
@@ -252,25 +274,23 @@ class HFTarget(CachedTarget):
         return StaticKVCache(t.num_hidden_layers, rows, n_kv, max_seq, head_dim, dtype=p.dtype, device=p.device)
 
     def run(self, module, cache: StaticKVCache, slots: Tensor, logical: Tensor, mask: Tensor, key_slots=None,
-            capture=False, position_ids=None, **inputs):  # fmt: skip
+            capture=False, position_ids=None, window=None, **inputs):  # fmt: skip
         """One forward of `module` (base model or decoder) over new tokens written at `slots [rows, M]` with the
         new-token mask `mask [rows, M, M]`; returns the final-norm hidden states `[rows, M, dim]`. `key_slots
         [rows, K]` (default `slots`) may also list uncommitted slots of earlier forwards, `mask` is then
         `[rows, M, K]` (`StaticKVCache.visibility`). `capture`: run `module` captured when the pipeline compiles
-        (`self.compiler`; the per-round forwards, not the prefill)."""
+        (`self.compiler`; the per-round forwards, not the prefill). `window`: the forward runs inside a graph that
+        holds a whole round (a draft LM's chain, `mmspec.drafters.text_model`): the round's attention window
+        (`round_window`), and `module` is traced as it is."""
         key_slots = slots if key_slots is None else key_slots
-        can_grow = cache is self.cache and cache.max_seq < self.max_slots
-        needed = slots_needed(cache, key_slots, slots.shape[1], can_grow=can_grow)
-        if needed > cache.max_seq and cache is self.cache:  # allocated in chunks, up to what prefill was asked for
-            if needed > self.max_slots:
-                raise ValueError(
-                    f"{self.source}: a forward needs {needed} cache slots, {self.max_slots} were reserved"
-                )
-            grow(cache, min(self.max_slots, max(2 * cache.max_seq, _round_up(needed))))
-        # read only the slots in use: exactly those on the CPU (free to vary), whole buckets on an accelerator and
-        # when captured (one graph per bucket, `mmspec.decoding.compiled`)
-        captured = capture and self.compiler is not None and cache is self.cache
-        window = needed if _free_reads(key_slots) and not captured else _round_up(needed)
+        if window is None:
+            needed = self._fit(cache, slots_needed(cache, key_slots, slots.shape[1], can_grow=self._can_grow(cache)))
+            # read only the slots in use: exactly those on the CPU (free to vary), whole buckets on an accelerator
+            # and when captured (one graph per bucket, `mmspec.decoding.compiled`)
+            captured = capture and self.compiler is not None and cache is self.cache
+            window = needed if _free_reads(key_slots) and not captured else _round_up(needed)
+        else:  # traced: the masks as a captured forward's, the module itself
+            captured, capture = True, False
         cache = window_view(cache, min(cache.max_seq, window))
         visible = cache.visibility(key_slots, mask)[:, None]  # [rows, 1, M, window]
         if not captured and visible.shape[2] == 1 and _free_reads(visible) and bool(visible.all()):
@@ -284,13 +304,32 @@ class HFTarget(CachedTarget):
             )
         hf_cache = StaticCache(cache)
         hf_cache.write_slots = dense(slots) if captured else slots  # a tree level's slots: a strided view
-        if captured:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
+        if capture and captured:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
             self.compiler.static(cache)
             module = self.compiler.forward("target" if self.source == "target" else "drafter", module)
         position_ids = self.positions(logical) if position_ids is None else position_ids
         out = module(position_ids=position_ids, attention_mask=visible, past_key_values=hf_cache,
                      use_cache=True, **inputs)  # fmt: skip
         return out.last_hidden_state
+
+    def _can_grow(self, cache: StaticKVCache) -> bool:
+        return cache is self.cache and cache.max_seq < self.max_slots
+
+    def _fit(self, cache: StaticKVCache, needed: int) -> int:
+        """`needed` slots, the cache grown to hold them first (allocated in chunks, up to what prefill reserved)."""
+        if needed > cache.max_seq and cache is self.cache:
+            if needed > self.max_slots:
+                raise ValueError(
+                    f"{self.source}: a forward needs {needed} cache slots, {self.max_slots} were reserved"
+                )
+            grow(cache, min(self.max_slots, max(2 * cache.max_seq, _round_up(needed))))
+        return needed
+
+    def round_window(self, new_slots: int) -> int:
+        """The attention window of a captured round whose forwards write at most `new_slots` slots per row after the
+        cache's committed span (`run(window=...)`), the cache grown first if they need it."""
+        needed = self._fit(self.cache, slots_needed(self.cache, None, new_slots, can_grow=self._can_grow(self.cache)))
+        return min(self.cache.max_seq, _round_up(needed))
 
     def token_inputs(self, tokens: Tensor) -> dict:
         """Decoder inputs of new tokens `[rows, M]` (default: the token ids)."""

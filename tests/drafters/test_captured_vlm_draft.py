@@ -7,7 +7,9 @@ the host before the graph (`mmspec.models.hf.target.round_window`).
 * greedy tokens equal eager's on a ragged batch with windows of 8 slots (so rounds cross window edges: a window that
   misses a slot the round writes fails -- broken once by leaving the drafted pairs out of it), no recompile;
 * with per-row generators a sampled row's tokens are the same alone and inside a batch;
-* counted: a round's drafting is a handful of eager ops (`DRAFT_OPS`) against 180-245 with per-step graphs.
+* counted: a round's drafting is a handful of eager ops (`DRAFT_OPS`) against 180-245 with per-step graphs, and the
+  target's forward, one graph whole (`mmspec.models.hf.target.scored_forward`: 1 graph, 0 breaks, chain and tree),
+  `TARGET_OPS` against 37-43 with only its decoder captured (broken once).
 The laws of the draws themselves are `draw_chain`'s, proven through the graph in `test_captured_draft.py`.
 """
 
@@ -41,6 +43,7 @@ CASES = {
 # chain's length, the window, the graph, the guidance sum, the proposal, the drafter's commit after verification);
 # per-step graphs: 180-245 (`assets/bench/profile-zoo.json` before)
 DRAFT_OPS = {"text-chain": 8, "lm-chain": 20}
+TARGET_OPS = 3  # measured 1.7-2.0 (the items' padding, the window, the graph, the sum's add, the live cut)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +149,26 @@ class _Runner:
 @pytest.mark.parametrize("case", list(DRAFT_OPS))
 def test_drafting_is_a_handful_of_ops_per_round(parts, case):
     """`mmspec bench profile`'s captured count (everything captured, a graph one launch): a round's drafting is at
-    most `DRAFT_OPS` eager ops."""
+    most `DRAFT_OPS` eager ops, and the target's forward -- one graph (`scored_forward`) -- `TARGET_OPS`."""
     ops, reason = profile_captured(_Runner(make_pipe(parts, case), case), case, 1)
     assert reason is None, reason
-    assert ops["drafter"] <= DRAFT_OPS[case], ops
+    assert ops["drafter"] <= DRAFT_OPS[case] and ops["target"] <= TARGET_OPS, ops
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_target_forward_is_one_graph_without_breaks(parts, tree):
+    """`HFTarget.forward` as the captured round runs it (`scored_forward`: positions, slots and mask -- a tree's
+    ancestry in a fixed number of ops --, the decoder on the round's window, the output head and the processing):
+    1 graph, 0 breaks."""
+    from mmspec.models.hf.target import scored_forward
+
+    base, _, _ = parts
+    guidance = Guidance(SamplingParams(temperature=1.0))
+    target = HFTarget(base.model, guidance)
+    target.prefill(torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), torch.tensor([4, 3]), 16, 5)
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    parents = torch.tensor([[-1, 0, 0], [-1, -1, 1]]) if tree else None
+    with torch.no_grad():
+        explained = torch._dynamo.explain(scored_forward)(target, target.cache, guidance, tokens, parents, width=4,
+                                                          window=target.round_window(4))  # fmt: skip
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache
 from mmspec.cache import StaticKVCache, chain_inputs, tree_inputs
 from mmspec.counting import host_checks_enabled
 from mmspec.decoding.cached_target import CachedTarget
+from mmspec.decoding.captured_draft import captures_rounds
 from mmspec.decoding.compiled import bucket_width, dense, pad_block
 from mmspec.decoding.guidance import Guidance
 from mmspec.decoding.target import TargetOutput
@@ -422,6 +423,14 @@ class HFTarget(CachedTarget):
     def forward(self, tokens: Tensor, parents: Tensor | None = None, return_hidden: bool = False) -> TargetOutput:
         if self.compiler is not None:  # the cache's items (`select_rows` keeps row buckets when captured)
             tokens, parents = self.pad_items(tokens), self.pad_items(parents)
+        if captures_rounds(self.compiler) and self.hidden_layers is None:  # the whole forward as one graph
+            width = bucket_width(tokens.shape[1], self.buckets)
+            window = self.round_window(width)
+            self.compiler.static(self.cache)
+            run = self.compiler.forward("target", self.model, scored_forward)  # kept across calls (the model)
+            p, hidden, total = run(self, self.cache, self.guidance, tokens, parents, width=width, window=window)
+            self.guidance.record(self.source, total)
+            return TargetOutput(self.live_items(p), self.live_rows(hidden) if return_hidden else None)
         lengths, rows = self.cache.lengths, self.guidance.rows(tokens)  # every CFG stream scores the same tokens
         if parents is None:
             logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
@@ -440,3 +449,22 @@ class HFTarget(CachedTarget):
 
     def select_state_rows(self, rows: Tensor) -> None:
         self.positions.select_rows(rows)
+
+
+def scored_forward(target: HFTarget, cache: StaticKVCache, guidance: Guidance, tokens: Tensor, parents: Tensor | None,
+                   *, width: int, window: int):  # fmt: skip
+    """`HFTarget.forward` as a pure function of its inputs, for one captured graph (`enable_compile(verify=True)`):
+    the block's positions, slots and mask (a tree's ancestry in a fixed number of ops), padded to `width`, the decoder
+    on the round's attention `window` of `cache` (`HFTarget.round_window`), the output head and the processing.
+    Returns `(p_target, hidden, sum of p_target)` (the sum for `Guidance.record`, which a graph cannot call)."""
+    lengths, rows = cache.lengths, guidance.rows(tokens)
+    if parents is None:
+        logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
+    else:
+        logical, slots, mask = tree_inputs(guidance.rows(parents), lengths)
+    m = rows.shape[1]
+    rows, logical, slots, mask = pad_block(width, rows, logical, slots, mask)
+    hidden = target.run(decoder_of(target.model), cache, slots, logical, mask, window=window,
+                        **target.token_inputs(rows))[:, :m]  # fmt: skip
+    p = guidance.process(target.logits(hidden))
+    return p, hidden, p.sum()

@@ -356,7 +356,8 @@ class EagleDrafter:
         if not self.needs_vision:
             # the prompt's pairs but the last written now, as a vision-aware head's `prefill_prompt` does: a round
             # then feeds at most `depth + 1` pairs (one graph shape when captured)
-            if prefix > 1:
+            if prefix > 1:  # a fresh cache's committed span (slot 0) is known on the host: this forward reads nothing
+                self.cache.sync_window(1)
                 self.head(target_out.hidden[:, :-1], nxt[:, :-1], self.target, self.cache, validate=False)
                 self.cache.commit(lengths - 1)
             self._pending_pair(target_out.hidden, nxt, lengths)

@@ -128,7 +128,6 @@ class TextEagleHead(ModelMixin, ConfigMixin):
                                  dtype=dtype or p.dtype, device=device or p.device)  # fmt: skip
         cache.key_valid[:, 0] = False
         cache.lengths = torch.ones(rows, dtype=torch.long, device=cache.device)
-        cache.sync_window(1)  # its committed span, known on the host: the prompt's forward reads nothing
         return cache
 
     def _inputs(self, hidden, input_ids, target):

@@ -284,14 +284,14 @@ class HFTarget(CachedTarget):
         holds a whole round (a draft LM's chain, `mmspec.drafters.text_model`): the round's attention window
         (`round_window`), and `module` is traced as it is."""
         key_slots = slots if key_slots is None else key_slots
-        if window is None:
+        traced = window is not None  # inside a round's graph: the masks as a captured forward's, the module itself
+        graph = capture and not traced and self.compiler is not None and cache is self.cache  # the module's own graph
+        captured = traced or graph
+        if not traced:
             needed = self._fit(cache, slots_needed(cache, key_slots, slots.shape[1], can_grow=self._can_grow(cache)))
             # read only the slots in use: exactly those on the CPU (free to vary), whole buckets on an accelerator
             # and when captured (one graph per bucket, `mmspec.decoding.compiled`)
-            captured = capture and self.compiler is not None and cache is self.cache
             window = needed if _free_reads(key_slots) and not captured else _round_up(needed)
-        else:  # traced: the masks as a captured forward's, the module itself
-            captured, capture = True, False
         cache = window_view(cache, min(cache.max_seq, window))
         visible = cache.visibility(key_slots, mask)[:, None]  # [rows, 1, M, window]
         if not captured and visible.shape[2] == 1 and _free_reads(visible) and bool(visible.all()):
@@ -305,7 +305,7 @@ class HFTarget(CachedTarget):
             )
         hf_cache = StaticCache(cache)
         hf_cache.write_slots = dense(slots) if captured else slots  # a tree level's slots: a strided view
-        if capture and captured:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
+        if graph:  # the whole decoder, one graph (no per-layer frames, so no `layer_idx` recompiles)
             self.compiler.static(cache)
             module = self.compiler.forward("target" if self.source == "target" else "drafter", module)
         position_ids = self.positions(logical) if position_ids is None else position_ids

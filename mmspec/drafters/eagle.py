@@ -34,7 +34,7 @@ from mmspec.drafters.chain import chain_lengths, draw_chain, sample_chain, stops
 from mmspec.drafters.lengths import FixedLength
 from mmspec.drafters.tree import DraftTree, grow_tree
 from mmspec.models.hf.inputs import image_token_mask
-from mmspec.models.hf.target import round_window
+from mmspec.models.hf.target import captured_cache_slots, round_window
 from mmspec.models.llamagen.eagle import EagleHead
 
 
@@ -349,7 +349,9 @@ class EagleDrafter:
         prefix = ids.shape[1]
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # x[t+1] (the last column is overwritten or padding)
         nxt.scatter_(1, (lengths - 1)[:, None], self.guidance.rows(state.pending[:, None]))
-        self.cache = self.head.setup_cache(rows, prefix + state.max_length + scratch)
+        slots = prefix + state.max_length + scratch
+        # captured: the cache's size on a bucket (one of the graphs' shapes: the next prompts reuse them)
+        self.cache = self.head.setup_cache(rows, slots if self.compiler is None else captured_cache_slots(slots))
         set_positions = getattr(self.head, "set_prompt_positions", None)
         if callable(set_positions):  # a head at the target's own positions (M-RoPE) keeps the prompt's
             set_positions(self.cache, target_out.positions, lengths)

@@ -5,7 +5,8 @@
 * greedy tokens, stats and trace equal eager's (batch 1, a ragged batch of 4 compacting, CFG), no recompile over
   whole generations, and a second call compiles nothing;
 * the law: drafts drawn in the graph follow the `q_draft` it reports (chi-square of the joint law of a chain's first
-  two drafts, both uniform sources), and the pipeline's sampled rows keep each row independent of its batch;
+  two drafts, both uniform sources), and the pipeline's sampled rows (per-row generators) keep each row independent
+  of its batch;
 * counted: with the graphs as launches, a round's drafting is a handful of eager ops (`DRAFT_OPS`), against 100-320
   with per-step graphs.
 Graphs are traced with backend "eager" (no code generation): the graphs inductor would get.
@@ -82,19 +83,25 @@ def run(pipe, method, labels, seed=0, per_row=False, **kw):
 def test_greedy_tokens_equal_eager_and_nothing_recompiles(parts, method):
     """Greedy, batch 1 and a ragged batch of 4 (rows finish at different rounds and leave): eager's tokens, stats and
     trace, with the drafting captured (and the rest). The sampled calls of the same batches then compile every
-    shape once; a second call compiles nothing."""
+    shape once, and with per-row generators a row's tokens are the same alone and inside the batch (its drafts' and
+    its verification's uniforms come from its own generator, whatever the rest of the batch draws); a second call
+    compiles nothing."""
     eager = make_pipe(parts, method)
     captured = make_pipe(parts, method, Compiler(backend="eager", verify=True))
+    sampled = []
     for labels in ([1], [0, 1, 2, 3]):
         factories.assert_decoded_alike(*(run(pipe, method, labels, do_sample=False) for pipe in (captured, eager)))
-        run(captured, method, labels, per_row=True)
+        seed = 1 if len(labels) == 1 else 0  # the batch's row 1 draws from the generator of seed 0 + 1
+        sampled.append(run(captured, method, labels, seed=seed, per_row=True).images)
+    assert torch.equal(sampled[1][1], sampled[0][0])
     report = captured.compile_report()
     # one graph call a round (each round's verification is captured too; SJD-PAC's last, cut short, is eager), no
     # per-step graphs
     assert report["draft"]["calls"] >= report["verify"]["calls"] > 0 and "drafter" not in report, report
     assert method == "sjd-pac" or report["draft"]["calls"] == report["verify"]["calls"], report
     assert report["draft"]["recompiles"] == 0 and report["draft"]["graphs"] == report["draft"]["shapes"], report
-    run(captured, method, [0, 1, 2, 3], per_row=True)
+    other = run(captured, method, [0, 1, 2, 3], seed=6, per_row=True).images  # row 1: another generator
+    assert not torch.equal(other[1], sampled[0][0])  # the rows do draw from their generators
     again = captured.compile_report()
     assert again["draft"]["graphs"] == report["draft"]["graphs"] and again["draft"]["recompiles"] == 0, again
 
@@ -155,16 +162,6 @@ def test_drafts_follow_the_reported_law(chi2_pvalue, rng, per_row):
     assert chi2_pvalue(tokens[:, 0] * vocab + tokens[:, 1], joint.flatten()) > 1e-3
     again, _, _ = captured(_toy_round, state, 2, table, feed, guidance, length=2)
     assert not torch.equal(again, tokens)  # the next call reads fresh uniforms (Philox: the next counter)
-
-
-def test_per_row_generators_keep_rows_batch_independent(parts):
-    """Everything captured, sampled, per-row generators: a row's tokens are the same alone and inside a batch (its
-    drafts' and its verification's uniforms come from its own generator, whatever the rest of the batch draws)."""
-    for method in ("eagle-chain", "draft-model"):
-        pipe = make_pipe(parts, method, Compiler(backend="eager", verify=True))
-        batch = run(pipe, method, [0, 1, 2], seed=5, per_row=True).images
-        alone = run(pipe, method, [1], seed=6, per_row=True).images
-        assert torch.equal(batch[1], alone[0]), method
 
 
 class _Runner:

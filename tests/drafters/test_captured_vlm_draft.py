@@ -126,16 +126,49 @@ def test_greedy_tokens_equal_eager_across_window_edges(parts, case, monkeypatch)
     assert all(r["recompiles"] == 0 for r in report.values()), report
 
 
-def test_per_row_generators_keep_rows_batch_independent(parts):
-    """Everything captured, sampled, per-row generators: a row's tokens are the same alone and inside a batch (the
-    draft LM's chain; an EAGLE chain draws through the same `CapturedDraft`, `test_captured_draft.py`)."""
-    case = "lm-chain"
+@pytest.mark.parametrize("case", ["lm-chain", "text-chain"])
+def test_per_row_generators_keep_rows_batch_independent(parts, case):
+    """Everything captured, sampled, per-row generators: a row's tokens are the same inside two batches that differ
+    in its position and its neighbours (the draft LM's chain and a text EAGLE head's; `test_captured_draft.py`
+    also compares a row alone). Both batches are 3 rows and their prompts differ in length: the caches' sizes are
+    on buckets (`captured_cache_slots`), so the second call's graphs are on the first's cache sizes (every graph
+    was traced again when a cache was sized to its prompt: broken once for the target and the draft LM, once for
+    the head)."""
     pipe = make_pipe(parts, case, Compiler(backend="eager", verify=True))
-    batch = run(pipe, case, 3, seed=5, per_row=True, do_sample=True, temperature=0.8).sequences
-    alone = pipe(images=images(3)[1:2], prompt=prompts(3)[1:2], max_new_tokens=12, output_type="ids",
-                 generator=[torch.Generator().manual_seed(6)], do_sample=True, temperature=0.8,
-                 **CASES[case][1]).sequences  # fmt: skip
-    assert torch.equal(batch[1, : alone.shape[1]], alone[0])
+    pics, texts = images(4), prompts(4)
+
+    def sampled(rows, seeds):
+        return pipe(images=[pics[r] for r in rows], prompt=[texts[r] for r in rows], max_new_tokens=12,
+                    output_type="ids", generator=[torch.Generator().manual_seed(s) for s in seeds], do_sample=True,
+                    temperature=0.8, **CASES[case][1]).sequences  # fmt: skip
+
+    first = sampled([0, 1, 2], [5, 6, 7])
+    sizes = cache_sizes(pipe)
+    second = sampled([1, 3, 2], [6, 8, 7])  # row 1 first, beside another prompt (of another length)
+    assert cache_sizes(pipe) == sizes, sizes  # new graphs only for new row buckets (rows that finish apart)
+    assert len(texts[3].split()) != len(texts[0].split())
+    n = min(first.shape[1], second.shape[1])
+    assert torch.equal(first[1, :n], second[0, :n])
+    assert not torch.equal(first[0, :n], second[1, :n])  # the other rows do differ
+
+
+def cache_sizes(pipe) -> set:
+    """The slot counts of every cache the pipeline's graphs were traced with (`key_valid [rows, slots]` in each
+    shape's signature, `mmspec.decoding.compiled.CompiledForward.signature`)."""
+    sizes = set()
+
+    def walk(value):
+        if isinstance(value, tuple):
+            if len(value) == 2 and value[0] == "key_valid":
+                sizes.add(value[1][0][1])
+            else:
+                for item in value:
+                    walk(item)
+
+    for forward in pipe._compiler.forwards.values():
+        for shape in forward.shapes:
+            walk(shape)
+    return sizes
 
 
 class _Runner:

@@ -55,6 +55,7 @@ __all__ = [
     "Positions",
     "StaticCache",
     "attention_window",
+    "captured_cache_slots",
     "decoder_of",
     "right_align",
     "round_window",
@@ -119,16 +120,27 @@ def attention_window(cache: StaticKVCache, key_slots: Tensor, new_slots: int | N
     return min(cache.max_seq, _round_up(slots_needed(cache, key_slots, new_slots)))
 
 
-def round_window(cache: StaticKVCache, new_slots: int) -> int:
+def round_window(cache: StaticKVCache, new_slots: int, fit=None, can_grow: bool = False) -> int:
     """The attention window of a drafter's whole captured round (`mmspec.decoding.captured_draft`) whose forwards
     write at most `new_slots` slots per row after the committed prefix of `cache`: one window for all of them, known
     on the host before the graph runs, so it is one of the graph's shapes (a multiple of `WINDOW_BUCKET`). From the
-    host-side bound as every forward's (`slots_needed`: no device read once the loop's read has synced it)."""
-    return attention_window(cache, None, new_slots)
+    host-side bound as every forward's (`slots_needed`: no device read once the loop's read has synced it). `fit`
+    (`HFTarget._fit`) grows a cache that `can_grow` to the slots needed first."""
+    needed = slots_needed(cache, None, new_slots, can_grow=can_grow)
+    if fit is not None:
+        needed = fit(cache, needed)
+    return min(cache.max_seq, _round_up(needed))
 
 
 def _round_up(slots: int) -> int:
     return -(-slots // WINDOW_BUCKET) * WINDOW_BUCKET
+
+
+def captured_cache_slots(slots: int) -> int:
+    """The size of a cache that captured forwards read: `slots` rounded up to a multiple of `WINDOW_BUCKET`. The
+    cache's size is one of every graph's shapes (its windows are views of it), so calls whose prompts differ by a
+    few tokens share their graphs instead of tracing them again."""
+    return _round_up(int(slots))
 
 
 def grow(cache: StaticKVCache, max_seq: int) -> StaticKVCache:
@@ -329,8 +341,7 @@ class HFTarget(CachedTarget):
     def round_window(self, new_slots: int) -> int:
         """The attention window of a captured round whose forwards write at most `new_slots` slots per row after the
         cache's committed span (`run(window=...)`), the cache grown first if they need it."""
-        needed = self._fit(self.cache, slots_needed(self.cache, None, new_slots, can_grow=self._can_grow(self.cache)))
-        return min(self.cache.max_seq, _round_up(needed))
+        return round_window(self.cache, new_slots, self._fit, self._can_grow(self.cache))
 
     def token_inputs(self, tokens: Tensor) -> dict:
         """Decoder inputs of new tokens `[rows, M]` (default: the token ids)."""
@@ -374,8 +385,9 @@ class HFTarget(CachedTarget):
         self.max_slots = width + int(num_tokens) + int(scratch) + 1
         self.buckets = (1, int(scratch))  # captured forwards: every scored block is padded to one of these widths
         chunk = min(self.max_slots, _round_up(width + int(scratch) + 1) + WINDOW_BUCKET)
-        # captured: the whole cache at once (a grown cache would change the strides every graph was traced with)
-        self.cache = self.new_cache(rows, self.max_slots if self.compiler is not None else chunk)
+        # captured: the whole cache at once (a grown cache would change the strides every graph was traced with),
+        # on a bucket of sizes (one per 128 slots: the graphs serve the next prompts too)
+        self.cache = self.new_cache(rows, captured_cache_slots(self.max_slots) if self.compiler is not None else chunk)
         # a fresh cache has nothing in use: the prompt's span is its width, known on the host (no read)
         self.cache.sync_window(0)
         slots, _, causal = chain_inputs(torch.zeros(rows, dtype=torch.long, device=device), width)
@@ -431,14 +443,10 @@ class HFTarget(CachedTarget):
             p, hidden, total = run(self, self.cache, self.guidance, tokens, parents, width=width, window=window)
             self.guidance.record(self.source, total)
             return TargetOutput(self.live_items(p), self.live_rows(hidden) if return_hidden else None)
-        lengths, rows = self.cache.lengths, self.guidance.rows(tokens)  # every CFG stream scores the same tokens
-        if parents is None:
-            logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
-        else:
-            logical, slots, mask = tree_inputs(self.guidance.rows(parents), lengths)
-        m = rows.shape[1]
-        if self.compiler is not None:  # one of two widths (`buckets`): padded nodes in scratch, seen by nothing
-            rows, logical, slots, mask = pad_block(bucket_width(m, self.buckets), rows, logical, slots, mask)
+        m = tokens.shape[1]
+        # captured: one of two widths (`buckets`), padded nodes in scratch, seen by nothing
+        width = None if self.compiler is None else bucket_width(m, self.buckets)
+        rows, logical, slots, mask = scored_block(self.cache, self.guidance, tokens, parents, width)
         with self._aux() as aux:
             hidden = self.run(decoder_of(self.model), self.cache, slots, logical, mask, capture=True,
                               **self.token_inputs(rows))[:, :m]  # fmt: skip
@@ -451,19 +459,30 @@ class HFTarget(CachedTarget):
         self.positions.select_rows(rows)
 
 
+def scored_block(cache: StaticKVCache, guidance: Guidance, tokens: Tensor, parents: Tensor | None,
+                 width: int | None = None):  # fmt: skip
+    """The decoder inputs of a scored block (`HFTarget.forward`, `scored_forward`): every model row's tokens (each
+    CFG stream scores the same), logical positions, cache slots and mask of a chain (`parents` None) or a tree (a
+    tree's ancestry in a fixed number of ops), padded to `width` when given. Returns `(tokens, logical, slots,
+    mask)`."""
+    lengths, rows = cache.lengths, guidance.rows(tokens)
+    if parents is None:
+        logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
+    else:
+        logical, slots, mask = tree_inputs(guidance.rows(parents), lengths)
+    if width is None:
+        return rows, logical, slots, mask
+    return pad_block(width, rows, logical, slots, mask)
+
+
 def scored_forward(target: HFTarget, cache: StaticKVCache, guidance: Guidance, tokens: Tensor, parents: Tensor | None,
                    *, width: int, window: int):  # fmt: skip
     """`HFTarget.forward` as a pure function of its inputs, for one captured graph (`enable_compile(verify=True)`):
     the block's positions, slots and mask (a tree's ancestry in a fixed number of ops), padded to `width`, the decoder
     on the round's attention `window` of `cache` (`HFTarget.round_window`), the output head and the processing.
     Returns `(p_target, hidden, sum of p_target)` (the sum for `Guidance.record`, which a graph cannot call)."""
-    lengths, rows = cache.lengths, guidance.rows(tokens)
-    if parents is None:
-        logical, slots, mask = chain_inputs(lengths, tokens.shape[1])
-    else:
-        logical, slots, mask = tree_inputs(guidance.rows(parents), lengths)
-    m = rows.shape[1]
-    rows, logical, slots, mask = pad_block(width, rows, logical, slots, mask)
+    m = tokens.shape[1]
+    rows, logical, slots, mask = scored_block(cache, guidance, tokens, parents, width)
     hidden = target.run(decoder_of(target.model), cache, slots, logical, mask, window=window,
                         **target.token_inputs(rows))[:, :m]  # fmt: skip
     p = guidance.process(target.logits(hidden))

@@ -6,7 +6,8 @@ the host before the graph (`mmspec.models.hf.target.round_window`).
 * one graph, no break, for each round function (`_dynamo.explain`);
 * greedy tokens equal eager's on a ragged batch with windows of 8 slots (so rounds cross window edges: a window that
   misses a slot the round writes fails -- broken once by leaving the drafted pairs out of it), no recompile;
-* with per-row generators a sampled row's tokens are the same alone and inside a batch;
+* with per-row generators a sampled row's tokens are the same inside two batches of other prompts, whose graphs
+  are on the same cache sizes (`captured_cache_slots`: prompts of other lengths reuse them);
 * counted: a round's drafting is a handful of eager ops (`DRAFT_OPS`) against 180-245 with per-step graphs, and the
   target's forward, one graph whole (`mmspec.models.hf.target.scored_forward`: 1 graph, 0 breaks, chain and tree),
   `TARGET_OPS` against 37-43 with only its decoder captured (broken once).

@@ -9,10 +9,13 @@ Every random draw in the library goes through `rand` / `randn` here (and `mmspec
 
 With per-row generators a row's output can be made independent of what else is in its batch: that needs every row
 to consume the same amount of randomness whatever the other rows do. Batched decoding pads rows to a common width
-(a round drafts `max_b K_b` tokens), so draws take `counts [B]`: row `b` draws only its first `counts[b]` entries
-along dim 1 (all trailing dims of those entries) and the rest is filled with 0.5 without touching its generator.
-Callers pass `counts` wherever the width of a draw depends on other rows; with a single generator `counts` is
-ignored (the whole tensor is drawn, as before).
+(a round drafts `max_b K_b` tokens), so a row's draw must not follow the padded width. The decoding engine draws a
+fixed count per row instead (a drafter's longest chain, a whole Jacobi window, a verification's `uniform_count`:
+`mmspec.decoding.loop`), which needs no per-row count on the host. Draws may also take `counts [B]`: row `b` draws
+only its first `counts[b]` entries along dim 1 (all trailing dims of those entries) and the rest is filled with 0.5
+without touching its generator. Host `counts` (a list) cost nothing; a device tensor is read once per draw, so the
+engine's loop never passes one (MAR's schedule passes host counts). With a single generator `counts` is ignored
+(the whole tensor is drawn, as before).
 
 Generators must live on the device the draw is made on (CUDA generators for CUDA tensors).
 """

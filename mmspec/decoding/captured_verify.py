@@ -115,11 +115,13 @@ def _pad_width(x, width, value=0):
 
 class CapturedVerify:
     """One decoding call's captured chain verification (`mmspec.decoding.loop.decode` makes it when the target's
-    compiler has `verify` on).
+    compiler has `verify` on), or the same round run eagerly (`compiler` None: what an eager call with a per-row
+    generator list verifies through, so that each row draws a fixed amount a round and nothing reads per-row counts).
 
     Args:
         compiler: the pipeline's `mmspec.decoding.compiled.Compiler` (role ``"verify"``; its graphs are kept across
-            calls).
+            calls), or None: `captured_round` runs eagerly on the live rows (no row buckets), its uniforms drawn
+            from the rows' generators (``"generator"``).
         rows: the call's batch items (the row buckets' limit).
         width: the drafter's `max_width` (0: plain AR decoding).
         device: where the call runs.
@@ -146,7 +148,7 @@ class CapturedVerify:
         `SequenceState.emit`) through the captured graph. Returns ``(VerifyResult, num [B'], accepted [B'])``: the
         tokens appended per row and the accepted drafts among them."""
         live, k = proposal.tokens.shape
-        rows, width = row_bucket(live, self.rows), self.width
+        rows, width = live if self.compiler is None else row_bucket(live, self.rows), self.width
         jacobi = proposal.jacobi_coupling
         greedy = greedy and jacobi is None  # a Jacobi window always draws (as eager: its greedy p is one-hot)
         tree = proposal.parents is not None
@@ -164,7 +166,10 @@ class CapturedVerify:
             uniforms, keys, round_index = self.random.inputs(state, rows, uniform_count(width, jacobi, bounds, layout))
         state.reserve(width + 1)
         held = [pad_rows(x, rows) for x in (state.tokens, state.count, state.ended)]
-        run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
+        if self.compiler is None:  # eager
+            run = captured_round
+        else:
+            run = self.compiler.forward("verify", captured_round, device=self.device)  # made on first use, then kept
         window = {} if jacobi is None else {"jacobi": bool(jacobi)}
         if tree:
             parents = proposal.parents  # [K], [1, K] or [B, K]

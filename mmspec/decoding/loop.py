@@ -29,6 +29,7 @@ import torch
 from mmspec.cache import prepend_root
 from mmspec.decoding.captured_verify import CapturedVerify
 from mmspec.decoding.drafter import Proposal
+from mmspec.random import num_rows
 from mmspec.sampling import sample
 from mmspec.verify import VerifyResult, verify_chain, verify_jacobi, verify_tree
 from mmspec.verify.chain import closes_with_bonus
@@ -67,11 +68,14 @@ def verify_proposal(rule, proposal: Proposal, p_target, generator, greedy: bool)
 
 
 def _captured_verify(target, drafter, state):
-    """The call's `CapturedVerify` when the target's compiler captures verification (`enable_compile(verify=True)`),
-    else None."""
+    """The call's `CapturedVerify`: captured when the target's compiler captures verification
+    (`enable_compile(verify=True)`); eager with a per-row generator list (each row draws the round's fixed count of
+    uniforms from its own generator, so no draw reads per-row counts: `mmspec.random`); else None."""
     compiler = getattr(target, "compiler", None)
     if compiler is None or not compiler.verify:
-        return None
+        if num_rows(state.generator) is None:
+            return None
+        compiler = None
     width = 0 if drafter is None else drafter.max_width
     return CapturedVerify(compiler, state.batch_size, width, state.tokens.device)
 

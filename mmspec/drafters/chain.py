@@ -8,7 +8,7 @@ drafting runs as one captured graph (`mmspec.decoding.captured_draft`)."""
 
 import torch
 
-from mmspec.random import num_rows
+from mmspec.random import num_rows, rand
 from mmspec.sampling import inverse_cdf, sample
 
 
@@ -39,7 +39,7 @@ def stops_in_round(policy) -> bool:
     return policy.confidence is not None or getattr(policy, "stop", None) is not None
 
 
-def sample_chain(step, feed, length, guidance, generator, num_draft=None, confidence=None, stop=None):
+def sample_chain(step, feed, length, guidance, generator, num_draft=None, confidence=None, stop=None, draws=None):
     """Draw a chain of `length` draft tokens.
 
     Args:
@@ -49,14 +49,17 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
         length: tokens to draw.
         guidance: the call's `Guidance` (`probs(logits, "draft")` is exactly what a token is drawn from).
         generator: one `torch.Generator` or one per batch item.
-        num_draft: optional `[B]` drafts each item needs; with per-item generators an item draws only its own
-            drafts (its randomness does not depend on the rest of the batch).
+        num_draft: optional `[B]` drafts each item needs.
         confidence: optional in (0, 1): an item stops drafting (`num_draft` capped) after a token the drafter gave
             a raw (unprocessed; under CFG the conditional stream's) probability below this; the loop ends when no
             item drafts further.
         stop: optional `stop(d, prob [B], num_draft [B]) -> num_draft [B]`, a draft-length policy's in-round stop
             (`"calibrated"`), called after draft `d` (0-based) with each item's raw probability of its draw; an item
             whose returned `num_draft` is at most `d + 1` drafts no further (it keeps every draft it drew).
+        draws: with per-item generators, the drafter's longest chain (`>= length`): each item draws that many
+            uniforms up front, every round whatever this round's length, and its token `d` is the inverse CDF of its
+            `q_draft` at its uniform `d` (`sample`'s law): its randomness does not depend on the rest of the batch,
+            and no per-item count is read (as `draw_chain`'s). Required with per-item generators.
 
     Host reads: none without a stop; with `confidence` or `stop`, one after each draft but the last (whether any item
     drafts on), so a chain of `n` drafts reads `n - 1` times if it ran to `length`, `n` if it stopped early.
@@ -64,12 +67,19 @@ def sample_chain(step, feed, length, guidance, generator, num_draft=None, confid
     Returns:
         `(draft_tokens [B, K], q_draft [B, K, V], num_draft)`; `K <= length` (fewer only with `confidence` or `stop`).
     """
-    counted = num_draft is not None and num_rows(generator) is not None  # per-row generators: draw only what's used
+    per_row = num_rows(generator) is not None and not guidance.greedy  # a fixed count of uniforms a row
+    if per_row and (draws is None or draws < length):
+        raise ValueError(f"sample_chain: per-row generators need draws >= length ({length}), got {draws}")
     tokens, probs = [], []
     for d in range(length):
         logits = step(feed)
         q = guidance.probs(logits, "draft")  # [B, V] exactly what the draft is drawn from
-        tok = sample(q, generator, counts=(num_draft > d).long() if counted else None)
+        if not per_row:
+            tok = sample(q, generator)
+        else:
+            if d == 0:
+                uniforms = rand((q.shape[0], draws), generator, device=q.device, dtype=torch.float64)
+            tok = inverse_cdf(q, uniforms[:, d : d + 1])
         tokens.append(tok)
         probs.append(q)
         feed = tok[:, None]

@@ -85,7 +85,7 @@ def commit_accepted(head, target, cache, hidden, input_ids, num_valid=None, vali
 
 @torch.no_grad()
 def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, guidance, generator, num_draft=None,
-                validate=True, confidence=None, stop=None):  # fmt: skip
+                validate=True, confidence=None, stop=None, draws=None):  # fmt: skip
     """EAGLE chain with *sampled* drafts: `length` tokens, each drawn from the head's processed distribution.
 
     Step 1 is `commit_accepted` (as in `draft_tree`). Each draft token is sampled from the head's `q_draft`, processed
@@ -106,6 +106,7 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
         confidence: optional in (0, 1): an item stops drafting after a token the head gave a raw probability below
             this (`mmspec.drafters.chain.sample_chain`; the chain may then be shorter than `length`).
         stop: optional, a draft-length policy's in-round stop (`sample_chain`'s `stop`).
+        draws: the drafter's longest chain, each item's fixed draw a round with per-item generators (`sample_chain`).
 
     Returns:
         `(draft_tokens [B, K], q_draft [B, K, V], num_draft [B] or None)`: `K <= length`, `num_draft` as given
@@ -114,7 +115,9 @@ def draft_chain(head, target, cache, hidden, input_ids, num_valid, *, length, gu
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
     step = _chain_step(head, target, cache, guidance, hidden, input_ids, num_valid, validate)
-    tokens, q_draft, num_draft = sample_chain(step, None, length, guidance, generator, num_draft, confidence, stop)
+    tokens, q_draft, num_draft = sample_chain(
+        step, None, length, guidance, generator, num_draft, confidence, stop, draws
+    )
     cache.rollback(cache.lengths - (tokens.shape[1] - 1))
     return tokens, q_draft, num_draft
 
@@ -419,7 +422,8 @@ class EagleDrafter:
                                                length=length, guidance=g, generator=state.generator,
                                                num_draft=num_draft, validate=False,
                                                confidence=self.length.confidence,
-                                               stop=getattr(self.length, "stop", None))  # fmt: skip
+                                               stop=getattr(self.length, "stop", None),
+                                               draws=self.length.k_max)  # fmt: skip
             self.draft_forwards += drafts.shape[1]
             self._num_draft = num_draft
             return Proposal(drafts, num_draft, q_draft=q)

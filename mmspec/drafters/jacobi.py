@@ -18,7 +18,7 @@ import torch
 
 from mmspec.decoding.drafter import Proposal
 from mmspec.methods import KNOBS, check_knobs
-from mmspec.random import rand
+from mmspec.random import num_rows, rand
 
 
 __all__ = ["JacobiDrafter", "fill_window"]
@@ -74,8 +74,9 @@ class JacobiDrafter:
         tokens = None
         if self.init == "random":
             b, k = self.drafts.shape
-            need = state.remaining().clamp(min=0, max=k)  # a row draws only for the positions it can use
-            u = rand((b, k), state.generator, device=self.drafts.device, counts=need)
+            # per-row generators: every row draws the whole window each fill (its draws never depend on its batch)
+            width = k if num_rows(state.generator) is None else self.window
+            u = rand((b, width), state.generator, device=self.drafts.device)[:, :k]
             tokens = (u * self.vocab_size).long().clamp(max=self.vocab_size - 1)
         self.drafts, self.q_draft = fill_window(self.drafts, self.q_draft, num_carried, state.pending, tokens)
 

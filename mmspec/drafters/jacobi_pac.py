@@ -25,7 +25,7 @@ from mmspec.decoding.drafter import Proposal
 from mmspec.decoding.graph_uniforms import resolve_uniforms
 from mmspec.drafters.jacobi import JacobiDrafter, fill_window
 from mmspec.methods import KNOBS, MethodSettings, check_knobs
-from mmspec.random import rand
+from mmspec.random import num_rows, rand
 
 
 __all__ = [
@@ -216,7 +216,9 @@ class ProactiveJacobiDrafter(JacobiDrafter):
         self.num_carried = self.num_carried[index]
 
     def propose(self, state):
-        if self.captured is None:
+        # eager with per-row generators: the whole window too, so a row's sibling draws (the layout's full count,
+        # never per-row counts) and its verification's uniforms never depend on the rest of its batch
+        if self.captured is None and num_rows(state.generator) is None:
             chain = super().propose(state)  # the window, cut to what any row can use
             drafts, q, num_draft = chain.tokens, chain.q_draft, chain.num_draft
         else:  # the whole window every round (one tree layout: one graph); positions past a row's end are absent
@@ -233,7 +235,8 @@ class ProactiveJacobiDrafter(JacobiDrafter):
         else:
 
             def uniforms_of(j, shape, need):
-                return rand(shape, state.generator, device=q.device, dtype=q.dtype, counts=need)
+                # with per-row generators the shape is the whole window's: every row draws all of it
+                return rand(shape, state.generator, device=q.device, dtype=q.dtype)
 
             tokens, q_nodes = proactive_nodes(drafts, q, num_draft, self.num_carried, parents, position, starts,
                                               self.width, self.depth, uniforms_of)  # fmt: skip

@@ -104,7 +104,8 @@ class ModelDrafter:
             model = self.model if self.compiler is None else self.compiler.forward("drafter", self.model)
             tokens, q_draft, num_draft = sample_chain(_chain_step(model, self.cache, g, live_rows), feed, length, g,
                                                       state.generator, num_draft, confidence=self.length.confidence,
-                                                      stop=getattr(self.length, "stop", None))  # fmt: skip
+                                                      stop=getattr(self.length, "stop", None),
+                                                      draws=self.k)  # fmt: skip
         self.draft_forwards += tokens.shape[1]
         self._first_round = False
         self._num_draft = num_draft

@@ -107,7 +107,8 @@ class TextModelDrafter:
         tokens, q_draft, num_draft = sample_chain(self._last_logits, refeed(state, self._first_round), length,
                                                   self.draft.guidance, state.generator, num_draft,
                                                   confidence=self.length.confidence,
-                                                  stop=getattr(self.length, "stop", None))  # fmt: skip
+                                                  stop=getattr(self.length, "stop", None),
+                                                  draws=self.k)  # fmt: skip
         self.draft_forwards += tokens.shape[1]
         self._first_round = False
         self._num_draft = num_draft

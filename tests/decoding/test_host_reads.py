@@ -61,8 +61,9 @@ BUDGETS = {
     "ar/draft-chain+cost": (1, 7),
     "ar/eagle-chain+heuristic": (1, 7),
     # a list of per-row generators (batch 3, ragged), plain decoding: the compaction reindexes the list with the
-    # active flags of the loop's one read (no read of its own); the draws of the speculative methods with per-row
-    # counts (`mmspec.random._draw`) still read their counts once per draw (open)
+    # active flags of the loop's one read (no read of its own). Every method above keeps its budget with per-row
+    # generators too (`per_row` cases): each row draws a fixed count a round (a drafter's longest chain, a whole
+    # Jacobi window, the verification's `uniform_count` through `CapturedVerify` run eagerly), never per-row counts
     "ar/plain+generators": (1, 5),
     "vlm/plain+generators": (1, 6),
     # MAR: the schedule tells the model its visible counts, no read per step. Outside the rounds: the finite flags,
@@ -121,10 +122,18 @@ def ar_pipe():
     return pipe
 
 
+def _generator(kind, rows):
+    """One generator, or one per row (`per_row`: every draw of a fixed count per row, no per-row count read)."""
+    if kind == "per_row":
+        return [torch.Generator().manual_seed(i) for i in range(rows)]
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("generators", ["one", "per_row"])
 @pytest.mark.parametrize("labels", [[1], [0, 1, 2]], ids=["batch1", "batch3"])
 @pytest.mark.parametrize("method", list(AR_METHODS))
-def test_ar_image_reads_at_most_one_per_round(ar_pipe, method, labels):
-    run_counted(method, lambda: ar_pipe(class_labels=labels, generator=torch.Generator().manual_seed(0),
+def test_ar_image_reads_at_most_one_per_round(ar_pipe, method, labels, generators):
+    run_counted(method, lambda: ar_pipe(class_labels=labels, generator=_generator(generators, len(labels)),
                                         output_type="pil", **AR_METHODS[method]))  # fmt: skip
 
 
@@ -154,11 +163,12 @@ def janus_pipe():
     return pipe
 
 
+@pytest.mark.parametrize("generators", ["one", "per_row"])
 @pytest.mark.parametrize("prompt", [["w1 w2"], ["w1", "w2 w3 w4"]], ids=["batch1", "batch2"])
 @pytest.mark.parametrize("method", ["janus/sjd", "janus/plain"])
-def test_janus_reads_at_most_one_per_round(janus_pipe, method, prompt):
+def test_janus_reads_at_most_one_per_round(janus_pipe, method, prompt, generators):
     kw = dict(acceptance="jacobi", jacobi_window=4) if method == "janus/sjd" else dict(acceptance="none")
-    run_counted(method, lambda: janus_pipe(prompt=prompt, generator=torch.Generator().manual_seed(0),
+    run_counted(method, lambda: janus_pipe(prompt=prompt, generator=_generator(generators, len(prompt)),
                                            output_type="tokens", **kw))  # fmt: skip
 
 
@@ -215,6 +225,18 @@ def test_vlm_reads_at_most_one_per_round(vlm_pipes, method, batch):
     run_counted(method, lambda: vlm_pipes[method](images=images(batch), prompt=prompts(batch), max_new_tokens=12,
                                                   acceptance=acceptance, drafter=drafter, output_type="ids",
                                                   generator=torch.Generator().manual_seed(0), **knobs))  # fmt: skip
+
+
+@pytest.mark.parametrize("method", [m for m in VLM_METHODS if m != "vlm/plain"])
+def test_vlm_sampled_with_per_row_generators_reads_at_most_one_per_round(vlm_pipes, method):
+    """Sampled, on a batch of 3 with one generator per row: every draw takes a fixed count per row (no read)."""
+    from vlm_fixtures import images, prompts
+
+    drafter, knobs = VLM_METHODS[method]
+    run_counted(method, lambda: vlm_pipes[method](images=images(3), prompt=prompts(3), max_new_tokens=12,
+                                                  acceptance="exact", drafter=drafter, output_type="ids",
+                                                  do_sample=True, generator=_generator("per_row", 3),
+                                                  **knobs))  # fmt: skip
 
 
 # ---------------------------------------------------------------------- MAR (continuous tokens) and CSpD

@@ -369,7 +369,8 @@ class ToyChainDrafter:
             return _law(self.tables, *ctx).log()
 
         tokens, q, num_draft = sample_chain(step, None, length, Guidance(SamplingParams()), state.generator,
-                                            num_draft, stop=getattr(self.length, "stop", None))  # fmt: skip
+                                            num_draft, stop=getattr(self.length, "stop", None),
+                                            draws=self.length.k_max)  # fmt: skip
         self._num_draft = num_draft
         self.seen.append(num_draft)
         return Proposal(tokens, num_draft, q_draft=q)
@@ -389,8 +390,8 @@ class ToyChainDrafter:
 
 @pytest.mark.parametrize("name", ["heuristic", "cost", "batch-cost", "calibrated", "batch-calibrated"])
 def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
-    """The joint law of x_1 .. x_T under adaptive per-row K (per-row generators: each row draws only its own K
-    drafts) equals the model's; the rows' K diverged (`"batch-cost"`: one K for every row, set by all rows' past
+    """The joint law of x_1 .. x_T under adaptive per-row K (per-row generators: each row draws K_max uniforms a
+    round for its drafts and its verification's fixed count, `CapturedVerify` run eagerly) equals the model's; the rows' K diverged (`"batch-cost"`: one K for every row, set by all rows' past
     rounds, and it moved)."""
     target_tables, draft_tables = _tables(0, 3.0), _tables(1, 3.0)
     # (batch-cost: a verified token priced for all ROWS rows at v = 0.3 would be ~1, so that K = 1 throughout)

@@ -113,6 +113,25 @@ def test_sjd_pac_engine_is_lossless_on_the_toy_ar(width, init, coupling, make_ge
     assert chi2_pvalue(_codes(seqs), _joint(tables)) > 1e-4
 
 
+def test_sjd_pac_engine_with_per_row_generators_is_lossless_on_the_toy_ar(chi2_pvalue, monkeypatch):
+    """Eager, one generator per row (20k rows): every row draws a fixed count a round (the whole window's fill and
+    sibling draws, the verification's `uniform_count` through `CapturedVerify` run uncompiled), never per-row
+    counts; every round verifies that way (none falls back to `verify_proposal`, whose draws read per-row counts),
+    and the joint law is still the model's."""
+    import mmspec.decoding.loop as loop
+    from mmspec.decoding.captured_verify import CapturedVerify
+
+    calls, fallback = [], []
+    call, verify = CapturedVerify.__call__, loop.verify_proposal
+    monkeypatch.setattr(CapturedVerify, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
+    monkeypatch.setattr(loop, "verify_proposal", lambda *a, **k: fallback.append(1) or verify(*a, **k))
+    tables, rows = _tables(0, stickiness=0.6), 20_000
+    drafter = ProactiveJacobiDrafter(V, window=4, width=3, depth=3, init="random", coupling=True)
+    seqs, stats, _ = _run(tables, drafter, [torch.Generator().manual_seed(i) for i in range(rows)], rows=rows)
+    assert (seqs >= 0).all() and len(calls) == stats.target_forwards > 0 and not fallback
+    assert chi2_pvalue(_codes(seqs), _joint(tables)) > 1e-4
+
+
 @pytest.mark.parametrize("rng", ["generator", "philox"])
 def test_captured_sjd_pac_engine_is_lossless_on_the_toy_ar(rng, make_generator, chi2_pvalue, monkeypatch):
     """The same proof with the round captured (`enable_compile(verify=True)`: the proposal's sibling draws in one
@@ -238,6 +257,20 @@ def test_greedy_sjd_pac_equals_plain_greedy_on_the_zoo(zoo_pipe, labels):
                    jacobi_window=8, do_sample=False, output_type="tokens", generator=gens)  # fmt: skip
     assert torch.equal(out.images, plain.images)
     assert out.stats.target_forwards < plain.stats.target_forwards
+
+
+def test_sampled_sjd_pac_rows_do_not_depend_on_their_batch_on_the_zoo(zoo_pipe):
+    """Sampled, eager, per-row generators: a row alone equals the same row in a ragged batch of 3 (its draws are a
+    fixed count a round from its own generator, the whole window kept to the image's end), and another seed moves
+    it."""
+    kw = dict(acceptance="jacobi", jacobi_tree_width=3, jacobi_tree_depth=3, jacobi_window=8, output_type="tokens")
+
+    def run(labels, seeds):
+        return zoo_pipe(class_labels=labels, generator=[torch.Generator().manual_seed(s) for s in seeds], **kw).images
+
+    batch = run([0, 3, 4], [5, 6, 7])
+    assert torch.equal(run([3], [6])[0], batch[1])
+    assert not torch.equal(run([3], [8])[0], batch[1])
 
 
 def test_trace_and_stats_agree_on_the_zoo(zoo_pipe):

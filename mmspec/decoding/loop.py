@@ -11,9 +11,10 @@
 Plain AR decoding is the same loop without a drafter (an empty proposal: the verifier samples one token from
 `p_target` per round). Speculative and plain decoding therefore share every line but the draft.
 
-With `enable_compile(verify=True)` a chain round's verification (and plain AR's draw) and its emit run as one
-captured graph (`mmspec.decoding.captured_verify`, uniforms drawn eagerly first); trees and Jacobi windows use
-`verify_proposal` and `state.emit`.
+With `enable_compile(verify=True)` a round's verification (a chain's, a Jacobi window's, a tree's; plain AR's draw)
+and its emit run as one captured graph (`mmspec.decoding.captured_verify`, on uniforms drawn eagerly first or made by
+Philox in the graph). An eager call with a per-row generator list runs the same round uncompiled, so that every row
+draws a fixed count a round and no draw reads per-row counts; otherwise `verify_proposal` and `state.emit`.
 
 The only host syncs per round are the compaction check (how many rows remain, how many tokens were generated, for
 the progress bar) and those a rule needs inside `mmspec.verify` (tree loop bounds); the per-phase timers (a CUDA

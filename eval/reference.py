@@ -23,13 +23,8 @@ convert to float64 (ADM's evaluator does the same), and the FID it gives differs
 
 import argparse
 import logging
-import os
 import sys
-import zipfile
 from pathlib import Path
-
-import numpy as np
-import torch
 
 
 logger = logging.getLogger(__name__)
@@ -48,59 +43,6 @@ def shipped_stats_path(features: str, split: str = "test", folder: str | Path | 
     return folder / FILE_NAMES[features].format(dataset=dataset, split=split)
 
 
-def _chunk_problem(path: Path, expected: dict) -> str | None:
-    """None if the chunk at `path` holds the features `expected` describes, else why not."""
-    from mmspec.eval.fingerprint import array_hash, decode, describe, diff_fields
-
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            feats, stored, content = data["features"], decode(data["fingerprint"]), str(data["content"])
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError) as err:
-        return f"is unreadable or truncated ({type(err).__name__}: {err})"
-    fields = diff_fields(stored, expected)
-    if fields:
-        return f"was made by another feature net or from other images: {describe(stored, expected, fields)}"
-    if feats.ndim != 2 or feats.shape[0] != expected["stop"] - expected["start"] or content != array_hash(feats):
-        return "does not match its checksum (features changed after writing)"
-    return None
-
-
-def chunked_features(images: torch.Tensor, extractor, work_dir: Path, chunk_size: int = 500, batch_size: int = 50,
-                     progress: bool = True) -> np.ndarray:  # fmt: skip
-    """Features [N, d] of `images` [N, C, H, W], one `.npz` per chunk in `work_dir` (kept; a rerun reuses them).
-
-    Each chunk stores its fingerprint (the extractor's protocol and weights hash, its image range and a hash of its
-    input images) and a checksum of its features; a chunk that does not match (made by another feature net or from
-    other images, truncated, edited) is recomputed with a warning naming the file and the differing fields."""
-    from tqdm.auto import tqdm
-
-    from mmspec.eval.fingerprint import array_hash, encode, weights_hash
-    from mmspec.eval.reference_stats import extract_features
-
-    work_dir.mkdir(parents=True, exist_ok=True)
-    protocol = extractor.protocol() if hasattr(extractor, "protocol") else type(extractor).__name__
-    base = {"format": 1, "protocol": protocol, "weights": weights_hash(extractor), "num_images": int(images.shape[0])}
-    out = []
-    starts = range(0, images.shape[0], chunk_size)
-    for start in tqdm(starts, desc="feature chunks", unit="chunk", disable=not progress):
-        chunk = images[start : start + chunk_size]
-        path = work_dir / f"chunk-{start // chunk_size:05d}.npz"
-        expected = base | {"start": start, "stop": start + len(chunk), "images": array_hash(chunk)}
-        if path.is_file():
-            problem = _chunk_problem(path, expected)
-            if problem is None:
-                with np.load(path, allow_pickle=False) as data:
-                    out.append(data["features"])
-                continue
-            logger.warning("%s %s: recomputing it", path, problem)
-        feats = extract_features(chunk, extractor, batch_size)
-        tmp = path.with_name(path.stem + ".tmp.npz")
-        np.savez(tmp, features=feats, fingerprint=encode(expected), content=np.str_(array_hash(feats)))
-        os.replace(tmp, path)  # atomic: a killed run never leaves a partial chunk
-        out.append(feats)
-    return np.concatenate(out)
-
-
 def build_extractor(features: str, zoo: str | Path):
     if features == "in-domain":
         from mmspec.eval.metrics import MNISTClassifierFeatures
@@ -116,7 +58,7 @@ def make_reference(features: str, split: str, out: Path, zoo: Path, work_dir: Pa
                    progress: bool = True, packed: bool = False, dataset: str = "mnist") -> Path:  # fmt: skip
     """Compute and save the statistics of `dataset`'s `split` for `features`; returns the file."""
     from mmspec.data.datasets import data_note, load_images
-    from mmspec.eval.reference_stats import ReferenceStats, feature_statistics, save_reference_stats
+    from mmspec.eval.reference_stats import ReferenceStats, chunked_features, feature_statistics, save_reference_stats
 
     images, _ = load_images(dataset, split)  # [N, 1, H, W] in [-1, 1]
     extractor = build_extractor(features, zoo)

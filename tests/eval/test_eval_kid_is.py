@@ -192,9 +192,9 @@ def test_mnist_reference_is_computed_once_per_classifier_weights(monkeypatch, tm
 
 @pytest.mark.zoo
 def test_mnist_reference_features_are_kept_per_machine_and_a_broken_file_is_made_again(monkeypatch, tmp_path):
-    """A later process reads the reference features from the user's cache (`$MMSPEC_CACHE/mnist-reference`) instead
-    of classifying the images again: the same values; other images (or weights) get their own file; a truncated file
-    is computed again, never read as features."""
+    """A later process reads the reference features from the user's cache (`$MMSPEC_CACHE/mnist-reference`, the
+    fingerprinted chunks of `eval reference`) instead of classifying the images again: the same values; other images
+    (or weights) get their own folder; a truncated chunk is computed again, never read as features."""
     import mmspec.data.mnist
     import mmspec.eval.metrics as metrics
     import mmspec.models
@@ -205,9 +205,11 @@ def test_mnist_reference_features_are_kept_per_machine_and_a_broken_file_is_made
         g = torch.Generator().manual_seed(seed[0])
         return torch.rand(24, 1, 32, 32, generator=g) * 2 - 1, torch.zeros(24, dtype=torch.long)
 
+    import mmspec.eval.reference_stats as reference_stats
+
     extracted = []
-    extract = metrics.extract_features
-    monkeypatch.setattr(metrics, "extract_features", lambda *a, **k: extracted.append(1) or extract(*a, **k))
+    extract = reference_stats.extract_features
+    monkeypatch.setattr(reference_stats, "extract_features", lambda *a, **k: extracted.append(1) or extract(*a, **k))
     monkeypatch.setattr(mmspec.data.mnist, "load_mnist", fake_mnist)
     monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
     clf = mmspec.models.load(ROOT / "assets" / "mnist-classifier")
@@ -217,15 +219,16 @@ def test_mnist_reference_features_are_kept_per_machine_and_a_broken_file_is_made
         return metrics.mnist_reference(clf)
 
     ref, feats = fresh_process()
-    files = list((tmp_path / "mnist-reference").glob("*.npy"))
+    files = list((tmp_path / "mnist-reference").glob("*/*.npz"))
     assert len(extracted) == 1 and len(files) == 1 and feats.shape == (24, 128)
     ref2, feats2 = fresh_process()
     assert len(extracted) == 1 and np.array_equal(feats2, feats) and np.array_equal(ref2.sigma, ref.sigma)
     seed[0] = 1  # other images: their own file
     assert not np.array_equal(fresh_process()[1], feats) and len(extracted) == 2
-    assert len(list((tmp_path / "mnist-reference").glob("*.npy"))) == 2
+    assert len(list((tmp_path / "mnist-reference").glob("*/*.npz"))) == 2
     seed[0] = 0
     files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
     _, feats3 = fresh_process()
     assert len(extracted) == 3 and np.array_equal(feats3, feats)
-    assert np.array_equal(np.load(files[0]), feats)  # written again whole
+    with np.load(files[0]) as data:
+        assert np.array_equal(data["features"], feats)  # written again whole

@@ -124,8 +124,7 @@ class _Features(torch.nn.Module):
 
 
 def test_reference_chunks_of_another_feature_net_are_recomputed(tmp_path, caplog):
-    from mmspec.eval.reference import chunked_features
-    from mmspec.eval.reference_stats import extract_features
+    from mmspec.eval.reference_stats import chunked_features, extract_features
 
     images = torch.rand(10, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     a, b = _Features(0), _Features(1)  # the same protocol, other weights
